@@ -1,0 +1,44 @@
+//! The CPU executor: runs the scheduler's kernels with rayon and gemm.
+
+pub(crate) mod elementwise;
+pub mod fastmath;
+pub(crate) mod index;
+pub(crate) mod matmul;
+pub(crate) mod reduce;
+
+use crate::error::Result;
+use crate::graph::kernel::{Kernel, KernelKind, View};
+use crate::graph::Buffer;
+use crate::storage::CpuStorage;
+use std::sync::Arc;
+
+/// Run one kernel; `bufs` holds every live slot of the plan.
+pub(crate) fn run_kernel(k: &Kernel, bufs: &[Option<Buffer>]) -> Result<Buffer> {
+    let inputs: Vec<&CpuStorage> =
+        k.inputs.iter().map(|&s| bufs[s].as_ref().expect("input slot is live").cpu()).collect();
+    let out = match &k.kind {
+        KernelKind::Elementwise { expr, shape } => elementwise::run(expr, shape, &inputs, k.dtype),
+        KernelKind::Reduce { op, expr, shape, outer, inner } => {
+            reduce::run(*op, expr, shape, *outer, *inner, &inputs, k.dtype)
+        }
+        KernelKind::Matmul { a, b, batch: _, m, k: kk, n } => matmul::run(a, b, *m, *kk, *n, &inputs, k.dtype),
+        KernelKind::Gather { dim, input, index } => index::gather(*dim, input, index, &inputs)?,
+        KernelKind::ScatterAdd { dim, input, index, src } => index::scatter_add(*dim, input, index, src, &inputs)?,
+        KernelKind::IndexSelect { dim, input, index } => index::index_select(*dim, input, index, &inputs)?,
+        KernelKind::Cumsum { dim, input } => index::cumsum(*dim, input, &inputs),
+        KernelKind::Cat { dim, parts } => index::cat(*dim, parts, &inputs, k.dtype, k.numel),
+        KernelKind::Unfold { input, params, pad } => index::unfold(input, params, *pad, &inputs),
+    };
+    debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
+    Ok(Buffer::Cpu(Arc::new(out)))
+}
+
+/// The storage a view reads.
+pub(crate) fn input<'a>(v: &View, inputs: &[&'a CpuStorage]) -> &'a CpuStorage {
+    inputs[v.input]
+}
+
+/// Number of worker threads.
+pub(crate) fn threads() -> usize {
+    rayon::current_num_threads().max(1)
+}

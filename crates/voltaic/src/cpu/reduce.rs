@@ -1,0 +1,215 @@
+//! Reductions with a fused elementwise prologue.
+//!
+//! The scheduler orders the iteration space as kept dims then reduced dims,
+//! so output `g` reduces the contiguous run `g*inner .. (g+1)*inner` of it.
+//! The work is split into ranges of that space across threads; each block of
+//! the prologue is folded segment by segment into per-output accumulators,
+//! which are combined in order (so argmax keeps the first maximum).
+
+use super::elementwise::{Program, Reg, BLOCK};
+use crate::dtype::DType;
+use crate::graph::kernel::Expr;
+use crate::op::ReduceOp;
+use crate::storage::CpuStorage;
+use rayon::prelude::*;
+
+/// A running reduction value. Sums and products accumulate in f64.
+#[derive(Clone, Copy, Debug)]
+struct Acc {
+    v: f64,
+    i: i64,
+    has: bool,
+}
+
+impl Acc {
+    fn init(op: ReduceOp) -> Acc {
+        let v = match op {
+            ReduceOp::Prod => 1.0,
+            _ => 0.0,
+        };
+        Acc { v, i: -1, has: false }
+    }
+
+    /// Fold a later partial into this one.
+    #[inline]
+    fn combine(&mut self, op: ReduceOp, p: Acc) {
+        if !p.has {
+            return;
+        }
+        if !self.has {
+            *self = p;
+            return;
+        }
+        match op {
+            ReduceOp::Sum => self.v += p.v,
+            ReduceOp::Prod => self.v *= p.v,
+            ReduceOp::Max | ReduceOp::ArgMax => {
+                if !self.v.is_nan() && (p.v > self.v || p.v.is_nan()) {
+                    *self = p;
+                }
+            }
+            ReduceOp::Min | ReduceOp::ArgMin => {
+                if !self.v.is_nan() && (p.v < self.v || p.v.is_nan()) {
+                    *self = p;
+                }
+            }
+        }
+    }
+}
+
+/// Reduce values `x` (positions `base..` within their group) to one partial.
+trait Partial: Copy {
+    fn partial(op: ReduceOp, x: &[Self], base: usize) -> Acc;
+}
+
+#[inline(always)]
+fn scan_arg<T: Copy + PartialOrd>(x: &[T], base: usize, max: bool, to: impl Fn(T) -> f64) -> Acc {
+    let mut best = to(x[0]);
+    let mut bi = 0;
+    if !best.is_nan() {
+        for (j, &v) in x.iter().enumerate().skip(1) {
+            let v = to(v);
+            if v.is_nan() {
+                best = v;
+                bi = j;
+                break;
+            }
+            if (max && v > best) || (!max && v < best) {
+                best = v;
+                bi = j;
+            }
+        }
+    }
+    Acc { v: best, i: (base + bi) as i64, has: true }
+}
+
+macro_rules! float_partial {
+    ($t:ty, $lanes:expr) => {
+        impl Partial for $t {
+            #[inline]
+            fn partial(op: ReduceOp, x: &[$t], base: usize) -> Acc {
+                let v = match op {
+                    ReduceOp::Sum => {
+                        let mut acc = [0 as $t; $lanes];
+                        let mut chunks = x.chunks_exact($lanes);
+                        for c in &mut chunks {
+                            for l in 0..$lanes {
+                                acc[l] += c[l];
+                            }
+                        }
+                        let mut s: f64 = chunks.remainder().iter().map(|&v| v as f64).sum();
+                        for a in acc {
+                            s += a as f64;
+                        }
+                        s
+                    }
+                    ReduceOp::Prod => x.iter().map(|&v| v as f64).product(),
+                    ReduceOp::Max | ReduceOp::Min => {
+                        let max = op == ReduceOp::Max;
+                        let mut m = x[0];
+                        let mut nan = false;
+                        for &v in x {
+                            nan |= v != v;
+                            m = if (max && v > m) || (!max && v < m) { v } else { m };
+                        }
+                        if nan {
+                            f64::NAN
+                        } else {
+                            m as f64
+                        }
+                    }
+                    ReduceOp::ArgMax => return scan_arg(x, base, true, |v| v as f64),
+                    ReduceOp::ArgMin => return scan_arg(x, base, false, |v| v as f64),
+                };
+                Acc { v, i: -1, has: true }
+            }
+        }
+    };
+}
+float_partial!(f32, 16);
+float_partial!(f64, 8);
+
+macro_rules! int_partial {
+    ($t:ty, |$x:ident| $to:expr) => {
+        impl Partial for $t {
+            #[inline]
+            fn partial(op: ReduceOp, x: &[$t], base: usize) -> Acc {
+                let f = |$x: $t| -> f64 { $to };
+                let v = match op {
+                    ReduceOp::Sum => x.iter().map(|&v| f(v)).sum(),
+                    ReduceOp::Prod => x.iter().map(|&v| f(v)).product(),
+                    ReduceOp::Max => x.iter().map(|&v| f(v)).fold(f64::NEG_INFINITY, f64::max),
+                    ReduceOp::Min => x.iter().map(|&v| f(v)).fold(f64::INFINITY, f64::min),
+                    ReduceOp::ArgMax => return scan_arg(x, base, true, f),
+                    ReduceOp::ArgMin => return scan_arg(x, base, false, f),
+                };
+                Acc { v, i: -1, has: true }
+            }
+        }
+    };
+}
+int_partial!(i32, |v| v as f64);
+int_partial!(u32, |v| v as f64);
+int_partial!(bool, |v| v as u8 as f64);
+
+fn partial(op: ReduceOp, r: &Reg, a: usize, b: usize, base: usize) -> Acc {
+    match r {
+        Reg::F32(x) => f32::partial(op, &x[a..b], base),
+        Reg::F64(x) => f64::partial(op, &x[a..b], base),
+        Reg::I32(x) => i32::partial(op, &x[a..b], base),
+        Reg::U32(x) => u32::partial(op, &x[a..b], base),
+        Reg::Bool(x) => bool::partial(op, &x[a..b], base),
+        Reg::Empty => unreachable!(),
+    }
+}
+
+/// Run a reduction kernel.
+pub(crate) fn run(
+    op: ReduceOp,
+    expr: &Expr,
+    dims: &[usize],
+    outer: usize,
+    inner: usize,
+    inputs: &[&CpuStorage],
+    dtype: DType,
+) -> CpuStorage {
+    let mut accs = vec![Acc::init(op); outer];
+    if outer > 0 && inner > 0 {
+        let prog = Program::new(expr);
+        let total = outer * inner;
+        let tasks = (crate::cpu::threads() * 4).min(total.div_ceil(BLOCK)).max(1);
+        let per = total.div_ceil(tasks).div_ceil(BLOCK) * BLOCK;
+        let parts: Vec<(usize, Vec<Acc>)> = (0..total.div_ceil(per))
+            .into_par_iter()
+            .map(|t| {
+                let (s, e) = (t * per, ((t + 1) * per).min(total));
+                let g0 = s / inner;
+                let mut local = vec![Acc::init(op); (e - 1) / inner - g0 + 1];
+                let mut regs = prog.regs();
+                let mut scratch = Vec::new();
+                let mut pos = s;
+                while pos < e {
+                    let n = BLOCK.min(e - pos);
+                    let r = prog.eval(&mut regs, inputs, dims, pos, n, &mut scratch);
+                    let mut a = 0;
+                    while a < n {
+                        let g = (pos + a) / inner;
+                        let b = ((g + 1) * inner - pos).min(n);
+                        let p = partial(op, &regs[r], a, b, pos + a - g * inner);
+                        local[g - g0].combine(op, p);
+                        a = b;
+                    }
+                    pos += n;
+                }
+                (g0, local)
+            })
+            .collect();
+        for (g0, local) in parts {
+            for (j, p) in local.into_iter().enumerate() {
+                accs[g0 + j].combine(op, p);
+            }
+        }
+    }
+    let vals: Vec<f64> = accs.iter().map(|a| if op.is_arg() { a.i.max(0) as f64 } else { a.v }).collect();
+    CpuStorage::from_f64(dtype, &vals)
+}

@@ -1,0 +1,108 @@
+//! Kernels: what the scheduler hands to an executor.
+//!
+//! A kernel writes one contiguous output buffer. Fused elementwise work is an
+//! [`Expr`] (a small SSA program over loads and constants) that both the CPU
+//! interpreter and the WGSL code generator consume.
+
+use crate::dtype::DType;
+use crate::graph::UnfoldParams;
+use crate::layout::Layout;
+use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+
+/// Index of a buffer slot in a [`Plan`].
+pub(crate) type Slot = usize;
+
+/// How a load finds its element: `path[0]` maps the kernel's multi-index to a
+/// linear position; each further layout maps that position (unravelled in its
+/// own shape) onward. The last result is the offset in the buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Load {
+    /// Which of the kernel's inputs.
+    pub input: usize,
+    /// The element type stored in the buffer.
+    pub dtype: DType,
+    /// Never empty; `path[0]` has the kernel's iteration shape.
+    pub path: Vec<Layout>,
+}
+
+/// One instruction of a fused expression. Operands are earlier instruction indices.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Instr {
+    Load(usize),
+    Const(f64),
+    Unary(UnaryOp, usize),
+    Binary(BinaryOp, usize, usize),
+    Cmp(CmpOp, usize, usize),
+    Where(usize, usize, usize),
+    Cast(usize),
+}
+
+/// A fused elementwise program; the last instruction is the result.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Expr {
+    /// Instructions and the dtype of each one's value.
+    pub instrs: Vec<(Instr, DType)>,
+    pub loads: Vec<Load>,
+}
+
+impl Expr {
+    /// Dtype of the result.
+    pub fn dtype(&self) -> DType {
+        self.instrs.last().map(|i| i.1).unwrap_or(DType::F32)
+    }
+}
+
+/// A strided read of a whole input buffer by a non-fused kernel.
+#[derive(Clone, Debug)]
+pub(crate) struct View {
+    pub input: usize,
+    pub layout: Layout,
+}
+
+/// What a kernel computes.
+#[derive(Clone, Debug)]
+pub(crate) enum KernelKind {
+    /// `out[i] = expr(i)` over `shape`.
+    Elementwise { expr: Expr, shape: Vec<usize> },
+    /// Reduce `expr` over the trailing `inner` elements of `shape` (kept dims
+    /// first, reduced dims last), for each of `outer` outputs.
+    Reduce { op: ReduceOp, expr: Expr, shape: Vec<usize>, outer: usize, inner: usize },
+    /// `[batch, m, k] @ [batch, k, n]`; layouts are 3-D with the batch flattened.
+    Matmul { a: View, b: View, batch: usize, m: usize, k: usize, n: usize },
+    Gather { dim: usize, input: View, index: View },
+    ScatterAdd { dim: usize, input: View, index: View, src: View },
+    IndexSelect { dim: usize, input: View, index: View },
+    Cumsum { dim: usize, input: View },
+    Cat { dim: usize, parts: Vec<View> },
+    Unfold { input: View, params: UnfoldParams, pad: f64 },
+}
+
+/// One kernel of a plan.
+#[derive(Clone, Debug)]
+pub(crate) struct Kernel {
+    pub kind: KernelKind,
+    /// Slots read, indexed by `Load::input` / `View::input`.
+    pub inputs: Vec<Slot>,
+    pub out: Slot,
+    pub dtype: DType,
+    pub numel: usize,
+    /// Names of the graph ops fused into this kernel, for schedules and profiles.
+    pub ops: Vec<&'static str>,
+}
+
+impl KernelKind {
+    /// A short kind name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            KernelKind::Elementwise { .. } => "elementwise",
+            KernelKind::Reduce { .. } => "reduce",
+            KernelKind::Matmul { .. } => "matmul",
+            KernelKind::Gather { .. } => "gather",
+            KernelKind::ScatterAdd { .. } => "scatter_add",
+            KernelKind::IndexSelect { .. } => "index_select",
+            KernelKind::Cumsum { .. } => "cumsum",
+            KernelKind::Cat { .. } => "cat",
+            KernelKind::Unfold { .. } => "unfold",
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! Realization: schedule the pending graph, run the plan on its device's
+//! executor, and hand each kept buffer to its node.
+
+use super::schedule::{schedule, Plan, SlotSource};
+use super::{Buffer, State};
+use crate::device::Device;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Realize `targets`, grouped by device.
+pub(crate) fn realize(targets: &[&Tensor]) -> Result<()> {
+    let pending: Vec<&Tensor> = targets.iter().copied().filter(|t| !t.is_realized()).collect();
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let mut devices: Vec<Device> = pending.iter().map(|t| t.device()).collect();
+    devices.dedup();
+    for d in devices {
+        let group: Vec<&Tensor> = pending.iter().copied().filter(|t| t.device() == d).collect();
+        let plan = schedule(&group);
+        run(&plan, d)?;
+    }
+    Ok(())
+}
+
+/// Run a plan and store the results in their nodes.
+fn run(plan: &Plan, device: Device) -> Result<()> {
+    device.check_available("realize")?;
+    let mut bufs: Vec<Option<Buffer>> = plan
+        .slots
+        .iter()
+        .map(|s| match &s.source {
+            SlotSource::External(b) => Some(b.clone()),
+            SlotSource::Kernel => None,
+        })
+        .collect();
+    let mut store: Vec<Option<Buffer>> = vec![None; plan.slots.len()];
+    let keep: std::collections::HashSet<usize> = plan.store.iter().map(|(s, _)| *s).collect();
+    for (k, kernel) in plan.kernels.iter().enumerate() {
+        let out = crate::cpu::run_kernel(kernel, &bufs)?;
+        if keep.contains(&kernel.out) {
+            store[kernel.out] = Some(out.clone());
+        }
+        bufs[kernel.out] = Some(out);
+        for &s in &plan.free_after[k] {
+            bufs[s] = None;
+        }
+    }
+    for (s, node) in &plan.store {
+        let buf = store[*s].take().or_else(|| bufs[*s].clone()).expect("kept slot was computed");
+        *node.state() = State::Realized(buf);
+    }
+    Ok(())
+}

@@ -1,0 +1,492 @@
+//! The scheduler: turns the pending graph below some tensors into a [`Plan`]
+//! of kernels.
+//!
+//! Chains of elementwise nodes (and the views between them) are fused into
+//! one kernel; an elementwise producer read by a reduction becomes the
+//! reduction's prologue. A pending node gets a buffer of its own only when it
+//! is asked for, has several consumers, or feeds a kernel that cannot fuse it.
+//! Each buffer is freed after its last consumer unless a tensor outside the
+//! plan still refers to its node.
+
+use super::kernel::{Expr, Instr, Kernel, KernelKind, Load, Slot, View};
+use super::{Buffer, Node, Op, State};
+use crate::dtype::DType;
+use crate::layout::Layout;
+use crate::tensor::Tensor;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Where a slot's buffer comes from.
+#[derive(Debug)]
+pub(crate) enum SlotSource {
+    /// An already realized node.
+    External(Buffer),
+    /// Written by a kernel of the plan.
+    Kernel,
+}
+
+/// A buffer slot of a plan.
+#[derive(Debug)]
+pub(crate) struct SlotInfo {
+    pub source: SlotSource,
+    pub dtype: DType,
+    pub numel: usize,
+}
+
+/// The kernels of one realization, in order, with buffer lifetimes.
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    pub slots: Vec<SlotInfo>,
+    pub kernels: Vec<Kernel>,
+    /// Slots whose buffers can be dropped after kernel `i`.
+    pub free_after: Vec<Vec<Slot>>,
+    /// Slots whose buffers become their node's result.
+    pub store: Vec<(Slot, Arc<Node>)>,
+}
+
+/// A summary of a plan, for tests and tools: one entry per kernel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelSummary {
+    /// Kernel kind (`elementwise`, `reduce`, `matmul`, ...).
+    pub kind: &'static str,
+    /// Graph ops fused into it, in build order.
+    pub ops: Vec<&'static str>,
+    /// Number of buffers it reads.
+    pub inputs: usize,
+    /// Number of output elements.
+    pub numel: usize,
+}
+
+struct Graph {
+    nodes: Vec<Arc<Node>>,
+    ops: Vec<Option<Op>>,
+    index: HashMap<u64, usize>,
+    consumers: Vec<Vec<usize>>,
+    edges_in: Vec<usize>,
+    target: Vec<bool>,
+}
+
+/// Collect the pending subgraph below `targets` in topological order.
+fn collect(targets: &[&Tensor]) -> Graph {
+    let mut g = Graph {
+        nodes: vec![],
+        ops: vec![],
+        index: HashMap::new(),
+        consumers: vec![],
+        edges_in: vec![],
+        target: vec![],
+    };
+    // Iterative post-order DFS.
+    let mut stack: Vec<(Arc<Node>, bool)> = targets.iter().map(|t| (t.node.clone(), false)).collect();
+    let mut pending_ops: HashMap<u64, Op> = HashMap::new();
+    while let Some((node, expanded)) = stack.pop() {
+        if g.index.contains_key(&node.id) {
+            continue;
+        }
+        if expanded {
+            let op = pending_ops.remove(&node.id);
+            g.index.insert(node.id, g.nodes.len());
+            g.nodes.push(node);
+            g.ops.push(op);
+            continue;
+        }
+        let op = match &*node.state() {
+            State::Pending(op) => Some(op.clone()),
+            State::Realized(_) => None,
+        };
+        stack.push((node.clone(), true));
+        if let Some(op) = op {
+            for t in op.inputs().into_iter().rev() {
+                if !g.index.contains_key(&t.node.id) {
+                    stack.push((t.node.clone(), false));
+                }
+            }
+            pending_ops.insert(node.id, op);
+        }
+    }
+    let n = g.nodes.len();
+    g.consumers = vec![vec![]; n];
+    g.edges_in = vec![0; n];
+    g.target = vec![false; n];
+    for (i, op) in g.ops.iter().enumerate() {
+        if let Some(op) = op {
+            for t in op.inputs() {
+                let j = g.index[&t.node.id];
+                g.edges_in[j] += 1;
+                if !g.consumers[j].contains(&i) {
+                    g.consumers[j].push(i);
+                }
+            }
+        }
+    }
+    for t in targets {
+        let i = g.index[&t.node.id];
+        g.target[i] = true;
+    }
+    g
+}
+
+/// Build the plan that realizes `targets`.
+pub(crate) fn schedule(targets: &[&Tensor]) -> Plan {
+    let g = collect(targets);
+    let n = g.nodes.len();
+    let fuses_inputs = |op: &Option<Op>| matches!(op, Some(o) if o.is_elementwise() || matches!(o, Op::Reduce(..)));
+    // Decide which pending nodes are inlined into their consumer.
+    let inline: Vec<bool> = (0..n)
+        .map(|i| match &g.ops[i] {
+            Some(op) if op.is_elementwise() && !g.target[i] => {
+                let all_fuse = g.consumers[i].iter().all(|&c| fuses_inputs(&g.ops[c]));
+                all_fuse && (matches!(op, Op::Const(_)) || g.consumers[i].len() == 1)
+            }
+            _ => false,
+        })
+        .collect();
+
+    let mut plan = Plan::default();
+    let mut slot_of: Vec<Option<Slot>> = vec![None; n];
+    for i in 0..n {
+        let Some(op) = &g.ops[i] else { continue };
+        if inline[i] {
+            continue;
+        }
+        let node = &g.nodes[i];
+        let kernel = build_kernel(&g, &inline, &mut slot_of, &mut plan, i, op);
+        let out = plan.slots.len();
+        plan.slots.push(SlotInfo { source: SlotSource::Kernel, dtype: node.dtype, numel: node.numel() });
+        slot_of[i] = Some(out);
+        plan.kernels.push(Kernel { out, ..kernel });
+    }
+
+    // Which nodes stay referenced after this realization: held from outside
+    // the graph, or consumed by a pending node that itself stays.
+    let external: Vec<bool> = (0..n)
+        .map(|i| {
+            // Our own references: `g.nodes`, and each edge twice (the node's op and our clone of it).
+            let internal = 1 + 2 * g.edges_in[i];
+            g.target[i] || Arc::strong_count(&g.nodes[i]) > internal
+        })
+        .collect();
+    let mut survives = external.clone();
+    for i in (0..n).rev() {
+        if survives[i] {
+            continue;
+        }
+        survives[i] = g.consumers[i].iter().any(|&c| inline[c] && survives[c]);
+    }
+
+    // Lifetimes.
+    let mut last_use: Vec<Option<usize>> = vec![None; plan.slots.len()];
+    for (k, kern) in plan.kernels.iter().enumerate() {
+        for &s in &kern.inputs {
+            last_use[s] = Some(k);
+        }
+    }
+    plan.free_after = vec![vec![]; plan.kernels.len()];
+    let mut kept = vec![false; plan.slots.len()];
+    for i in 0..n {
+        if let (Some(s), Some(_)) = (slot_of[i], &g.ops[i]) {
+            if survives[i] {
+                kept[s] = true;
+                plan.store.push((s, g.nodes[i].clone()));
+            }
+        }
+    }
+    for (s, lu) in last_use.iter().enumerate() {
+        if let (Some(k), false) = (lu, kept[s]) {
+            plan.free_after[*k].push(s);
+        }
+    }
+    // Kernel outputs nobody reads and nobody keeps are still computed (they were
+    // asked for), so nothing more to do for them.
+    plan
+}
+
+/// The kernel summaries of the plan that would realize `tensors`, without
+/// running it. Lets tests and tools see what fuses.
+pub fn inspect(tensors: &[&Tensor]) -> Vec<KernelSummary> {
+    schedule(tensors)
+        .kernels
+        .iter()
+        .map(|k| KernelSummary { kind: k.kind.name(), ops: k.ops.clone(), inputs: k.inputs.len(), numel: k.numel })
+        .collect()
+}
+
+/// Slot of a node that is read as a whole buffer (realized or materialized).
+fn slot_for(g: &Graph, slot_of: &mut [Option<Slot>], plan: &mut Plan, j: usize) -> Slot {
+    if let Some(s) = slot_of[j] {
+        return s;
+    }
+    let node = &g.nodes[j];
+    let buf = node.buffer().expect("a node read as a buffer is realized or scheduled before its consumers");
+    let s = plan.slots.len();
+    plan.slots.push(SlotInfo { source: SlotSource::External(buf), dtype: node.dtype, numel: node.numel() });
+    slot_of[j] = Some(s);
+    s
+}
+
+struct Builder<'a> {
+    g: &'a Graph,
+    inline: &'a [bool],
+    slot_of: &'a mut [Option<Slot>],
+    plan: &'a mut Plan,
+    kernel_dims: Vec<usize>,
+    inputs: Vec<Slot>,
+    expr: Expr,
+    memo: HashMap<(usize, Vec<Layout>), usize>,
+    ops: Vec<&'static str>,
+}
+
+impl Builder<'_> {
+    fn input(&mut self, j: usize) -> usize {
+        let s = slot_for(self.g, self.slot_of, self.plan, j);
+        match self.inputs.iter().position(|&x| x == s) {
+            Some(p) => p,
+            None => {
+                self.inputs.push(s);
+                self.inputs.len() - 1
+            }
+        }
+    }
+
+    fn view(&mut self, t: &Tensor) -> View {
+        let j = self.g.index[&t.node.id];
+        View { input: self.input(j), layout: t.layout.clone() }
+    }
+
+    fn push(&mut self, i: Instr, dt: DType) -> usize {
+        self.expr.instrs.push((i, dt));
+        self.expr.instrs.len() - 1
+    }
+
+    /// The value of tensor `t` at the position that `map` yields.
+    fn tensor(&mut self, t: &Tensor, map: &[Layout]) -> usize {
+        let j = self.g.index[&t.node.id];
+        let mut path = map.to_vec();
+        path.push(t.layout.clone());
+        simplify(&mut path);
+        if self.inline[j] {
+            self.node(j, path)
+        } else {
+            if let Some(&v) = self.memo.get(&(usize::MAX - j, path.clone())) {
+                return v;
+            }
+            let input = self.input(j);
+            let dtype = self.g.nodes[j].dtype;
+            let anchored = anchor(path.clone(), &self.kernel_dims);
+            self.expr.loads.push(Load { input, dtype, path: anchored });
+            let v = self.push(Instr::Load(self.expr.loads.len() - 1), dtype);
+            self.memo.insert((usize::MAX - j, path), v);
+            v
+        }
+    }
+
+    /// The value of node `j`'s output at the linear position `map` yields.
+    fn node(&mut self, j: usize, map: Vec<Layout>) -> usize {
+        if let Some(&v) = self.memo.get(&(j, map.clone())) {
+            return v;
+        }
+        let op = self.g.ops[j].as_ref().expect("inlined nodes are pending");
+        let dt = self.g.nodes[j].dtype;
+        self.ops.push(op.name());
+        let v = match op {
+            Op::Const(c) => self.push(Instr::Const(*c), dt),
+            Op::Unary(u, a) => {
+                let a = self.tensor(a, &map);
+                self.push(Instr::Unary(*u, a), dt)
+            }
+            Op::Binary(b, x, y) => {
+                let (x, y) = (self.tensor(x, &map), self.tensor(y, &map));
+                self.push(Instr::Binary(*b, x, y), dt)
+            }
+            Op::Cmp(c, x, y) => {
+                let (x, y) = (self.tensor(x, &map), self.tensor(y, &map));
+                self.push(Instr::Cmp(*c, x, y), dt)
+            }
+            Op::Where(c, x, y) => {
+                let (c, x, y) = (self.tensor(c, &map), self.tensor(x, &map), self.tensor(y, &map));
+                self.push(Instr::Where(c, x, y), dt)
+            }
+            Op::Cast(a) => {
+                let a = self.tensor(a, &map);
+                self.push(Instr::Cast(a), dt)
+            }
+            Op::Copy(a) => self.tensor(a, &map),
+            _ => unreachable!("only elementwise nodes are inlined"),
+        };
+        self.memo.insert((j, map), v);
+        v
+    }
+}
+
+/// Make `path[0]` take the kernel's multi-index.
+fn anchor(mut path: Vec<Layout>, kernel_dims: &[usize]) -> Vec<Layout> {
+    if path.is_empty() {
+        return vec![Layout::contiguous(kernel_dims)];
+    }
+    if path[0].dims() != kernel_dims {
+        match path[0].reshape(kernel_dims) {
+            Some(l) => path[0] = l,
+            None => path.insert(0, Layout::contiguous(kernel_dims)),
+        }
+    }
+    path
+}
+
+/// Shorten a path: drop identity steps and merge neighbours that compose.
+pub(crate) fn simplify(path: &mut Vec<Layout>) {
+    loop {
+        path.retain(|l| !l.is_identity());
+        let mut changed = false;
+        let mut k = 0;
+        while k + 1 < path.len() {
+            let merged = Layout::compose(&path[k], &path[k + 1]).or_else(|| {
+                // A contiguous run of the inner output: read it as a flat slice.
+                let (a, b) = (&path[k], &path[k + 1]);
+                if !a.is_contiguous() {
+                    return None;
+                }
+                let flat = b.reshape(&[b.numel()])?;
+                flat.slice(0, a.offset, a.numel(), 1).reshape(a.dims())
+            });
+            if let Some(m) = merged {
+                path[k] = m;
+                path.remove(k + 1);
+                changed = true;
+            } else {
+                k += 1;
+            }
+        }
+        if !changed {
+            return;
+        }
+    }
+}
+
+fn build_kernel(
+    g: &Graph,
+    inline: &[bool],
+    slot_of: &mut [Option<Slot>],
+    plan: &mut Plan,
+    i: usize,
+    op: &Op,
+) -> Kernel {
+    let node = &g.nodes[i];
+    let mut b = Builder {
+        g,
+        inline,
+        slot_of,
+        plan,
+        kernel_dims: node.dims.clone(),
+        inputs: vec![],
+        expr: Expr::default(),
+        memo: HashMap::new(),
+        ops: vec![],
+    };
+    let kind = match op {
+        _ if op.is_elementwise() => {
+            b.node_root(i);
+            let shape = node.dims.clone();
+            let (shape, expr) = coalesce_expr(b.expr.clone(), &shape, &[shape.len()]);
+            b.expr = expr;
+            KernelKind::Elementwise { expr: b.expr.clone(), shape }
+        }
+        Op::Reduce(rop, a, axes) => {
+            b.ops.push(rop.name());
+            let in_dims = a.dims().to_vec();
+            b.kernel_dims = in_dims.clone();
+            b.tensor(a, &[]);
+            let kept: Vec<usize> = (0..in_dims.len()).filter(|d| !axes.contains(d)).collect();
+            let perm: Vec<usize> = kept.iter().chain(axes.iter()).copied().collect();
+            for l in b.expr.loads.iter_mut() {
+                l.path[0] = l.path[0].permute(&perm);
+            }
+            let pshape: Vec<usize> = perm.iter().map(|&p| in_dims[p]).collect();
+            let outer: usize = kept.iter().map(|&d| in_dims[d]).product();
+            let inner: usize = axes.iter().map(|&d| in_dims[d]).product();
+            let (shape, expr) = coalesce_expr(b.expr.clone(), &pshape, &[kept.len(), axes.len()]);
+            KernelKind::Reduce { op: *rop, expr, shape, outer, inner }
+        }
+        Op::Matmul(x, y) => {
+            b.ops.push("matmul");
+            let (a, bb) = (b.view(x), b.view(y));
+            let r = x.rank();
+            let (m, k, n) = (x.dims()[r - 2], x.dims()[r - 1], y.dims()[r - 1]);
+            let batch = x.dims()[..r - 2].iter().product();
+            KernelKind::Matmul { a, b: bb, batch, m, k, n }
+        }
+        Op::Gather(d, x, idx) => {
+            b.ops.push("gather");
+            KernelKind::Gather { dim: *d, input: b.view(x), index: b.view(idx) }
+        }
+        Op::ScatterAdd(d, x, idx, src) => {
+            b.ops.push("scatter_add");
+            KernelKind::ScatterAdd { dim: *d, input: b.view(x), index: b.view(idx), src: b.view(src) }
+        }
+        Op::IndexSelect(d, x, idx) => {
+            b.ops.push("index_select");
+            KernelKind::IndexSelect { dim: *d, input: b.view(x), index: b.view(idx) }
+        }
+        Op::Cumsum(d, x) => {
+            b.ops.push("cumsum");
+            KernelKind::Cumsum { dim: *d, input: b.view(x) }
+        }
+        Op::Cat(d, xs) => {
+            b.ops.push("cat");
+            KernelKind::Cat { dim: *d, parts: xs.iter().map(|x| b.view(x)).collect() }
+        }
+        Op::Unfold(x, p, pad) => {
+            b.ops.push("unfold");
+            KernelKind::Unfold { input: b.view(x), params: *p, pad: *pad }
+        }
+        _ => unreachable!(),
+    };
+    Kernel { kind, inputs: b.inputs, out: 0, dtype: node.dtype, numel: node.numel(), ops: b.ops }
+}
+
+impl Builder<'_> {
+    /// The expression of a materialized elementwise node itself.
+    fn node_root(&mut self, i: usize) {
+        self.node(i, vec![]);
+    }
+}
+
+/// Merge iteration dims that every load's first layout can walk with one
+/// stride; `groups` gives the sizes of runs of dims that must not merge with
+/// each other (kept vs reduced dims of a reduction).
+fn coalesce_expr(mut expr: Expr, shape: &[usize], groups: &[usize]) -> (Vec<usize>, Expr) {
+    let mut new_shape = vec![];
+    let mut new_firsts: Vec<Layout> =
+        expr.loads.iter().map(|l| Layout { shape: crate::shape::Shape(vec![]), strides: vec![], offset: l.path[0].offset }).collect();
+    let mut start = 0;
+    for &gsize in groups {
+        let dims = &shape[start..start + gsize];
+        let sub: Vec<Layout> = expr
+            .loads
+            .iter()
+            .map(|l| Layout {
+                shape: crate::shape::Shape(dims.to_vec()),
+                strides: l.path[0].strides[start..start + gsize].to_vec(),
+                offset: 0,
+            })
+            .collect();
+        let refs: Vec<&Layout> = sub.iter().collect();
+        let (d, merged) = if gsize == 0 { (vec![], sub.clone()) } else { Layout::coalesce(&refs, dims) };
+        // Keep a reduction's groups non-empty so `outer`/`inner` stay meaningful.
+        new_shape.extend(&d);
+        for (f, m) in new_firsts.iter_mut().zip(&merged) {
+            f.shape.0.extend(&d);
+            f.strides.extend(&m.strides);
+        }
+        start += gsize;
+    }
+    if expr.loads.is_empty() {
+        // Nothing to walk: any shape with the same element count will do.
+        let n: usize = shape.iter().product();
+        let _ = n;
+        return (shape.to_vec(), expr);
+    }
+    for (l, f) in expr.loads.iter_mut().zip(new_firsts) {
+        l.path[0] = f;
+    }
+    (new_shape, expr)
+}

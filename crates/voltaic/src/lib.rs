@@ -1,0 +1,44 @@
+//! # Voltaic
+//!
+//! A PyTorch-shaped tensor library with a lazy graph: ops record nodes and
+//! check shapes at once; realization fuses elementwise chains (and the
+//! prologues of reductions) into single kernels, plans buffer lifetimes and
+//! runs them on a device executor.
+//!
+//! ```
+//! use voltaic::{Tensor, Device, DType};
+//! voltaic::manual_seed(0);
+//! let x = Tensor::randn(&[4, 8], DType::F32, Device::Cpu)?;
+//! let p = x.softmax(-1)?;
+//! let rows = p.sum(&[-1], false)?.to_vec::<f32>()?;
+//! assert!(rows.iter().all(|s| (s - 1.0).abs() < 1e-5));
+//! # Ok::<(), voltaic::Error>(())
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod cpu;
+mod device;
+mod display;
+mod dtype;
+mod error;
+mod graph;
+mod layout;
+pub mod op;
+pub mod ops;
+mod rng;
+mod shape;
+mod storage;
+mod tensor;
+
+pub use device::Device;
+pub use dtype::{DType, WithDType};
+pub use error::{Error, Result};
+pub use graph::schedule::{inspect, KernelSummary};
+pub use layout::Layout;
+pub use ops::nn::{Conv2dOpts, Reduction};
+pub use ops::IntoOperand;
+pub use rng::{manual_seed, Generator};
+pub use shape::Shape;
+pub use storage::{CpuStorage, StorageElem};
+pub use tensor::Tensor;

@@ -1,0 +1,385 @@
+//! Elementwise ops: unary primitives, broadcasting binary ops with dtype
+//! promotion, comparisons, `where`, casts, and the activations composed from them.
+
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::graph::Op;
+use crate::op::{BinaryOp, CmpOp, Domain, UnaryOp};
+use crate::shape::broadcast_shapes;
+use crate::tensor::{cast_scalar, Tensor};
+
+/// Something that can stand on the right of a binary op: a tensor or a scalar.
+///
+/// Scalars follow PyTorch: a float scalar with an integer or bool tensor gives
+/// f32; an integer scalar keeps the tensor's dtype (bool becomes i32).
+pub trait IntoOperand {
+    /// The operand as a tensor on `like`'s device.
+    fn operand(self, like: &Tensor) -> Result<Tensor>;
+}
+
+impl IntoOperand for &Tensor {
+    fn operand(self, _: &Tensor) -> Result<Tensor> {
+        Ok(self.clone())
+    }
+}
+impl IntoOperand for Tensor {
+    fn operand(self, _: &Tensor) -> Result<Tensor> {
+        Ok(self)
+    }
+}
+impl IntoOperand for &&Tensor {
+    fn operand(self, _: &Tensor) -> Result<Tensor> {
+        Ok((*self).clone())
+    }
+}
+
+fn float_scalar(v: f64, like: &Tensor) -> Result<Tensor> {
+    let dt = like.dtype().to_float();
+    Tensor::constant(v, dt, like)
+}
+fn int_scalar(v: f64, like: &Tensor) -> Result<Tensor> {
+    let dt = if like.dtype() == DType::Bool { DType::I32 } else { like.dtype() };
+    Tensor::constant(v, dt, like)
+}
+impl IntoOperand for f64 {
+    fn operand(self, like: &Tensor) -> Result<Tensor> {
+        float_scalar(self, like)
+    }
+}
+impl IntoOperand for f32 {
+    fn operand(self, like: &Tensor) -> Result<Tensor> {
+        float_scalar(self as f64, like)
+    }
+}
+impl IntoOperand for i32 {
+    fn operand(self, like: &Tensor) -> Result<Tensor> {
+        int_scalar(self as f64, like)
+    }
+}
+impl IntoOperand for u32 {
+    fn operand(self, like: &Tensor) -> Result<Tensor> {
+        int_scalar(self as f64, like)
+    }
+}
+impl IntoOperand for bool {
+    fn operand(self, like: &Tensor) -> Result<Tensor> {
+        Tensor::constant(self as u8 as f64, like.dtype(), like)
+    }
+}
+
+impl Tensor {
+    /// A 0-d constant of `dtype` on `like`'s device (broadcasts anywhere).
+    pub(crate) fn constant(v: f64, dtype: DType, like: &Tensor) -> Result<Tensor> {
+        Tensor::from_op(Op::Const(cast_scalar(v, dtype)), dtype, like.device(), vec![])
+    }
+
+    pub(crate) fn check_same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
+        if self.device() != other.device() {
+            bail!(
+                Device,
+                op,
+                "expected all tensors on one device, got {} and {}; move one with to_device",
+                self.device(),
+                other.device()
+            );
+        }
+        Ok(())
+    }
+
+    /// Convert to another dtype (`as` semantics: floats to ints truncate and
+    /// saturate, NaN becomes 0, nonzero becomes `true`).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        Tensor::from_op(Op::Cast(self.clone()), dtype, self.device(), self.dims().to_vec())
+    }
+
+    /// Apply a unary primitive, promoting the input as the op's domain asks.
+    pub fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+        let x = match op.domain() {
+            Domain::Float => self.to_dtype(self.dtype().to_float())?,
+            Domain::Numeric => {
+                if self.dtype() == DType::Bool {
+                    bail!(DType, op.name(), "expected a numeric tensor, got bool");
+                }
+                self.clone()
+            }
+            Domain::Bool => {
+                if self.dtype() != DType::Bool {
+                    self.ne(0)?
+                } else {
+                    self.clone()
+                }
+            }
+        };
+        let dt = x.dtype();
+        Tensor::from_op(Op::Unary(op, x), dt, self.device(), self.dims().to_vec())
+    }
+
+    /// Apply a binary primitive with broadcasting and dtype promotion.
+    pub fn binary<R: IntoOperand>(&self, op: BinaryOp, rhs: R) -> Result<Tensor> {
+        let rhs = rhs.operand(self)?;
+        self.check_same_device(op.name(), &rhs)?;
+        let dims = broadcast_shapes(op.name(), self.dims(), rhs.dims())?;
+        let mut dt = DType::promote(self.dtype(), rhs.dtype());
+        dt = match op.domain() {
+            Domain::Float => dt.to_float(),
+            Domain::Numeric if dt == DType::Bool => DType::I32,
+            Domain::Numeric => dt,
+            Domain::Bool => DType::Bool,
+        };
+        let a = self.to_dtype(dt)?.broadcast_to(&dims)?;
+        let b = rhs.to_dtype(dt)?.broadcast_to(&dims)?;
+        Tensor::from_op(Op::Binary(op, a, b), dt, self.device(), dims)
+    }
+
+    /// Compare elementwise with broadcasting, giving bool.
+    pub fn compare<R: IntoOperand>(&self, op: CmpOp, rhs: R) -> Result<Tensor> {
+        let rhs = rhs.operand(self)?;
+        self.check_same_device(op.name(), &rhs)?;
+        let dims = broadcast_shapes(op.name(), self.dims(), rhs.dims())?;
+        let dt = DType::promote(self.dtype(), rhs.dtype());
+        let a = self.to_dtype(dt)?.broadcast_to(&dims)?;
+        let b = rhs.to_dtype(dt)?.broadcast_to(&dims)?;
+        Tensor::from_op(Op::Cmp(op, a, b), DType::Bool, self.device(), dims)
+    }
+
+    /// `self ? on_true : on_false` elementwise (PyTorch `torch.where(cond, a, b)`),
+    /// broadcasting all three; `self` is read as bool.
+    pub fn where_cond<A: IntoOperand, B: IntoOperand>(&self, on_true: A, on_false: B) -> Result<Tensor> {
+        let a = on_true.operand(self)?;
+        let b = on_false.operand(&a)?;
+        let cond = if self.dtype() == DType::Bool { self.clone() } else { self.ne(0)? };
+        cond.check_same_device("where", &a)?;
+        cond.check_same_device("where", &b)?;
+        let dims = broadcast_shapes("where", &broadcast_shapes("where", cond.dims(), a.dims())?, b.dims())?;
+        let dt = DType::promote(a.dtype(), b.dtype());
+        let c = cond.broadcast_to(&dims)?;
+        let a = a.to_dtype(dt)?.broadcast_to(&dims)?;
+        let b = b.to_dtype(dt)?.broadcast_to(&dims)?;
+        Tensor::from_op(Op::Where(c, a, b), dt, self.device(), dims)
+    }
+
+    /// Fill positions where `mask` is true with `value` (PyTorch `masked_fill`).
+    pub fn masked_fill<V: IntoOperand>(&self, mask: &Tensor, value: V) -> Result<Tensor> {
+        if mask.dtype() != DType::Bool {
+            bail!(DType, "masked_fill", "expected a bool mask, got {}", mask.dtype());
+        }
+        let v = value.operand(self)?.to_dtype(self.dtype())?;
+        let out = mask.where_cond(&v, self)?;
+        if out.dims() != self.dims() {
+            bail!(Shape, "masked_fill", "mask of shape {:?} does not broadcast to the tensor's shape {:?}", mask.dims(), self.dims());
+        }
+        Ok(out)
+    }
+}
+
+macro_rules! unary_methods {
+    ($($(#[$m:meta])* $name:ident => $op:ident;)*) => {
+        impl Tensor {
+            $(
+                $(#[$m])*
+                pub fn $name(&self) -> Result<Tensor> {
+                    self.unary(UnaryOp::$op)
+                }
+            )*
+        }
+    };
+}
+unary_methods! {
+    /// `-x`
+    neg => Neg;
+    /// `|x|`
+    abs => Abs;
+    /// `e^x`
+    exp => Exp;
+    /// natural logarithm
+    log => Log;
+    /// `ln(1 + x)`
+    log1p => Log1p;
+    /// `e^x - 1`
+    expm1 => Expm1;
+    /// square root
+    sqrt => Sqrt;
+    /// `1 / sqrt(x)`
+    rsqrt => Rsqrt;
+    /// `1 / x`
+    recip => Recip;
+    /// sine
+    sin => Sin;
+    /// cosine
+    cos => Cos;
+    /// hyperbolic tangent
+    tanh => Tanh;
+    /// logistic sigmoid
+    sigmoid => Sigmoid;
+    /// `max(x, 0)`
+    relu => Relu;
+    /// the error function
+    erf => Erf;
+    /// round down
+    floor => Floor;
+    /// round up
+    ceil => Ceil;
+    /// round half to even
+    round => Round;
+    /// -1, 0 or 1
+    sign => Sign;
+    /// logical not (nonzero is true)
+    logical_not => Not;
+}
+
+macro_rules! binary_methods {
+    ($($(#[$m:meta])* $name:ident => $op:ident;)*) => {
+        impl Tensor {
+            $(
+                $(#[$m])*
+                pub fn $name<R: IntoOperand>(&self, rhs: R) -> Result<Tensor> {
+                    self.binary(BinaryOp::$op, rhs)
+                }
+            )*
+        }
+    };
+}
+binary_methods! {
+    /// `self + rhs` with broadcasting
+    add => Add;
+    /// `self - rhs` with broadcasting
+    sub => Sub;
+    /// `self * rhs` with broadcasting
+    mul => Mul;
+    /// true division `self / rhs` (integers give f32)
+    div => Div;
+    /// `self ^ rhs`
+    pow => Pow;
+    /// remainder with the sign of the divisor (PyTorch `remainder`)
+    rem => Rem;
+    /// elementwise maximum (NaN propagates)
+    maximum => Maximum;
+    /// elementwise minimum (NaN propagates)
+    minimum => Minimum;
+    /// logical and (nonzero is true)
+    logical_and => And;
+    /// logical or (nonzero is true)
+    logical_or => Or;
+}
+
+macro_rules! cmp_methods {
+    ($($(#[$m:meta])* $name:ident => $op:ident;)*) => {
+        impl Tensor {
+            $(
+                $(#[$m])*
+                pub fn $name<R: IntoOperand>(&self, rhs: R) -> Result<Tensor> {
+                    self.compare(CmpOp::$op, rhs)
+                }
+            )*
+        }
+    };
+}
+cmp_methods! {
+    /// `self == rhs`
+    eq => Eq;
+    /// `self != rhs`
+    ne => Ne;
+    /// `self < rhs`
+    lt => Lt;
+    /// `self <= rhs`
+    le => Le;
+    /// `self > rhs`
+    gt => Gt;
+    /// `self >= rhs`
+    ge => Ge;
+}
+
+impl Tensor {
+    /// `x * x`.
+    pub fn sqr(&self) -> Result<Tensor> {
+        self.mul(self)
+    }
+
+    /// `x` where `x > 0`, else `slope * x`.
+    pub fn leaky_relu(&self, slope: f64) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        x.gt(0.0)?.where_cond(&x, &x.mul(slope)?)
+    }
+
+    /// GELU, erf form: `x/2 * (1 + erf(x/sqrt 2))` (PyTorch's default).
+    pub fn gelu(&self) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        x.mul(std::f64::consts::FRAC_1_SQRT_2)?.erf()?.add(1.0)?.mul(&x)?.mul(0.5)
+    }
+
+    /// GELU, tanh approximation (PyTorch `approximate="tanh"`).
+    pub fn gelu_tanh(&self) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let inner = x.mul(&x)?.mul(&x)?.mul(0.044715)?.add(&x)?.mul(c)?;
+        inner.tanh()?.add(1.0)?.mul(&x)?.mul(0.5)
+    }
+
+    /// SiLU (swish): `x * sigmoid(x)`.
+    pub fn silu(&self) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        x.mul(&x.sigmoid()?)
+    }
+
+    /// Softplus `ln(1 + e^x)`, computed stably as `max(x, 0) + ln(1 + e^-|x|)`.
+    pub fn softplus(&self) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        x.relu()?.add(&x.abs()?.neg()?.exp()?.log1p()?)
+    }
+
+    /// Limit to `[min, max]`; either bound may be absent. NaN stays NaN.
+    pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
+        if let (Some(a), Some(b)) = (min, max) {
+            if a > b {
+                bail!(Value, "clamp", "min {a} is greater than max {b}");
+            }
+        }
+        let mut x = self.clone();
+        let scalar = |v: f64, x: &Tensor| -> Result<Tensor> {
+            if x.dtype().is_float() || v.fract() == 0.0 {
+                Tensor::constant(v, x.dtype(), x)
+            } else {
+                Tensor::constant(v, DType::F32, x)
+            }
+        };
+        if let Some(lo) = min {
+            x = x.maximum(scalar(lo, &x)?)?;
+        }
+        if let Some(hi) = max {
+            x = x.minimum(scalar(hi, &x)?)?;
+        }
+        Ok(x)
+    }
+}
+
+macro_rules! std_ops {
+    ($Trait:ident, $fn:ident, $method:ident) => {
+        impl<R: IntoOperand> std::ops::$Trait<R> for &Tensor {
+            type Output = Result<Tensor>;
+            fn $fn(self, rhs: R) -> Result<Tensor> {
+                self.$method(rhs)
+            }
+        }
+        impl<R: IntoOperand> std::ops::$Trait<R> for Tensor {
+            type Output = Result<Tensor>;
+            fn $fn(self, rhs: R) -> Result<Tensor> {
+                Tensor::$method(&self, rhs)
+            }
+        }
+    };
+}
+std_ops!(Add, add, add);
+std_ops!(Sub, sub, sub);
+std_ops!(Mul, mul, mul);
+std_ops!(Div, div, div);
+std_ops!(Rem, rem, rem);
+
+impl std::ops::Neg for &Tensor {
+    type Output = Result<Tensor>;
+    fn neg(self) -> Result<Tensor> {
+        Tensor::neg(self)
+    }
+}

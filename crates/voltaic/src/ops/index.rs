@@ -1,0 +1,129 @@
+//! Indexing with index tensors: gather, scatter_add, index_select, embedding,
+//! one_hot. Index tensors are i32 or u32 (PyTorch uses int64); an index out of
+//! range is reported as an error when the values are computed.
+
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::graph::Op;
+use crate::shape::norm_axis;
+use crate::tensor::Tensor;
+
+fn check_index(op: &'static str, index: &Tensor) -> Result<()> {
+    if !matches!(index.dtype(), DType::I32 | DType::U32) {
+        bail!(DType, op, "expected an i32 or u32 index tensor, got {}", index.dtype());
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// `out[i][j] = self[i][index[i][j]]` for `dim = 1` (and likewise for any
+    /// dim); `index` has the input's rank and is no larger in the other dims.
+    pub fn gather(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
+        check_index("gather", index)?;
+        self.check_same_device("gather", index)?;
+        let d = norm_axis("gather", dim, self.rank().max(1))?;
+        if index.rank() != self.rank() {
+            bail!(Shape, "gather", "index of shape {:?} must have the same rank as the input {:?}", index.dims(), self.dims());
+        }
+        for i in 0..self.rank() {
+            if i != d && index.dims()[i] > self.dims()[i] {
+                bail!(
+                    Shape,
+                    "gather",
+                    "index of shape {:?} is larger than the input {:?} in dim {i}",
+                    index.dims(),
+                    self.dims()
+                );
+            }
+        }
+        if self.rank() == 0 {
+            return self.reshape_dims(&[1])?.gather(0, &index.reshape_dims(&[1])?)?.reshape_dims(&[]);
+        }
+        Tensor::from_op(Op::Gather(d, self.clone(), index.clone()), self.dtype(), self.device(), index.dims().to_vec())
+    }
+
+    /// A copy of `self` with `src[p]` added at `p` with `p[dim] = index[p]`
+    /// for every position `p` of `index` (PyTorch `scatter_add`).
+    pub fn scatter_add(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        check_index("scatter_add", index)?;
+        self.check_same_device("scatter_add", index)?;
+        self.check_same_device("scatter_add", src)?;
+        let d = norm_axis("scatter_add", dim, self.rank().max(1))?;
+        if index.rank() != self.rank() || src.rank() != self.rank() {
+            bail!(
+                Shape,
+                "scatter_add",
+                "input {:?}, index {:?} and src {:?} must have the same rank",
+                self.dims(),
+                index.dims(),
+                src.dims()
+            );
+        }
+        for i in 0..self.rank() {
+            if index.dims()[i] > src.dims()[i] || (i != d && index.dims()[i] > self.dims()[i]) {
+                bail!(
+                    Shape,
+                    "scatter_add",
+                    "index {:?} must be no larger than src {:?} in every dim and than the input {:?} outside dim {d}",
+                    index.dims(),
+                    src.dims(),
+                    self.dims()
+                );
+            }
+        }
+        if self.rank() == 0 {
+            let one = |t: &Tensor| t.reshape_dims(&[1]);
+            return one(self)?.scatter_add(0, &one(index)?, &one(src)?)?.reshape_dims(&[]);
+        }
+        let src = src.to_dtype(self.dtype())?;
+        Tensor::from_op(
+            Op::ScatterAdd(d, self.clone(), index.clone(), src),
+            self.dtype(),
+            self.device(),
+            self.dims().to_vec(),
+        )
+    }
+
+    /// The entries of `self` along `dim` at the positions in the 1-D `index`.
+    pub fn index_select(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
+        check_index("index_select", index)?;
+        self.check_same_device("index_select", index)?;
+        if index.rank() > 1 {
+            bail!(Shape, "index_select", "expected a 1-D index, got shape {:?}", index.dims());
+        }
+        let index = index.flatten_all()?;
+        if self.rank() == 0 {
+            return self.reshape_dims(&[1])?.index_select(0, &index)?.reshape_dims(&[]);
+        }
+        let d = norm_axis("index_select", dim, self.rank())?;
+        let mut dims = self.dims().to_vec();
+        dims[d] = index.numel();
+        Tensor::from_op(Op::IndexSelect(d, self.clone(), index), self.dtype(), self.device(), dims)
+    }
+
+    /// Embedding lookup: rows of the `[num, dim]` table `self` for each index,
+    /// giving `index.shape + [dim]`.
+    pub fn embedding(&self, index: &Tensor) -> Result<Tensor> {
+        if self.rank() != 2 {
+            bail!(Shape, "embedding", "expected a 2-D weight [num_embeddings, dim], got {:?}", self.dims());
+        }
+        let mut dims = index.dims().to_vec();
+        dims.push(self.dims()[1]);
+        self.index_select(0, &index.flatten_all()?)?.reshape_dims(&dims)
+    }
+
+    /// One-hot encoding of class indices, as i32 with a new last dim of
+    /// `num_classes` (PyTorch returns int64). An index outside
+    /// `0..num_classes` is an error when computed.
+    pub fn one_hot(&self, num_classes: usize) -> Result<Tensor> {
+        check_index("one_hot", self)?;
+        let mut dims = self.dims().to_vec();
+        dims.push(num_classes);
+        let idx = self.unsqueeze(-1)?;
+        let mut ones_dims = self.dims().to_vec();
+        ones_dims.push(1);
+        let zeros = Tensor::zeros(&dims, DType::I32, self.device())?;
+        let ones = Tensor::ones(&ones_dims, DType::I32, self.device())?;
+        zeros.scatter_add(-1, &idx, &ones)
+    }
+}

@@ -1,0 +1,12 @@
+//! The public op methods of [`Tensor`](crate::Tensor), grouped by kind. Each
+//! records graph nodes after checking shapes and dtypes; nothing runs here.
+
+pub mod elementwise;
+pub mod index;
+pub mod join;
+pub mod linalg;
+pub mod nn;
+pub mod reduce;
+pub mod view;
+
+pub use elementwise::IntoOperand;

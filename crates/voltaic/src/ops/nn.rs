@@ -1,0 +1,219 @@
+//! Neural-network ops: convolution, pooling, normalisation, dropout, losses.
+
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::graph::{Op, UnfoldParams};
+use crate::rng;
+use crate::tensor::Tensor;
+
+/// Options of [`Tensor::conv2d`], PyTorch's defaults via `Default`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dOpts {
+    /// Step between windows (rows, cols).
+    pub stride: [usize; 2],
+    /// Zero padding on each side (rows, cols).
+    pub padding: [usize; 2],
+    /// Spacing between kernel taps (rows, cols).
+    pub dilation: [usize; 2],
+    /// Number of channel groups.
+    pub groups: usize,
+}
+
+impl Default for Conv2dOpts {
+    fn default() -> Self {
+        Conv2dOpts { stride: [1, 1], padding: [0, 0], dilation: [1, 1], groups: 1 }
+    }
+}
+
+/// Reduction of a loss over its elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Reduction {
+    /// Average (PyTorch's default).
+    #[default]
+    Mean,
+    /// Sum.
+    Sum,
+    /// One loss per element.
+    None,
+}
+
+impl Tensor {
+    fn unfold(&self, op: &'static str, p: UnfoldParams, pad: f64) -> Result<Tensor> {
+        if self.rank() != 4 {
+            bail!(Shape, op, "expected a 4-D input [N, C, H, W], got {:?}", self.dims());
+        }
+        if p.kernel.contains(&0) || p.stride.contains(&0) || p.dilation.contains(&0) {
+            bail!(Value, op, "kernel size, stride and dilation must be positive, got {:?}, {:?}, {:?}", p.kernel, p.stride, p.dilation);
+        }
+        let d = self.dims();
+        let Some([oh, ow]) = p.out_hw(d[2], d[3]) else {
+            bail!(
+                Shape,
+                op,
+                "input of spatial size {}x{} (padding {:?}) is smaller than the kernel {:?} with dilation {:?}",
+                d[2],
+                d[3],
+                p.padding,
+                p.kernel,
+                p.dilation
+            );
+        };
+        let dims = vec![d[0], d[1], p.kernel[0], p.kernel[1], oh, ow];
+        crate::shape::checked_numel(op, &dims)?;
+        Tensor::from_op(Op::Unfold(self.clone(), p, pad), self.dtype(), self.device(), dims)
+    }
+
+    /// 2-D convolution (really cross-correlation, as PyTorch) of `[N, Cin, H, W]`
+    /// with `weight [Cout, Cin/groups, kh, kw]` and an optional `bias [Cout]`.
+    /// Runs as unfold (im2col) and a batched matmul.
+    pub fn conv2d(&self, weight: &Tensor, bias: Option<&Tensor>, opts: Conv2dOpts) -> Result<Tensor> {
+        if weight.rank() != 4 || self.rank() != 4 {
+            bail!(Shape, "conv2d", "expected input [N, C, H, W] and weight [Cout, Cin/groups, kh, kw], got {:?} and {:?}", self.dims(), weight.dims());
+        }
+        let (n, cin) = (self.dims()[0], self.dims()[1]);
+        let (cout, cpg, kh, kw) = (weight.dims()[0], weight.dims()[1], weight.dims()[2], weight.dims()[3]);
+        let g = opts.groups;
+        if g == 0 || cin % g != 0 || cout % g != 0 || cpg * g != cin {
+            bail!(
+                Shape,
+                "conv2d",
+                "input has {cin} channels and weight {:?} with groups={g}: expected weight [Cout, {}, kh, kw] with Cout divisible by {g}",
+                weight.dims(),
+                if g > 0 { cin / g } else { 0 }
+            );
+        }
+        if let Some(b) = bias {
+            if b.dims() != [cout] {
+                bail!(Shape, "conv2d", "expected bias of shape [{cout}], got {:?}", b.dims());
+            }
+        }
+        let p = UnfoldParams { kernel: [kh, kw], stride: opts.stride, padding: opts.padding, dilation: opts.dilation };
+        let u = self.unfold("conv2d", p, 0.0)?;
+        let (oh, ow) = (u.dims()[4], u.dims()[5]);
+        let k = cpg * kh * kw;
+        let u = u.reshape_dims(&[n, g, k, oh * ow])?;
+        let w = weight.reshape_dims(&[1, g, cout / g, k])?;
+        let y = w.matmul(&u)?.reshape_dims(&[n, cout, oh, ow])?;
+        match bias {
+            Some(b) => y.add(&b.reshape_dims(&[1, cout, 1, 1])?),
+            None => Ok(y),
+        }
+    }
+
+    fn pool_params(op: &'static str, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<UnfoldParams> {
+        for i in 0..2 {
+            if padding[i] * 2 > kernel[i] {
+                bail!(Value, op, "padding {:?} must be at most half the kernel size {:?}", padding, kernel);
+            }
+        }
+        Ok(UnfoldParams { kernel, stride: stride.unwrap_or(kernel), padding, dilation: [1, 1] })
+    }
+
+    /// Max pooling over `[N, C, H, W]`; `stride` defaults to the kernel size.
+    /// Padding is with -inf, as PyTorch.
+    pub fn max_pool2d(&self, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<Tensor> {
+        let p = Tensor::pool_params("max_pool2d", kernel, stride, padding)?;
+        let u = self.unfold("max_pool2d", p, f64::NEG_INFINITY)?;
+        let d = u.dims().to_vec();
+        u.reshape_dims(&[d[0], d[1], d[2] * d[3], d[4], d[5]])?.max(&[2], false)
+    }
+
+    /// Average pooling over `[N, C, H, W]` (zero padding counted, as PyTorch's default).
+    pub fn avg_pool2d(&self, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<Tensor> {
+        let p = Tensor::pool_params("avg_pool2d", kernel, stride, padding)?;
+        let u = self.to_dtype(self.dtype().to_float())?.unfold("avg_pool2d", p, 0.0)?;
+        let d = u.dims().to_vec();
+        u.reshape_dims(&[d[0], d[1], d[2] * d[3], d[4], d[5]])?.mean(&[2], false)
+    }
+
+    /// Layer normalisation over the trailing dims `normalized_shape`, with
+    /// optional elementwise `weight` and `bias` of that shape. Runs as three
+    /// kernels: mean, variance (with the centring fused in), normalise.
+    pub fn layer_norm(&self, normalized_shape: &[usize], weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let k = normalized_shape.len();
+        let r = self.rank();
+        if k == 0 || k > r || &self.dims()[r - k..] != normalized_shape {
+            bail!(Shape, "layer_norm", "normalized_shape {normalized_shape:?} must match the trailing dims of the input {:?}", self.dims());
+        }
+        for (name, p) in [("weight", weight), ("bias", bias)] {
+            if let Some(p) = p {
+                if p.dims() != normalized_shape {
+                    bail!(Shape, "layer_norm", "{name} of shape {:?} must have shape {normalized_shape:?}", p.dims());
+                }
+            }
+        }
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let axes: Vec<isize> = (r - k..r).map(|a| a as isize).collect();
+        let mu = x.mean(&axes, true)?;
+        let var = x.sub(&mu)?.sqr()?.mean(&axes, true)?;
+        let mut y = x.sub(&mu)?.mul(&var.add(eps)?.rsqrt()?)?;
+        if let Some(w) = weight {
+            y = y.mul(w)?;
+        }
+        if let Some(b) = bias {
+            y = y.add(b)?;
+        }
+        Ok(y)
+    }
+
+    /// Inverted dropout: in training, zero each element with probability `p`
+    /// and scale the rest by `1 / (1 - p)`; identity otherwise.
+    pub fn dropout(&self, p: f64, train: bool) -> Result<Tensor> {
+        if !(0.0..=1.0).contains(&p) {
+            bail!(Value, "dropout", "probability must be in [0, 1], got {p}");
+        }
+        if !train || p == 0.0 {
+            return Ok(self.clone());
+        }
+        if p == 1.0 {
+            return self.zeros_like();
+        }
+        let u = rng::with_default(|g| Tensor::rand_with(g, self.dims(), DType::F32, self.device()))?;
+        u.ge(p)?.where_cond(&self.mul(1.0 / (1.0 - p))?, &self.zeros_like()?.to_dtype(self.dtype().to_float())?)
+    }
+
+    /// Cross entropy between logits `[N, C, ...]` and class indices `[N, ...]`
+    /// (i32/u32), with label smoothing `eps` (PyTorch's formula), reduced as asked.
+    /// Probability targets and `ignore_index` are not supported.
+    pub fn cross_entropy(&self, target: &Tensor, label_smoothing: f64, reduction: Reduction) -> Result<Tensor> {
+        if self.rank() < 2 {
+            bail!(Shape, "cross_entropy", "expected logits [N, C, ...], got {:?}", self.dims());
+        }
+        if !matches!(target.dtype(), DType::I32 | DType::U32) {
+            bail!(DType, "cross_entropy", "expected i32 or u32 class indices, got {}", target.dtype());
+        }
+        let mut want = self.dims().to_vec();
+        want.remove(1);
+        if target.dims() != want.as_slice() {
+            bail!(Shape, "cross_entropy", "logits {:?} need a target of shape {want:?}, got {:?}", self.dims(), target.dims());
+        }
+        if !(0.0..=1.0).contains(&label_smoothing) {
+            bail!(Value, "cross_entropy", "label_smoothing must be in [0, 1], got {label_smoothing}");
+        }
+        let logp = self.log_softmax(1)?;
+        let nll = logp.gather(1, &target.unsqueeze(1)?)?.squeeze(1)?.neg()?;
+        let loss = if label_smoothing > 0.0 {
+            let smooth = logp.mean(&[1], false)?.neg()?;
+            nll.mul(1.0 - label_smoothing)?.add(&smooth.mul(label_smoothing)?)?
+        } else {
+            nll
+        };
+        loss.reduce_loss(reduction)
+    }
+
+    /// Mean squared error between `self` and `target` (same shape).
+    pub fn mse_loss(&self, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
+        if self.dims() != target.dims() {
+            bail!(Shape, "mse_loss", "input {:?} and target {:?} must have the same shape", self.dims(), target.dims());
+        }
+        self.sub(target)?.sqr()?.reduce_loss(reduction)
+    }
+
+    fn reduce_loss(&self, reduction: Reduction) -> Result<Tensor> {
+        match reduction {
+            Reduction::Mean => self.mean(&[], false),
+            Reduction::Sum => self.sum(&[], false),
+            Reduction::None => Ok(self.clone()),
+        }
+    }
+}

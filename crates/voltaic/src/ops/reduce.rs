@@ -1,0 +1,166 @@
+//! Reductions over any set of axes (negative axes allowed, empty = all), and
+//! the normalisations built on them.
+
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::graph::Op;
+use crate::op::ReduceOp;
+use crate::shape::{norm_axes, norm_axis};
+use crate::tensor::Tensor;
+
+impl Tensor {
+    /// Record a reduction. The result keeps the reduced dims (size 1) when
+    /// `keepdim`, otherwise drops them.
+    pub fn reduce(&self, op: ReduceOp, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        let axes = norm_axes(op.name(), axes, self.rank())?;
+        let reduced: usize = axes.iter().map(|&a| self.dims()[a]).product();
+        let kept: usize = (0..self.rank()).filter(|d| !axes.contains(d)).map(|d| self.dims()[d]).product();
+        if reduced == 0 && kept != 0 && !matches!(op, ReduceOp::Sum | ReduceOp::Prod) {
+            bail!(Shape, op.name(), "cannot reduce an empty dimension of a tensor of shape {:?}: {} has no identity", self.dims(), op.name());
+        }
+        let x = match op {
+            _ if self.dtype() == DType::Bool && !op.is_arg() => self.to_dtype(DType::I32)?,
+            _ => self.clone(),
+        };
+        let dt = if op.is_arg() { DType::I32 } else { x.dtype() };
+        let mut out_dims = x.dims().to_vec();
+        for &a in &axes {
+            out_dims[a] = 1;
+        }
+        let t = Tensor::from_op(Op::Reduce(op, x, axes.clone()), dt, self.device(), out_dims)?;
+        if keepdim {
+            return Ok(t);
+        }
+        let dims: Vec<usize> = (0..self.rank()).filter(|d| !axes.contains(d)).map(|d| self.dims()[d]).collect();
+        t.reshape_dims(&dims)
+    }
+
+    /// Sum over `axes` (bool sums count as i32; integers wrap).
+    pub fn sum(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Sum, axes, keepdim)
+    }
+    /// Sum of all elements, as a 0-d tensor.
+    pub fn sum_all(&self) -> Result<Tensor> {
+        self.sum(&[], false)
+    }
+    /// Product over `axes`.
+    pub fn prod(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Prod, axes, keepdim)
+    }
+    /// Maximum over `axes` (values only; see [`Tensor::argmax`] for indices). NaN propagates.
+    pub fn max(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Max, axes, keepdim)
+    }
+    /// Minimum over `axes`. NaN propagates.
+    pub fn min(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Min, axes, keepdim)
+    }
+
+    fn arg(&self, op: ReduceOp, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
+        match dim {
+            Some(d) => {
+                let d = norm_axis(op.name(), d, self.rank().max(1))?;
+                if self.rank() == 0 {
+                    return self.reshape_dims(&[1])?.reduce(op, &[0], false);
+                }
+                self.reduce(op, &[d as isize], keepdim)
+            }
+            None => {
+                let r = self.flatten_all()?.reduce(op, &[0], false)?;
+                if keepdim {
+                    r.reshape_dims(&vec![1; self.rank()])
+                } else {
+                    Ok(r)
+                }
+            }
+        }
+    }
+
+    /// Index of the first maximum along `dim` (or of the flattened tensor when
+    /// `None`), as i32 (PyTorch returns int64). NaN counts as the maximum.
+    pub fn argmax(&self, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
+        self.arg(ReduceOp::ArgMax, dim, keepdim)
+    }
+    /// Index of the first minimum, as [`Tensor::argmax`].
+    pub fn argmin(&self, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
+        self.arg(ReduceOp::ArgMin, dim, keepdim)
+    }
+
+    fn reduced_count(&self, axes: &[isize]) -> Result<usize> {
+        let axes = norm_axes("mean", axes, self.rank())?;
+        Ok(axes.iter().map(|&a| self.dims()[a]).product())
+    }
+
+    /// Mean over `axes` (integers give f32). The mean of nothing is NaN.
+    pub fn mean(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let n = x.reduced_count(axes)?;
+        x.sum(axes, keepdim)?.div(n as f64)
+    }
+
+    /// Variance over `axes` with Bessel's `correction` (PyTorch's default is 1).
+    pub fn var(&self, axes: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let n = x.reduced_count(axes)?;
+        let mu = x.mean(axes, true)?;
+        let ss = x.sub(&mu)?.sqr()?.sum(axes, keepdim)?;
+        ss.div((n as f64 - correction as f64).max(0.0))
+    }
+
+    /// Standard deviation over `axes` with Bessel's `correction`.
+    pub fn std(&self, axes: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
+        self.var(axes, correction, keepdim)?.sqrt()
+    }
+
+    /// `log(sum(exp(x)))` over `axes`, computed stably.
+    pub fn logsumexp(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let m = x.max(axes, true)?;
+        // An all -inf slice has max -inf; shift by 0 there so the result is -inf, not NaN.
+        let m = m.abs()?.eq(f64::INFINITY)?.where_cond(&m.zeros_like()?, &m)?;
+        let s = x.sub(&m)?.exp()?.sum(axes, true)?.log()?.add(&m)?;
+        if keepdim {
+            Ok(s)
+        } else {
+            let axes = norm_axes("logsumexp", axes, self.rank())?;
+            let dims: Vec<usize> = (0..self.rank()).filter(|d| !axes.contains(d)).map(|d| self.dims()[d]).collect();
+            s.reshape_dims(&dims)
+        }
+    }
+
+    /// Softmax along `dim`. Runs as three kernels: max, sum of exp, normalise
+    /// (the exponentials are recomputed rather than stored).
+    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let d = norm_axis("softmax", dim, x.rank().max(1))? as isize;
+        if x.rank() == 0 {
+            return x.sub(&x)?.exp();
+        }
+        let m = x.max(&[d], true)?;
+        let s = x.sub(&m)?.exp()?.sum(&[d], true)?;
+        x.sub(&m)?.exp()?.div(&s)
+    }
+
+    /// Log of the softmax along `dim`, computed stably.
+    pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let d = norm_axis("log_softmax", dim, x.rank().max(1))? as isize;
+        if x.rank() == 0 {
+            return x.sub(&x);
+        }
+        let m = x.max(&[d], true)?;
+        let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;
+        x.sub(&m)?.sub(&lse)
+    }
+
+    /// Inclusive cumulative sum along `dim` (bool counts as i32).
+    pub fn cumsum(&self, dim: isize) -> Result<Tensor> {
+        if self.rank() == 0 {
+            return Ok(self.clone());
+        }
+        let d = norm_axis("cumsum", dim, self.rank())?;
+        let x = if self.dtype() == DType::Bool { self.to_dtype(DType::I32)? } else { self.clone() };
+        let dt = x.dtype();
+        Tensor::from_op(Op::Cumsum(d, x), dt, self.device(), self.dims().to_vec())
+    }
+}

@@ -1,0 +1,383 @@
+//! The tensor handle, its creation functions and its accessors.
+//!
+//! The ops themselves live in `ops/`, grouped by kind.
+
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::graph::{Buffer, Node, Op, State, MAX_PENDING_DEPTH};
+use crate::layout::Layout;
+use crate::rng::{self, Generator};
+use crate::shape::checked_numel;
+use crate::storage::{CpuStorage, StorageElem};
+use std::sync::Arc;
+
+/// An n-dimensional array: a cheap handle to a node of the lazy graph plus a
+/// layout (shape, strides, offset) into that node's output.
+///
+/// Cloning is cheap. Ops record nodes and check shapes at once; nothing is
+/// computed until values are needed (`to_vec`, `item`, `Display`, `realize`).
+///
+/// ```
+/// use voltaic::{Tensor, Device};
+/// let a = Tensor::from_vec(vec![1f32, 2., 3., 4.], &[2, 2], Device::Cpu)?;
+/// let b = (a.t()? * 10.0)?.relu()?;
+/// assert_eq!(b.to_vec::<f32>()?, vec![10., 30., 20., 40.]);
+/// # Ok::<(), voltaic::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Tensor {
+    pub(crate) node: Arc<Node>,
+    pub(crate) layout: Layout,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({:?}, {}, {}, node {})", self.dims(), self.dtype(), self.device(), self.node.id)
+    }
+}
+
+impl Tensor {
+    // ---- construction of graph nodes ----
+
+    /// A tensor over a new pending node. Realizes it at once if the pending
+    /// graph below grew past [`MAX_PENDING_DEPTH`].
+    pub(crate) fn from_op(op: Op, dtype: DType, device: Device, dims: Vec<usize>) -> Result<Tensor> {
+        let depth = 1 + op
+            .inputs()
+            .iter()
+            .map(|t| if matches!(&*t.node.state(), State::Pending(_)) { t.node.depth } else { 0 })
+            .max()
+            .unwrap_or(0);
+        let layout = Layout::contiguous(&dims);
+        let node = Node::new(State::Pending(op), dtype, device, dims, depth);
+        let t = Tensor { node, layout };
+        if depth > MAX_PENDING_DEPTH {
+            t.realize()?;
+        }
+        Ok(t)
+    }
+
+    /// A tensor over realized host data.
+    pub(crate) fn from_storage(storage: CpuStorage, dims: &[usize], device: Device) -> Result<Tensor> {
+        device.check_available("tensor")?;
+        let node = Node::new(State::Realized(Buffer::Cpu(Arc::new(storage.clone()))), storage.dtype(), device, dims.to_vec(), 0);
+        Ok(Tensor { node, layout: Layout::contiguous(dims) })
+    }
+
+    /// A view of the same node with another layout.
+    pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
+        Tensor { node: self.node.clone(), layout }
+    }
+
+    // ---- creation ----
+
+    /// A tensor from a Vec with the given shape.
+    pub fn from_vec<T: StorageElem>(data: Vec<T>, shape: &[usize], device: Device) -> Result<Tensor> {
+        let n = checked_numel("from_vec", shape)?;
+        if data.len() != n {
+            bail!(Shape, "from_vec", "{} elements cannot have shape {shape:?} ({n} elements)", data.len());
+        }
+        Tensor::from_storage(T::wrap(data), shape, device)
+    }
+
+    /// A tensor from a slice with the given shape (copies the data).
+    pub fn from_slice<T: StorageElem>(data: &[T], shape: &[usize], device: Device) -> Result<Tensor> {
+        Tensor::from_vec(data.to_vec(), shape, device)
+    }
+
+    /// A 0-dimensional tensor holding one value.
+    pub fn scalar<T: StorageElem>(value: T, device: Device) -> Result<Tensor> {
+        Tensor::from_vec(vec![value], &[], device)
+    }
+
+    /// A tensor of `shape` filled with `value` (stored once and broadcast; no
+    /// memory is used per element until the tensor is made contiguous).
+    pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        checked_numel("full", shape)?;
+        device.check_available("full")?;
+        let c = Tensor::from_op(Op::Const(cast_scalar(value, dtype)), dtype, device, vec![])?;
+        c.broadcast_to(shape)
+    }
+
+    /// Zeros.
+    pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(shape, 0.0, dtype, device)
+    }
+
+    /// Ones.
+    pub fn ones(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(shape, 1.0, dtype, device)
+    }
+
+    /// Zeros with this tensor's shape, dtype and device.
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros(self.dims(), self.dtype(), self.device())
+    }
+
+    /// Ones with this tensor's shape, dtype and device.
+    pub fn ones_like(&self) -> Result<Tensor> {
+        Tensor::ones(self.dims(), self.dtype(), self.device())
+    }
+
+    /// A value with this tensor's dtype and device, broadcast to its shape.
+    pub fn full_like(&self, value: f64) -> Result<Tensor> {
+        Tensor::full(self.dims(), value, self.dtype(), self.device())
+    }
+
+    /// `start, start + step, ...` up to but not including `end` (PyTorch `arange`).
+    pub fn arange(start: f64, end: f64, step: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
+            bail!(Value, "arange", "expected finite start, end and a non-zero step, got start={start} end={end} step={step}");
+        }
+        let n = ((end - start) / step).ceil();
+        if n < 0.0 {
+            bail!(Value, "arange", "step {step} goes away from end: start={start} end={end}");
+        }
+        if n > (isize::MAX / 16) as f64 {
+            bail!(Value, "arange", "too many elements: start={start} end={end} step={step}");
+        }
+        let v: Vec<f64> = (0..n as usize).map(|i| start + i as f64 * step).collect();
+        Tensor::from_storage(CpuStorage::from_f64(dtype, &v), &[v.len()], device)
+    }
+
+    /// `steps` evenly spaced values from `start` to `end` inclusive.
+    pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: Device) -> Result<Tensor> {
+        checked_numel("linspace", &[steps])?;
+        let v: Vec<f64> = (0..steps)
+            .map(|i| {
+                if steps == 1 {
+                    start
+                } else {
+                    // Both halves computed from their own end, as PyTorch does, so the last value is exactly `end`.
+                    let step = (end - start) / (steps - 1) as f64;
+                    if i < steps / 2 {
+                        start + step * i as f64
+                    } else {
+                        end - step * (steps - 1 - i) as f64
+                    }
+                }
+            })
+            .collect();
+        Tensor::from_storage(CpuStorage::from_f64(dtype, &v), &[steps], device)
+    }
+
+    /// The `n` x `n` identity matrix.
+    pub fn eye(n: usize, dtype: DType, device: Device) -> Result<Tensor> {
+        let numel = checked_numel("eye", &[n, n])?;
+        let mut v = vec![0.0; numel];
+        for i in 0..n {
+            v[i * n + i] = 1.0;
+        }
+        Tensor::from_storage(CpuStorage::from_f64(dtype, &v), &[n, n], device)
+    }
+
+    /// Uniform numbers in `[0, 1)` from the default generator (see [`crate::manual_seed`]).
+    pub fn rand(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        rng::with_default(|g| Tensor::rand_with(g, shape, dtype, device))
+    }
+
+    /// Standard normal numbers from the default generator.
+    pub fn randn(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        rng::with_default(|g| Tensor::randn_with(g, shape, dtype, device))
+    }
+
+    /// Uniform numbers in `[0, 1)` from a given generator.
+    pub fn rand_with(g: &mut Generator, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        if !dtype.is_float() {
+            bail!(DType, "rand", "expected a float dtype, got {dtype}");
+        }
+        let n = checked_numel("rand", shape)?;
+        let v = if dtype == DType::F64 { g.uniform53(n) } else { g.uniform(n) };
+        // Rounding to f16/bf16 can reach 1.0; keep the half-open interval.
+        let storage = CpuStorage::from_f64(dtype, &v);
+        let t = Tensor::from_storage(storage, shape, device)?;
+        if matches!(dtype, DType::F16 | DType::BF16) {
+            let below = t.lt(1.0)?;
+            return below.where_cond(&t, &t.full_like(0.0)?)?.contiguous();
+        }
+        Ok(t)
+    }
+
+    /// Standard normal numbers from a given generator.
+    pub fn randn_with(g: &mut Generator, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        if !dtype.is_float() {
+            bail!(DType, "randn", "expected a float dtype, got {dtype}");
+        }
+        let n = checked_numel("randn", shape)?;
+        Tensor::from_storage(CpuStorage::from_f64(dtype, &g.normal(n)), shape, device)
+    }
+
+    /// 1 with probability `self` (elementwise, values in `[0, 1]`), else 0, in `self`'s dtype.
+    pub fn bernoulli(&self) -> Result<Tensor> {
+        rng::with_default(|g| self.bernoulli_with(g))
+    }
+
+    /// [`Tensor::bernoulli`] with a given generator.
+    pub fn bernoulli_with(&self, g: &mut Generator) -> Result<Tensor> {
+        if !self.dtype().is_float() {
+            bail!(DType, "bernoulli", "expected float probabilities, got {}", self.dtype());
+        }
+        let u = Tensor::rand_with(g, self.dims(), DType::F32, self.device())?;
+        u.lt(&self.to_dtype(DType::F32)?)?.to_dtype(self.dtype())
+    }
+
+    // ---- accessors ----
+
+    /// The shape.
+    pub fn dims(&self) -> &[usize] {
+        self.layout.dims()
+    }
+    /// The shape (PyTorch spelling).
+    pub fn shape(&self) -> &[usize] {
+        self.layout.dims()
+    }
+    /// Size of one dimension (negative counts from the end).
+    pub fn size(&self, dim: isize) -> Result<usize> {
+        let d = crate::shape::norm_axis("size", dim, self.rank())?;
+        Ok(self.dims()[d])
+    }
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.layout.dims().len()
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.node.dtype
+    }
+    /// Device.
+    pub fn device(&self) -> Device {
+        self.node.device
+    }
+    /// Strides in elements.
+    pub fn stride(&self) -> &[usize] {
+        self.layout.strides()
+    }
+    /// The layout into the node's buffer.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// Row-major contiguous?
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+    /// Whether this tensor's node has been computed.
+    pub fn is_realized(&self) -> bool {
+        matches!(&*self.node.state(), State::Realized(_))
+    }
+    /// Do two tensors share the same underlying buffer (node)?
+    pub fn same_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.node, &other.node)
+    }
+
+    // ---- realization and reading ----
+
+    /// Compute this tensor's node now (and everything pending below it).
+    pub fn realize(&self) -> Result<&Tensor> {
+        crate::graph::realize::realize(&[self])?;
+        Ok(self)
+    }
+
+    /// Realize several tensors in one schedule, sharing their common work.
+    pub fn realize_all(tensors: &[&Tensor]) -> Result<()> {
+        crate::graph::realize::realize(tensors)
+    }
+
+    /// The elements in row-major order. `T` must be the tensor's dtype.
+    pub fn to_vec<T: StorageElem>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            bail!(DType, "to_vec", "the tensor holds {}, asked for {}; use to_dtype first", self.dtype(), T::DTYPE);
+        }
+        self.realize()?;
+        let buf = self.node.buffer().expect("realized");
+        let s = T::slice(buf.cpu()).expect("dtype checked");
+        Ok(gather_layout(s, &self.layout))
+    }
+
+    /// The elements as f64, whatever the dtype (bools as 0/1).
+    pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
+        self.realize()?;
+        let buf = self.node.buffer().expect("realized");
+        let s = buf.cpu();
+        let mut out = Vec::with_capacity(self.numel());
+        for_each_offset(&self.layout, |o| out.push(s.get_f64(o)));
+        Ok(out)
+    }
+
+    /// The only element of a one-element tensor.
+    pub fn item<T: StorageElem>(&self) -> Result<T> {
+        if self.numel() != 1 {
+            bail!(Shape, "item", "expected a tensor with one element, got shape {:?}", self.dims());
+        }
+        Ok(self.to_vec::<T>()?[0])
+    }
+
+    /// The only element, as f64.
+    pub fn item_f64(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            bail!(Shape, "item", "expected a tensor with one element, got shape {:?}", self.dims());
+        }
+        Ok(self.to_f64_vec()?[0])
+    }
+
+    /// Move to another device (a no-op when already there).
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        device.check_available("to_device")?;
+        bail!(Device, "to_device", "cannot move from {} to {device}", self.device())
+    }
+}
+
+/// Round a scalar to what the dtype can hold (for constants).
+pub(crate) fn cast_scalar(v: f64, dtype: DType) -> f64 {
+    match dtype {
+        DType::Bool => (v != 0.0) as u8 as f64,
+        DType::I32 => v as i32 as f64,
+        DType::U32 => v as u32 as f64,
+        DType::F16 => half::f16::from_f64(v).to_f64(),
+        DType::BF16 => half::bf16::from_f64(v).to_f64(),
+        DType::F32 => v as f32 as f64,
+        DType::F64 => v,
+    }
+}
+
+/// Visit every offset of a layout in row-major order.
+pub(crate) fn for_each_offset(l: &Layout, mut f: impl FnMut(usize)) {
+    let n = l.numel();
+    if n == 0 {
+        return;
+    }
+    let dims = l.dims();
+    let r = dims.len();
+    let mut idx = vec![0usize; r];
+    let mut off = l.offset;
+    for _ in 0..n {
+        f(off);
+        for k in (0..r).rev() {
+            idx[k] += 1;
+            off += l.strides[k];
+            if idx[k] < dims[k] {
+                break;
+            }
+            off -= l.strides[k] * dims[k];
+            idx[k] = 0;
+        }
+    }
+}
+
+/// Copy the elements a layout sees into a new Vec.
+pub(crate) fn gather_layout<T: Copy>(s: &[T], l: &Layout) -> Vec<T> {
+    if l.is_contiguous() {
+        return s[l.offset..l.offset + l.numel()].to_vec();
+    }
+    let mut out = Vec::with_capacity(l.numel());
+    for_each_offset(l, |o| out.push(s[o]));
+    out
+}
+
