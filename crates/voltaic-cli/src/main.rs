@@ -1,1 +1,54 @@
-fn main(){}
+//! The `voltaic` command: devices, demo, bench (train, embed and generate come with later issues).
+
+mod bench;
+mod demo;
+mod devices;
+
+use clap::{Parser, Subcommand};
+
+/// Voltaic: a PyTorch-shaped tensor and deep-learning library for any GPU (wgpu) and the CPU.
+#[derive(Parser)]
+#[command(name = "voltaic", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List the devices Voltaic can run on, with what it uses of each.
+    Devices {
+        /// Print one JSON object per device.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a short demo computation and show how it was scheduled.
+    Demo {
+        /// Device to run on: cpu, gpu or gpu:N (default: the best available).
+        #[arg(long)]
+        device: Option<String>,
+    },
+    /// Benchmark Voltaic against a peer library measured in the same run.
+    Bench(bench::BenchArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let res = match cli.command {
+        Command::Devices { json } => devices::run(json),
+        Command::Demo { device } => demo::run(device.as_deref()),
+        Command::Bench(args) => bench::run(args),
+    };
+    if let Err(e) = res {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Parse a `--device` value, defaulting to the best device.
+pub(crate) fn parse_device(s: Option<&str>) -> anyhow::Result<voltaic::Device> {
+    Ok(match s {
+        Some(s) => voltaic::Device::parse(s)?,
+        None => voltaic::Device::best(),
+    })
+}

@@ -61,7 +61,8 @@ impl Tensor {
     /// A tensor over realized host data.
     pub(crate) fn from_storage(storage: CpuStorage, dims: &[usize], device: Device) -> Result<Tensor> {
         device.check_available("tensor")?;
-        let node = Node::new(State::Realized(Buffer::Cpu(Arc::new(storage.clone()))), storage.dtype(), device, dims.to_vec(), 0);
+        let dtype = storage.dtype();
+        let node = Node::new(State::Realized(Buffer::Cpu(Arc::new(crate::cpu::pool::HostBuf::new(storage)))), dtype, device, dims.to_vec(), 0);
         Ok(Tensor { node, layout: Layout::contiguous(dims) })
     }
 

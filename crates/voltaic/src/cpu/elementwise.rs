@@ -162,7 +162,7 @@ fn operands(i: &Instr) -> Vec<usize> {
 /// Run a fused elementwise kernel over `dims`, producing `dtype`.
 pub(crate) fn run(expr: &Expr, dims: &[usize], inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let numel: usize = dims.iter().product();
-    let mut out = CpuStorage::zeros(dtype, numel);
+    let mut out = super::pool::take(dtype, numel);
     if numel == 0 {
         return out;
     }

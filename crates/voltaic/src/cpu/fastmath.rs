@@ -7,8 +7,11 @@ pub fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.clamp(-104.0, 88.8);
-    let n = (xc * LOG2E).round();
+    // Round to nearest with the 1.5 * 2^23 trick: `round()` would call libm
+    // and stop the loop from vectorising.
+    const MAGIC: f32 = 12_582_912.0;
+    let xc = x.max(-104.0).min(88.8);
+    let n = (xc * LOG2E + MAGIC) - MAGIC;
     let r = xc - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4f32;
     p = p * r + 1.398_199_9e-3;
@@ -18,16 +21,16 @@ pub fn exp_f32(x: f32) -> f32 {
     p = p * r + 5.000_000_1e-1;
     let y = p * r * r + r + 1.0;
     // 2^n as two factors so that neither overflows nor underflows on its own.
-    let n1 = (n * 0.5).floor();
-    let n2 = n - n1;
-    let s1 = f32::from_bits(((n1 as i32 + 127) as u32) << 23);
-    let s2 = f32::from_bits(((n2 as i32 + 127) as u32) << 23);
+    // SAFETY: n is a whole number in [-151, 129], so it fits an i32.
+    let ni = unsafe { n.to_int_unchecked::<i32>() };
+    let n1 = ni >> 1;
+    let n2 = ni - n1;
+    let s1 = f32::from_bits(((n1 + 127) as u32) << 23);
+    let s2 = f32::from_bits(((n2 + 127) as u32) << 23);
     let v = y * s1 * s2;
-    if x > 88.722_84 {
-        f32::INFINITY
-    } else if x < -103.972_08 {
-        0.0
-    } else if x != x {
+    let v = if x > 88.722_84 { f32::INFINITY } else { v };
+    let v = if x < -103.972_08 { 0.0 } else { v };
+    if x != x {
         x
     } else {
         v

@@ -198,39 +198,53 @@ pub(crate) fn cat(dim: usize, parts: &[View], inputs: &[&CpuStorage], dtype: cra
 }
 
 /// im2col: `[N, C, H, W]` to `[N, C, kh, kw, oh, ow]`, out-of-range reads give `pad`.
+/// Each (n, c) plane is one parallel task; rows are copied as runs.
 pub(crate) fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> CpuStorage {
+    use rayon::prelude::*;
     let l = &inp.layout;
     let d = l.dims();
     let (nb, c, h, w) = (d[0], d[1], d[2], d[3]);
     let [oh, ow] = p.out_hw(h, w).expect("checked when the op is recorded");
     let [kh, kw] = p.kernel;
-    let st = l.strides();
+    let st = l.strides().to_vec();
+    let plane = kh * kw * oh * ow;
     fn go<T: StorageElem>(s: &[T], l: &Layout, st: &[usize], dims: [usize; 8], p: &UnfoldParams, pad: f64) -> CpuStorage {
         let pad = T::from_f64(pad);
         let [nb, c, h, w, kh, kw, oh, ow] = dims;
-        let mut out = Vec::with_capacity(nb * c * kh * kw * oh * ow);
-        for n in 0..nb {
-            for ci in 0..c {
-                let base = l.offset + n * st[0] + ci * st[1];
-                for ki in 0..kh {
-                    for kj in 0..kw {
-                        for y in 0..oh {
-                            let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
-                            for x in 0..ow {
-                                let ix = (x * p.stride[1] + kj * p.dilation[1]) as isize - p.padding[1] as isize;
-                                out.push(if iy < 0 || ix < 0 || iy as usize >= h || ix as usize >= w {
-                                    pad
-                                } else {
-                                    s[base + iy as usize * st[2] + ix as usize * st[3]]
-                                });
-                            }
+        let plane = kh * kw * oh * ow;
+        let mut out = vec![pad; nb * c * plane];
+        if plane == 0 {
+            return T::wrap(out);
+        }
+        out.par_chunks_mut(plane).enumerate().for_each(|(nc, dst)| {
+            let (n, ci) = (nc / c, nc % c);
+            let base = l.offset + n * st[0] + ci * st[1];
+            for ki in 0..kh {
+                for kj in 0..kw {
+                    let tap = &mut dst[(ki * kw + kj) * oh * ow..(ki * kw + kj + 1) * oh * ow];
+                    // Output columns whose input column is inside the image.
+                    let off_x = (kj * p.dilation[1]) as isize - p.padding[1] as isize;
+                    let sx = p.stride[1] as isize;
+                    let x0 = if off_x >= 0 { 0 } else { ((-off_x) + sx - 1) / sx } as usize;
+                    let x1 = if (w as isize) <= off_x { 0 } else { ((w as isize - off_x + sx - 1) / sx) as usize }.min(ow);
+                    for y in 0..oh {
+                        let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                        if iy < 0 || iy as usize >= h || x0 >= x1 {
+                            continue;
+                        }
+                        let row = base + iy as usize * st[2];
+                        let dst_row = &mut tap[y * ow..(y + 1) * ow];
+                        for x in x0..x1 {
+                            let ix = (x as isize * sx + off_x) as usize;
+                            dst_row[x] = s[row + ix * st[3]];
                         }
                     }
                 }
             }
-        }
+        });
         T::wrap(out)
     }
+    let _ = plane;
     let dims = [nb, c, h, w, kh, kw, oh, ow];
-    map_storage!(input(inp, inputs), s => go(s, l, st, dims, p, pad))
+    map_storage!(input(inp, inputs), s => go(s, l, &st, dims, p, pad))
 }

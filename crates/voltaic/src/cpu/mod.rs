@@ -4,6 +4,7 @@ pub(crate) mod elementwise;
 pub mod fastmath;
 pub(crate) mod index;
 pub(crate) mod matmul;
+pub mod pool;
 pub(crate) mod reduce;
 
 use crate::error::Result;
@@ -30,7 +31,7 @@ pub(crate) fn run_kernel(k: &Kernel, bufs: &[Option<Buffer>]) -> Result<Buffer> 
         KernelKind::Unfold { input, params, pad } => index::unfold(input, params, *pad, &inputs),
     };
     debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
-    Ok(Buffer::Cpu(Arc::new(out)))
+    Ok(Buffer::Cpu(Arc::new(pool::HostBuf::new(out))))
 }
 
 /// The storage a view reads.

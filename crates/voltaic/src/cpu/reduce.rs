@@ -105,17 +105,36 @@ macro_rules! float_partial {
                     }
                     ReduceOp::Prod => x.iter().map(|&v| v as f64).product(),
                     ReduceOp::Max | ReduceOp::Min => {
-                        let max = op == ReduceOp::Max;
-                        let mut m = x[0];
-                        let mut nan = false;
-                        for &v in x {
-                            nan |= v != v;
-                            m = if (max && v > m) || (!max && v < m) { v } else { m };
+                        // Lane-wise extremes and a NaN flag, so the loop vectorises.
+                        let mut m = [x[0]; $lanes];
+                        let mut nan = [false; $lanes];
+                        let mut chunks = x.chunks_exact($lanes);
+                        if op == ReduceOp::Max {
+                            for c in &mut chunks {
+                                for l in 0..$lanes {
+                                    nan[l] |= c[l] != c[l];
+                                    m[l] = if c[l] > m[l] { c[l] } else { m[l] };
+                                }
+                            }
+                        } else {
+                            for c in &mut chunks {
+                                for l in 0..$lanes {
+                                    nan[l] |= c[l] != c[l];
+                                    m[l] = if c[l] < m[l] { c[l] } else { m[l] };
+                                }
+                            }
                         }
-                        if nan {
+                        let max = op == ReduceOp::Max;
+                        let mut best = m[0];
+                        let mut any_nan = nan.iter().any(|&b| b);
+                        for &v in m.iter().chain(chunks.remainder()) {
+                            any_nan |= v != v;
+                            best = if (max && v > best) || (!max && v < best) { v } else { best };
+                        }
+                        if any_nan {
                             f64::NAN
                         } else {
-                            m as f64
+                            best as f64
                         }
                     }
                     ReduceOp::ArgMax => return scan_arg(x, base, true, |v| v as f64),
@@ -163,6 +182,28 @@ fn partial(op: ReduceOp, r: &Reg, a: usize, b: usize, base: usize) -> Acc {
     }
 }
 
+fn partial_storage(op: ReduceOp, s: &CpuStorage, a: usize, b: usize, base: usize) -> Acc {
+    match s {
+        CpuStorage::F32(x) => f32::partial(op, &x[a..b], base),
+        CpuStorage::F64(x) => f64::partial(op, &x[a..b], base),
+        CpuStorage::I32(x) => i32::partial(op, &x[a..b], base),
+        CpuStorage::U32(x) => u32::partial(op, &x[a..b], base),
+        CpuStorage::Bool(x) => bool::partial(op, &x[a..b], base),
+        _ => unreachable!("half types are never read directly"),
+    }
+}
+
+/// When the prologue is a plain contiguous read of a buffer in its compute
+/// type, reduce straight from the buffer: the buffer and its start offset.
+fn direct_source<'a>(expr: &Expr, inputs: &[&'a CpuStorage]) -> Option<(&'a CpuStorage, usize)> {
+    if expr.instrs.len() != 1 {
+        return None;
+    }
+    let load = &expr.loads[0];
+    let ok = load.path.len() == 1 && load.path[0].is_contiguous() && load.dtype == load.dtype.compute();
+    ok.then(|| (inputs[load.input], load.path[0].offset))
+}
+
 /// Run a reduction kernel.
 pub(crate) fn run(
     op: ReduceOp,
@@ -176,6 +217,7 @@ pub(crate) fn run(
     let mut accs = vec![Acc::init(op); outer];
     if outer > 0 && inner > 0 {
         let prog = Program::new(expr);
+        let direct = direct_source(expr, inputs);
         let total = outer * inner;
         let tasks = (crate::cpu::threads() * 4).min(total.div_ceil(BLOCK)).max(1);
         let per = total.div_ceil(tasks).div_ceil(BLOCK) * BLOCK;
@@ -185,17 +227,23 @@ pub(crate) fn run(
                 let (s, e) = (t * per, ((t + 1) * per).min(total));
                 let g0 = s / inner;
                 let mut local = vec![Acc::init(op); (e - 1) / inner - g0 + 1];
-                let mut regs = prog.regs();
+                let mut regs = if direct.is_some() { vec![] } else { prog.regs() };
                 let mut scratch = Vec::new();
                 let mut pos = s;
                 while pos < e {
-                    let n = BLOCK.min(e - pos);
-                    let r = prog.eval(&mut regs, inputs, dims, pos, n, &mut scratch);
+                    let n = if direct.is_some() { 8 * BLOCK } else { BLOCK }.min(e - pos);
+                    let r = match direct {
+                        Some(_) => 0,
+                        None => prog.eval(&mut regs, inputs, dims, pos, n, &mut scratch),
+                    };
                     let mut a = 0;
                     while a < n {
                         let g = (pos + a) / inner;
                         let b = ((g + 1) * inner - pos).min(n);
-                        let p = partial(op, &regs[r], a, b, pos + a - g * inner);
+                        let p = match direct {
+                            Some((src, off)) => partial_storage(op, src, off + pos + a, off + pos + b, pos + a - g * inner),
+                            None => partial(op, &regs[r], a, b, pos + a - g * inner),
+                        };
                         local[g - g0].combine(op, p);
                         a = b;
                     }

@@ -12,7 +12,6 @@ pub(crate) mod schedule;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
-use crate::storage::CpuStorage;
 use crate::tensor::Tensor;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -25,11 +24,11 @@ pub(crate) const MAX_PENDING_DEPTH: u32 = 1000;
 #[derive(Clone, Debug)]
 pub(crate) enum Buffer {
     /// Host memory.
-    Cpu(Arc<CpuStorage>),
+    Cpu(Arc<crate::cpu::pool::HostBuf>),
 }
 
 impl Buffer {
-    pub(crate) fn cpu(&self) -> &CpuStorage {
+    pub(crate) fn cpu(&self) -> &crate::storage::CpuStorage {
         match self {
             Buffer::Cpu(s) => s,
         }
