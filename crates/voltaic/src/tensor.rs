@@ -138,6 +138,7 @@ impl Tensor {
         if n > (isize::MAX / 16) as f64 {
             bail!(Value, "arange", "too many elements: start={start} end={end} step={step}");
         }
+        crate::cpu::check_alloc(n as usize * 8)?;
         let v: Vec<f64> = (0..n as usize).map(|i| start + i as f64 * step).collect();
         Tensor::from_storage(CpuStorage::from_f64(dtype, &v), &[v.len()], device)
     }
@@ -145,6 +146,7 @@ impl Tensor {
     /// `steps` evenly spaced values from `start` to `end` inclusive.
     pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: Device) -> Result<Tensor> {
         checked_numel("linspace", &[steps])?;
+        crate::cpu::check_alloc(steps.saturating_mul(8))?;
         let v: Vec<f64> = (0..steps)
             .map(|i| {
                 if steps == 1 {
@@ -166,6 +168,7 @@ impl Tensor {
     /// The `n` x `n` identity matrix.
     pub fn eye(n: usize, dtype: DType, device: Device) -> Result<Tensor> {
         let numel = checked_numel("eye", &[n, n])?;
+        crate::cpu::check_alloc(numel.saturating_mul(8))?;
         let mut v = vec![0.0; numel];
         for i in 0..n {
             v[i * n + i] = 1.0;
@@ -189,6 +192,7 @@ impl Tensor {
             bail!(DType, "rand", "expected a float dtype, got {dtype}");
         }
         let n = checked_numel("rand", shape)?;
+        crate::cpu::check_alloc(n.saturating_mul(8))?;
         let v = if dtype == DType::F64 { g.uniform53(n) } else { g.uniform(n) };
         // Rounding to f16/bf16 can reach 1.0; keep the half-open interval.
         let storage = CpuStorage::from_f64(dtype, &v);
@@ -206,6 +210,7 @@ impl Tensor {
             bail!(DType, "randn", "expected a float dtype, got {dtype}");
         }
         let n = checked_numel("randn", shape)?;
+        crate::cpu::check_alloc(n.saturating_mul(8))?;
         Tensor::from_storage(CpuStorage::from_f64(dtype, &g.normal(n)), shape, device)
     }
 

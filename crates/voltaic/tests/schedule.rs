@@ -62,3 +62,42 @@ fn softmax_is_at_most_three_kernels() -> voltaic::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn impossible_allocation_is_an_error_not_an_abort() -> voltaic::Result<()> {
+    let huge = Tensor::zeros(&[1 << 40], DType::F32, Device::Cpu)?; // a broadcast constant: free
+    let err = huge.contiguous()?.realize().unwrap_err();
+    assert!(matches!(err, voltaic::Error::OutOfMemory(_)), "{err}");
+    // The process goes on and later work still runs.
+    assert_eq!(Tensor::ones(&[3], DType::F32, Device::Cpu)?.sum_all()?.item::<f32>()?, 3.0);
+    Ok(())
+}
+
+#[test]
+fn intermediates_held_by_the_user_keep_their_values() -> voltaic::Result<()> {
+    let a = Tensor::randn(&[8, 5], DType::F32, Device::Cpu)?;
+    let h = a.matmul(&a.t()?)?; // materialized: matmul
+    let e = h.exp()?; // inlined into the sum below, but held here
+    let s = e.sum_all()?;
+    s.realize()?;
+    assert!(h.is_realized(), "a matmul output the user holds is kept");
+    let ev = e.to_vec::<f32>()?;
+    let hv = h.to_vec::<f32>()?;
+    let total: f64 = hv.iter().map(|&v| (v as f64).exp()).sum();
+    assert!((s.item::<f32>()? as f64 - total).abs() <= 1e-4 * total);
+    for (x, y) in ev.iter().zip(&hv) {
+        assert!((*x as f64 - (*y as f64).exp()).abs() <= 1e-5 * (*y as f64).exp());
+    }
+    Ok(())
+}
+
+#[test]
+fn long_pending_chains_neither_overflow_nor_lose_values() -> voltaic::Result<()> {
+    let x = Tensor::full(&[4], 1.0, DType::F32, Device::Cpu)?;
+    let mut t = x.clone();
+    for _ in 0..5000 {
+        t = t.add(1.0)?;
+    }
+    assert_eq!(t.to_vec::<f32>()?, vec![5001.0; 4]);
+    Ok(())
+}

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 /// Run one kernel; `bufs` holds every live slot of the plan.
 pub(crate) fn run_kernel(k: &Kernel, bufs: &[Option<Buffer>]) -> Result<Buffer> {
+    check_alloc(k.numel * k.dtype.size_in_bytes())?;
     let inputs: Vec<&CpuStorage> =
         k.inputs.iter().map(|&s| bufs[s].as_ref().expect("input slot is live").cpu()).collect();
     let out = match &k.kind {
@@ -32,6 +33,18 @@ pub(crate) fn run_kernel(k: &Kernel, bufs: &[Option<Buffer>]) -> Result<Buffer> 
     };
     debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
     Ok(Buffer::Cpu(Arc::new(pool::HostBuf::new(out))))
+}
+
+/// Fail with `OutOfMemory` instead of aborting when a large output cannot be
+/// allocated (Rust aborts the process on a failed infallible allocation).
+pub(crate) fn check_alloc(bytes: usize) -> Result<()> {
+    if bytes >= 1 << 28 {
+        let mut probe: Vec<u8> = Vec::new();
+        if probe.try_reserve_exact(bytes).is_err() {
+            return Err(crate::Error::OutOfMemory(format!("cannot allocate {bytes} bytes of host memory")));
+        }
+    }
+    Ok(())
 }
 
 /// The storage a view reads.

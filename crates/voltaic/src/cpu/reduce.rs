@@ -196,7 +196,8 @@ fn partial_storage(op: ReduceOp, s: &CpuStorage, a: usize, b: usize, base: usize
 /// When the prologue is a plain contiguous read of a buffer in its compute
 /// type, reduce straight from the buffer: the buffer and its start offset.
 fn direct_source<'a>(expr: &Expr, inputs: &[&'a CpuStorage]) -> Option<(&'a CpuStorage, usize)> {
-    if expr.instrs.len() != 1 {
+    // A lone constant (a reduction of `full`) has no load to read from.
+    if expr.instrs.len() != 1 || expr.loads.len() != 1 {
         return None;
     }
     let load = &expr.loads[0];
