@@ -26,15 +26,15 @@ fn style(dtype: DType, vals: &[f64]) -> Style {
         return Style::Int;
     }
     let finite: Vec<f64> = vals.iter().copied().filter(|v| v.is_finite()).collect();
-    if finite.iter().all(|v| v.fract() == 0.0) {
-        if finite.iter().any(|v| v.abs() >= 1e8) {
-            return Style::Sci;
-        }
-        return Style::Whole;
-    }
+    // PyTorch's rules, over the nonzero finite magnitudes: whole numbers too
+    // switch to scientific notation beyond 1e8 or a range of 1000.
     let nz: Vec<f64> = finite.iter().map(|v| v.abs()).filter(|&v| v > 0.0).collect();
     let (mx, mn) = nz.iter().fold((0f64, f64::INFINITY), |(a, b), &v| (a.max(v), b.min(v)));
-    if mx >= 1e8 || (mn < 1e-4 && mn.is_finite()) || (mn.is_finite() && mx / mn > 1000.0) {
+    let wide = mx > 1e8 || (mn.is_finite() && mx / mn > 1000.0);
+    if finite.iter().all(|v| v.fract() == 0.0) {
+        return if wide { Style::Sci } else { Style::Whole };
+    }
+    if wide || (mn < 1e-4 && mn.is_finite()) {
         Style::Sci
     } else {
         Style::Fixed
@@ -95,7 +95,8 @@ fn render(out: &mut String, dims: &[usize], strides: &[usize], base: usize, cell
         }
         match i {
             Some(i) => render(out, &dims[1..], &strides[1..], base + i * strides[0], cells, width, indent + 1, summarise),
-            None => out.push_str("..."),
+            // PyTorch pads the ellipsis inside a row: `2.,  ..., 7.`
+            None => out.push_str(if dims.len() == 1 { " ..." } else { "..." }),
         }
     }
     out.push(']');
@@ -124,7 +125,8 @@ impl fmt::Display for Tensor {
             }
         });
         let st = style(self.dtype(), &shown_vals);
-        let width = shown_vals.iter().map(|&v| fmt_one(v, &st).len()).max().unwrap_or(0);
+        // As PyTorch, non-finite floats (nan, inf) do not widen the columns.
+        let width = shown_vals.iter().filter(|v| v.is_finite()).map(|&v| fmt_one(v, &st).len()).max().unwrap_or(0);
         let cells = |o: usize| fmt_one(vals[o], &st);
         let mut s = String::from("tensor(");
         if dims.is_empty() {

@@ -245,10 +245,11 @@ impl Layout {
         // The view's offset as a multi-index of the inner shape.
         let mut rem = view.offset;
         let mut base = vec![0usize; pdims.len()];
+        // An empty inner shape has zero strides (and nothing to read).
+        if pdims.contains(&0) {
+            return None;
+        }
         for j in 0..pdims.len() {
-            if pdims[j] == 0 {
-                return None;
-            }
             base[j] = rem / pstrides[j];
             rem %= pstrides[j];
         }

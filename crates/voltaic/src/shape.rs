@@ -110,14 +110,16 @@ pub(crate) fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Re
     Ok(out)
 }
 
-/// Elements of a shape, failing instead of overflowing.
+/// Elements of a shape, failing instead of overflowing. The product of the
+/// non-zero dims must fit as well, even when a zero dim makes the shape
+/// empty: strides are products of dims and must not overflow either.
 pub(crate) fn checked_numel(op: &'static str, dims: &[usize]) -> Result<usize> {
     let mut n: usize = 1;
-    for &d in dims {
+    for &d in dims.iter().filter(|&&d| d != 0) {
         n = match n.checked_mul(d) {
             Some(v) if v <= isize::MAX as usize / 8 => v,
             _ => bail!(Shape, op, "shape {dims:?} has too many elements"),
         };
     }
-    Ok(n)
+    Ok(if dims.contains(&0) { 0 } else { n })
 }

@@ -122,11 +122,13 @@ impl<'a> Program<'a> {
                 Instr::Unary(op, a) => {
                     let mut o = std::mem::take(&mut regs[r]);
                     unary(*op, &regs[self.reg_of[*a]], &mut o, n);
+                    round_half(&mut o, *dt, n);
                     regs[r] = o;
                 }
                 Instr::Binary(op, a, b) => {
                     let mut o = std::mem::take(&mut regs[r]);
                     binary(*op, &regs[self.reg_of[*a]], &regs[self.reg_of[*b]], &mut o, n);
+                    round_half(&mut o, *dt, n);
                     regs[r] = o;
                 }
                 Instr::Cmp(op, a, b) => {
@@ -147,6 +149,17 @@ impl<'a> Program<'a> {
             }
         }
         self.reg_of[self.expr.instrs.len() - 1]
+    }
+}
+
+/// Half types compute in f32 registers; round a result to its dtype so that a
+/// fused intermediate has the value it would have had if stored.
+#[inline]
+fn round_half(r: &mut Reg, dt: DType, n: usize) {
+    match (dt, r) {
+        (DType::F16, Reg::F32(v)) => v[..n].iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
+        (DType::BF16, Reg::F32(v)) => v[..n].iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32()),
+        _ => {}
     }
 }
 

@@ -13,7 +13,9 @@ use crate::op::ReduceOp;
 use crate::storage::CpuStorage;
 use rayon::prelude::*;
 
-/// A running reduction value. Sums and products accumulate in f64.
+/// A running reduction value. Sums and products accumulate in f64; integer
+/// sums and products also in `i`, wrapping, which is the result for integer
+/// dtypes (for arg reductions `i` is the index).
 #[derive(Clone, Copy, Debug)]
 struct Acc {
     v: f64,
@@ -23,11 +25,12 @@ struct Acc {
 
 impl Acc {
     fn init(op: ReduceOp) -> Acc {
-        let v = match op {
-            ReduceOp::Prod => 1.0,
-            _ => 0.0,
+        let (v, i) = match op {
+            ReduceOp::Prod => (1.0, 1),
+            ReduceOp::Sum => (0.0, 0),
+            _ => (0.0, -1),
         };
-        Acc { v, i: -1, has: false }
+        Acc { v, i, has: false }
     }
 
     /// Fold a later partial into this one.
@@ -41,8 +44,14 @@ impl Acc {
             return;
         }
         match op {
-            ReduceOp::Sum => self.v += p.v,
-            ReduceOp::Prod => self.v *= p.v,
+            ReduceOp::Sum => {
+                self.v += p.v;
+                self.i = self.i.wrapping_add(p.i);
+            }
+            ReduceOp::Prod => {
+                self.v *= p.v;
+                self.i = self.i.wrapping_mul(p.i);
+            }
             ReduceOp::Max | ReduceOp::ArgMax => {
                 if !self.v.is_nan() && (p.v > self.v || p.v.is_nan()) {
                     *self = p;
@@ -155,8 +164,14 @@ macro_rules! int_partial {
             fn partial(op: ReduceOp, x: &[$t], base: usize) -> Acc {
                 let f = |$x: $t| -> f64 { $to };
                 let v = match op {
-                    ReduceOp::Sum => x.iter().map(|&v| f(v)).sum(),
-                    ReduceOp::Prod => x.iter().map(|&v| f(v)).product(),
+                    ReduceOp::Sum => {
+                        let i = x.iter().fold(0i64, |a, &v| a.wrapping_add(f(v) as i64));
+                        return Acc { v: 0.0, i, has: true };
+                    }
+                    ReduceOp::Prod => {
+                        let i = x.iter().fold(1i64, |a, &v| a.wrapping_mul(f(v) as i64));
+                        return Acc { v: 0.0, i, has: true };
+                    }
                     ReduceOp::Max => x.iter().map(|&v| f(v)).fold(f64::NEG_INFINITY, f64::max),
                     ReduceOp::Min => x.iter().map(|&v| f(v)).fold(f64::INFINITY, f64::min),
                     ReduceOp::ArgMax => return scan_arg(x, base, true, f),
@@ -259,6 +274,16 @@ pub(crate) fn run(
             }
         }
     }
-    let vals: Vec<f64> = accs.iter().map(|a| if op.is_arg() { a.i.max(0) as f64 } else { a.v }).collect();
+    let int_acc = matches!(op, ReduceOp::Sum | ReduceOp::Prod) && matches!(dtype, DType::I32 | DType::U32);
+    let vals: Vec<f64> = accs
+        .iter()
+        .map(|a| match () {
+            _ if op.is_arg() => a.i.max(0) as f64,
+            // Integer sums and products wrap (mod 2^32), as the elementwise integer ops do.
+            _ if int_acc && dtype == DType::I32 => a.i as i32 as f64,
+            _ if int_acc => a.i as u32 as f64,
+            _ => a.v,
+        })
+        .collect();
     CpuStorage::from_f64(dtype, &vals)
 }

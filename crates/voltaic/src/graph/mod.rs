@@ -45,11 +45,12 @@ pub(crate) struct UnfoldParams {
 }
 
 impl UnfoldParams {
-    /// Output spatial size for an input of `h` x `w`.
+    /// Output spatial size for an input of `h` x `w`; `None` when the
+    /// kernel does not fit (or the sizes overflow).
     pub fn out_hw(&self, h: usize, w: usize) -> Option<[usize; 2]> {
         let f = |i: usize, n: usize| {
-            let span = self.dilation[i] * (self.kernel[i] - 1) + 1;
-            let padded = n + 2 * self.padding[i];
+            let span = self.dilation[i].checked_mul(self.kernel[i].checked_sub(1)?)?.checked_add(1)?;
+            let padded = self.padding[i].checked_mul(2)?.checked_add(n)?;
             if padded < span {
                 None
             } else {

@@ -39,6 +39,13 @@ fn float_scalar(v: f64, like: &Tensor) -> Result<Tensor> {
 }
 fn int_scalar(v: f64, like: &Tensor) -> Result<Tensor> {
     let dt = if like.dtype() == DType::Bool { DType::I32 } else { like.dtype() };
+    // Wrap into an integer dtype as the tensor-tensor ops do (u32 + -1 subtracts
+    // one); `cast_scalar` alone would saturate -1 to 0.
+    let v = match dt {
+        DType::I32 => v as i64 as i32 as f64,
+        DType::U32 => v as i64 as u32 as f64,
+        _ => v,
+    };
     Tensor::constant(v, dt, like)
 }
 impl IntoOperand for f64 {

@@ -79,8 +79,9 @@ impl Tensor {
     /// Views of pieces with the given sizes along `dim`; they must add up to the dim's size.
     pub fn split_with_sizes(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
         let d = norm_axis("split_with_sizes", dim, self.rank())?;
-        let total: usize = sizes.iter().sum();
-        if total != self.dims()[d] {
+        // Summed in u128: the sizes themselves may overflow usize.
+        let total: u128 = sizes.iter().map(|&s| s as u128).sum();
+        if total != self.dims()[d] as u128 {
             bail!(Shape, "split_with_sizes", "sizes {sizes:?} add up to {total}, but dim {d} has size {}", self.dims()[d]);
         }
         let mut s = 0;

@@ -45,6 +45,10 @@ impl Tensor {
         if p.kernel.contains(&0) || p.stride.contains(&0) || p.dilation.contains(&0) {
             bail!(Value, op, "kernel size, stride and dilation must be positive, got {:?}, {:?}, {:?}", p.kernel, p.stride, p.dilation);
         }
+        // Bounded so that the kernels' signed index arithmetic cannot overflow.
+        if p.padding.iter().chain(&p.dilation).any(|&v| v > u32::MAX as usize) {
+            bail!(Value, op, "padding {:?} and dilation {:?} must be at most {}", p.padding, p.dilation, u32::MAX);
+        }
         let d = self.dims();
         let Some([oh, ow]) = p.out_hw(d[2], d[3]) else {
             bail!(
@@ -60,6 +64,12 @@ impl Tensor {
         };
         let dims = vec![d[0], d[1], p.kernel[0], p.kernel[1], oh, ow];
         crate::shape::checked_numel(op, &dims)?;
+        // A stride beyond the padded input gives one output either way; cap it
+        // there so that it cannot overflow the kernels' signed arithmetic.
+        let mut p = p;
+        for i in 0..2 {
+            p.stride[i] = p.stride[i].min(d[2 + i] + 2 * p.padding[i]);
+        }
         Tensor::from_op(Op::Unfold(self.clone(), p, pad), self.dtype(), self.device(), dims)
     }
 
@@ -73,7 +83,7 @@ impl Tensor {
         let (n, cin) = (self.dims()[0], self.dims()[1]);
         let (cout, cpg, kh, kw) = (weight.dims()[0], weight.dims()[1], weight.dims()[2], weight.dims()[3]);
         let g = opts.groups;
-        if g == 0 || cin % g != 0 || cout % g != 0 || cpg * g != cin {
+        if g == 0 || cin % g != 0 || cout % g != 0 || cpg.checked_mul(g) != Some(cin) {
             bail!(
                 Shape,
                 "conv2d",
@@ -102,7 +112,7 @@ impl Tensor {
 
     fn pool_params(op: &'static str, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<UnfoldParams> {
         for i in 0..2 {
-            if padding[i] * 2 > kernel[i] {
+            if padding[i] > kernel[i] / 2 {
                 bail!(Value, op, "padding {:?} must be at most half the kernel size {:?}", padding, kernel);
             }
         }

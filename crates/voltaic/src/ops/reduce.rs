@@ -115,6 +115,10 @@ impl Tensor {
     /// `log(sum(exp(x)))` over `axes`, computed stably.
     pub fn logsumexp(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
+        if x.reduced_count(axes)? == 0 {
+            // The log of an empty sum: -inf (PyTorch), where max would have no identity.
+            return x.sum(axes, keepdim)?.log();
+        }
         let m = x.max(axes, true)?;
         // An all -inf slice has max -inf; shift by 0 there so the result is -inf, not NaN.
         let m = m.abs()?.eq(f64::INFINITY)?.where_cond(&m.zeros_like()?, &m)?;
@@ -136,6 +140,9 @@ impl Tensor {
         if x.rank() == 0 {
             return x.sub(&x)?.exp();
         }
+        if x.numel() == 0 {
+            return Ok(x);
+        }
         let m = x.max(&[d], true)?;
         let s = x.sub(&m)?.exp()?.sum(&[d], true)?;
         x.sub(&m)?.exp()?.div(&s)
@@ -147,6 +154,9 @@ impl Tensor {
         let d = norm_axis("log_softmax", dim, x.rank().max(1))? as isize;
         if x.rank() == 0 {
             return x.sub(&x);
+        }
+        if x.numel() == 0 {
+            return Ok(x);
         }
         let m = x.max(&[d], true)?;
         let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;

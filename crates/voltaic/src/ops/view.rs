@@ -159,6 +159,8 @@ impl Tensor {
         let clampi = |i: isize| if i < 0 { (i + size).max(0) } else { i.min(size) };
         let (s, e) = (clampi(start), clampi(end));
         let len = if e > s { ((e - s) as usize).div_ceil(step) } else { 0 };
+        // With at most one element the step is never taken; a huge one would overflow the stride.
+        let step = if len <= 1 { 1 } else { step };
         Ok(self.with_layout(self.layout.slice(d, s as usize, len, step)))
     }
 
