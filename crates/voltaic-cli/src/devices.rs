@@ -35,26 +35,54 @@ pub fn run(json: bool) -> anyhow::Result<()> {
     let threads = rayon::current_num_threads();
     let model = cpu_model();
     let features = simd();
+    let gpus = voltaic::gpu::adapters();
+    let best = voltaic::Device::best();
     if json {
         let cpu = json!({
             "device": "cpu", "name": model, "backend": "native", "device_type": "Cpu",
             "threads": threads, "features": features, "matmul": "gemm",
-            "dtypes": ["f32", "f64", "f16", "bf16", "i32", "u32", "bool"],
+            "dtypes": ["f32", "f64", "f16", "bf16", "i32", "u32", "bool"], "best": best == voltaic::Device::Cpu,
         });
         println!("{cpu}");
+        for a in &gpus {
+            let limits: serde_json::Map<String, serde_json::Value> = a.limits.iter().map(|(k, v)| (k.to_string(), json!(v))).collect();
+            println!(
+                "{}",
+                json!({
+                    "device": format!("gpu:{}", a.index), "name": a.name, "backend": a.backend,
+                    "device_type": a.device_type, "driver": a.driver, "features": a.features, "limits": limits,
+                    "software": a.is_software(), "best": best == voltaic::Device::Gpu(a.index),
+                })
+            );
+        }
+        return Ok(());
+    }
+    let mark = |d: voltaic::Device| if d == best { "*" } else { " " };
+    println!("{:<9} {:<8} {:<14} DETAILS", "DEVICE", "BACKEND", "TYPE");
+    println!(
+        "{}{:<8} {:<8} {:<14} {} | {} threads (rayon) | SIMD: {} | matmul: gemm",
+        mark(voltaic::Device::Cpu),
+        "cpu",
+        "native",
+        "Cpu",
+        model,
+        threads,
+        features.join(" ")
+    );
+    for a in &gpus {
+        let d = voltaic::Device::Gpu(a.index);
+        println!("{}{:<8} {:<8} {:<14} {} | driver: {}", mark(d), d.to_string(), a.backend, a.device_type, a.name, a.driver);
+        println!("{:<33} features: {}", "", if a.features.is_empty() { "none".into() } else { a.features.join(" ") });
+        let lim: Vec<String> = a.limits.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("{:<33} limits: {}", "", lim.join(" "));
+    }
+    if gpus.is_empty() {
+        println!("\nNo GPU adapter found (on Linux: `apt-get install libvulkan1 mesa-vulkan-drivers`).");
+    }
+    println!("\n* = Device::best(){}", if gpus.iter().any(|a| a.is_software()) {
+        "; software adapters are used only when asked for (--device gpu:N or VOLTAIC_DEVICE)"
     } else {
-        println!("{:<8} {:<10} {}", "DEVICE", "BACKEND", "DETAILS");
-        println!(
-            "{:<8} {:<10} {} | {} threads (rayon) | SIMD: {} | matmul: gemm | dtypes: f32 f64 f16 bf16 i32 u32 bool",
-            "cpu",
-            "native",
-            model,
-            threads,
-            features.join(" ")
-        );
-    }
-    if !json {
-        println!("\nGPU adapters: none usable yet (this build has no wgpu executor; `Device::best()` is the CPU).");
-    }
+        ""
+    });
     Ok(())
 }

@@ -22,6 +22,7 @@ mod device;
 mod display;
 mod dtype;
 mod error;
+pub mod gpu;
 mod graph;
 mod layout;
 pub mod op;

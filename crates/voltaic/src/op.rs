@@ -24,8 +24,11 @@ pub enum Domain {
 pub trait UnaryKernel {
     /// Name used in errors and kernel names.
     const NAME: &'static str;
-    /// WGSL expression, `{x}` standing for the operand.
+    /// WGSL expression over f32, `{x}` standing for the operand; helper
+    /// functions it calls come from [`WGSL_HELPERS`].
     const WGSL: &'static str;
+    /// WGSL expression over integers (`{T}` is `i32` or `u32`).
+    const WGSL_INT: &'static str = Self::WGSL;
     /// Accepted dtypes.
     const DOMAIN: Domain;
     /// f32 kernel.
@@ -50,8 +53,10 @@ pub trait UnaryKernel {
 pub trait BinaryKernel {
     /// Name used in errors and kernel names.
     const NAME: &'static str;
-    /// WGSL expression, `{a}` and `{b}` standing for the operands.
+    /// WGSL expression over f32, `{a}` and `{b}` standing for the operands.
     const WGSL: &'static str;
+    /// WGSL expression over integers (`{T}` is `i32` or `u32`).
+    const WGSL_INT: &'static str = Self::WGSL;
     /// Accepted dtypes.
     const DOMAIN: Domain;
     /// f32 kernel.
@@ -73,13 +78,14 @@ pub trait BinaryKernel {
 }
 
 macro_rules! unary {
-    ($(#[$m:meta])* $T:ident, $name:literal, $wgsl:literal, $dom:ident,
+    ($(#[$m:meta])* $T:ident, $name:literal, $wgsl:literal $(| $wgsl_int:literal)?, $dom:ident,
      |$x:ident| $f32:expr, |$y:ident| $f64:expr $(, int |$i:ident| $int:expr)? $(, bool |$b:ident| $bool:expr)?) => {
         $(#[$m])*
         pub struct $T;
         impl UnaryKernel for $T {
             const NAME: &'static str = $name;
             const WGSL: &'static str = $wgsl;
+            $(const WGSL_INT: &'static str = $wgsl_int;)?
             const DOMAIN: Domain = Domain::$dom;
             #[inline(always)]
             fn f32($x: f32) -> f32 { $f32 }
@@ -129,7 +135,7 @@ impl IntOps for u32 {
 }
 
 unary!(/// `-x`
-    Neg, "neg", "(-{x})", Numeric, |x| -x, |x| -x, int |x| x.neg_());
+    Neg, "neg", "(-{x})" | "({T}(0) - {x})", Numeric, |x| -x, |x| -x, int |x| x.neg_());
 unary!(/// `|x|`
     Abs, "abs", "abs({x})", Numeric, |x| x.abs(), |x| x.abs(), int |x| x.abs_());
 unary!(/// `e^x`
@@ -143,32 +149,32 @@ unary!(/// `e^x - 1`, accurate near 0
 unary!(/// square root
     Sqrt, "sqrt", "sqrt({x})", Float, |x| x.sqrt(), |x| x.sqrt());
 unary!(/// `1 / sqrt(x)`
-    Rsqrt, "rsqrt", "inverseSqrt({x})", Float, |x| 1.0 / x.sqrt(), |x| 1.0 / x.sqrt());
+    Rsqrt, "rsqrt", "(1.0 / sqrt({x}))", Float, |x| 1.0 / x.sqrt(), |x| 1.0 / x.sqrt());
 unary!(/// `1 / x`
     Recip, "reciprocal", "(1.0 / {x})", Float, |x| 1.0 / x, |x| 1.0 / x);
 unary!(/// sine
-    Sin, "sin", "sin({x})", Float, |x| x.sin(), |x| x.sin());
+    Sin, "sin", "sin_({x})", Float, |x| x.sin(), |x| x.sin());
 unary!(/// cosine
-    Cos, "cos", "cos({x})", Float, |x| x.cos(), |x| x.cos());
+    Cos, "cos", "cos_({x})", Float, |x| x.cos(), |x| x.cos());
 unary!(/// hyperbolic tangent
-    Tanh, "tanh", "tanh({x})", Float, |x| x.tanh(), |x| x.tanh());
+    Tanh, "tanh", "tanh_({x})", Float, |x| x.tanh(), |x| x.tanh());
 unary!(/// logistic sigmoid `1 / (1 + e^-x)`
     Sigmoid, "sigmoid", "(1.0 / (1.0 + exp(-{x})))", Float,
     |x| 1.0 / (1.0 + fastmath::exp_f32(-x)), |x| 1.0 / (1.0 + (-x).exp()));
 unary!(/// `max(x, 0)`; NaN stays NaN as in PyTorch
-    Relu, "relu", "select({x}, {x} * 0.0, {x} < 0.0)", Numeric,
+    Relu, "relu", "select({x}, {T}(0), {x} < {T}(0))", Numeric,
     |x| if x < 0.0 { 0.0 } else { x }, |x| if x < 0.0 { 0.0 } else { x },
     int |x| if x < Default::default() { Default::default() } else { x });
 unary!(/// the error function
     Erf, "erf", "erf_({x})", Float, |x| libm::erff(x), |x| libm::erf(x));
 unary!(/// round down
-    Floor, "floor", "floor({x})", Numeric, |x| x.floor(), |x| x.floor(), int |x| x);
+    Floor, "floor", "floor({x})" | "{x}", Numeric, |x| x.floor(), |x| x.floor(), int |x| x);
 unary!(/// round up
-    Ceil, "ceil", "ceil({x})", Numeric, |x| x.ceil(), |x| x.ceil(), int |x| x);
+    Ceil, "ceil", "ceil({x})" | "{x}", Numeric, |x| x.ceil(), |x| x.ceil(), int |x| x);
 unary!(/// round half to even, as PyTorch
-    Round, "round", "round({x})", Numeric, |x| x.round_ties_even(), |x| x.round_ties_even(), int |x| x);
+    Round, "round", "round({x})" | "{x}", Numeric, |x| x.round_ties_even(), |x| x.round_ties_even(), int |x| x);
 unary!(/// -1, 0 or 1 (NaN stays NaN)
-    Sign, "sign", "sign({x})", Numeric,
+    Sign, "sign", "select(select({x}, -1.0, {x} < 0.0), 1.0, {x} > 0.0)" | "select(select({x}, {T}(0) - {T}(1), {x} < {T}(0)), {T}(1), {x} > {T}(0))", Numeric,
     |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
     |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
     int |x| x.sign_());
@@ -176,13 +182,14 @@ unary!(/// logical not
     Not, "logical_not", "!({x})", Bool, |x| x, |x| x, bool |x| !x);
 
 macro_rules! binary {
-    ($(#[$m:meta])* $T:ident, $name:literal, $wgsl:literal, $dom:ident,
+    ($(#[$m:meta])* $T:ident, $name:literal, $wgsl:literal $(| $wgsl_int:literal)?, $dom:ident,
      |$a:ident, $b:ident| $float:expr $(, int |$ia:ident, $ib:ident| $int:expr)? $(, bool |$ba:ident, $bb:ident| $bool:expr)?) => {
         $(#[$m])*
         pub struct $T;
         impl BinaryKernel for $T {
             const NAME: &'static str = $name;
             const WGSL: &'static str = $wgsl;
+            $(const WGSL_INT: &'static str = $wgsl_int;)?
             const DOMAIN: Domain = Domain::$dom;
             #[inline(always)]
             fn f32($a: f32, $b: f32) -> f32 { $float }
@@ -214,14 +221,14 @@ binary!(/// `a ^ b`
     Pow, "pow", "pow_({a}, {b})", Float, |a, b| a.powf(b));
 binary!(/// remainder with the sign of the divisor (PyTorch `remainder`, Python `%`);
     /// integer division by zero gives 0 instead of raising
-    Rem, "remainder", "rem_({a}, {b})", Numeric,
+    Rem, "remainder", "rem_f32({a}, {b})" | "rem_{T}({a}, {b})", Numeric,
     |a, b| { let r = a % b; if r != 0.0 && ((r < 0.0) != (b < 0.0)) { r + b } else { r } },
     int |a, b| int_rem(a, b));
 binary!(/// elementwise maximum; NaN wins, as in PyTorch
-    Maximum, "maximum", "max_({a}, {b})", Numeric,
+    Maximum, "maximum", "select({b}, {a}, {a} > {b} || isnan_({a}))" | "max({a}, {b})", Numeric,
     |a, b| if a > b || a != a { a } else { b }, int |a, b| if a > b { a } else { b });
 binary!(/// elementwise minimum; NaN wins, as in PyTorch
-    Minimum, "minimum", "min_({a}, {b})", Numeric,
+    Minimum, "minimum", "select({b}, {a}, {a} < {b} || isnan_({a}))" | "min({a}, {b})", Numeric,
     |a, b| if a < b || a != a { a } else { b }, int |a, b| if a < b { a } else { b });
 binary!(/// logical and
     And, "logical_and", "({a} && {b})", Bool, |a, _b| a, bool |a, b| a & b);
@@ -259,6 +266,134 @@ fn int_rem<T: IntRem>(a: T, b: T) -> T {
     a.rem_(b)
 }
 
+/// WGSL helper functions that the templates above call, by name. A kernel
+/// includes the ones its body mentions. They exist where WGSL's built-in is
+/// missing (erf, log1p, expm1), not precise enough on every driver (sin, cos
+/// need range reduction; tanh overflows to NaN on some), or not defined where
+/// PyTorch is (pow of a negative base, remainder's sign).
+///
+/// NaN is tested on the bits (`isnan_`), never as `x != x`: some drivers
+/// (Mesa's NIR among them) fold `x != x` to false and `x - x` to 0.
+pub const WGSL_HELPERS: &[(&str, &str)] = &[
+    ("isnan_", "fn isnan_(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }"),
+    ("isinf_", "fn isinf_(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) == 0x7f800000u; }"),
+    ("log1p_", "fn log1p_(x: f32) -> f32 {
+    if (abs(x) < 0.5) {
+        let s = x / (2.0 + x);
+        let s2 = s * s;
+        return 2.0 * s * (1.0 + s2 * (1.0 / 3.0 + s2 * (0.2 + s2 * (1.0 / 7.0 + s2 * (1.0 / 9.0 + s2 * (1.0 / 11.0))))));
+    }
+    return log(1.0 + x);
+}"),
+    ("expm1_", "fn expm1_(x: f32) -> f32 {
+    if (abs(x) < 1.0) {
+        return x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (1.0 / 720.0
+            + x * (1.0 / 5040.0 + x * (1.0 / 40320.0 + x * (1.0 / 362880.0 + x * (1.0 / 3628800.0))))))))));
+    }
+    return exp(x) - 1.0;
+}"),
+    ("tanh_", "fn tanh_(x: f32) -> f32 {
+    let a = abs(x);
+    var t: f32;
+    if (a < 0.5) {
+        let e = expm1_(2.0 * a);
+        t = e / (e + 2.0);
+    } else {
+        t = 1.0 - 2.0 / (exp(2.0 * min(a, 20.0)) + 1.0);
+    }
+    return select(select(t, -t, x < 0.0), x, isnan_(x));
+}"),
+    ("sincos_", "fn sincos_(x: f32, want_cos: bool) -> f32 {
+    // Cody-Waite reduction to [-pi/4, pi/4], then the cephes polynomials.
+    let k = round(x * 0.63661977236758134);
+    let r = ((x - k * 1.5703125) - k * 4.837512969970703125e-4) - k * 7.54978995489188216e-8;
+    let z = r * r;
+    let s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
+    let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
+    var q = i32(k - 4.0 * floor(k * 0.25));
+    if (want_cos) { q = q + 1; }
+    var v: f32;
+    switch (q & 3) {
+        case 0: { v = s; }
+        case 1: { v = c; }
+        case 2: { v = -s; }
+        default: { v = -c; }
+    }
+    // NaN and infinities give NaN.
+    return select(v, bitcast<f32>(0x7fc00000u), isnan_(x) || isinf_(x));
+}"),
+    ("sin_", "fn sin_(x: f32) -> f32 { return sincos_(x, false); }"),
+    ("cos_", "fn cos_(x: f32) -> f32 { return sincos_(x, true); }"),
+    ("erf_", "fn erf_(x: f32) -> f32 {
+    let a = abs(x);
+    if (a < 0.5) {
+        let z = x * x;
+        return x * 1.1283791670955126 * (1.0 + z * (-1.0 / 3.0 + z * (0.1 + z * (-1.0 / 42.0 + z * (1.0 / 216.0 + z * (-1.0 / 1320.0))))));
+    }
+    // erfc by the Chebyshev fit of Numerical Recipes (relative error < 1.2e-7).
+    let t = 1.0 / (1.0 + 0.5 * a);
+    let e = t * exp(-a * a - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806
+        + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))));
+    return select(1.0 - e, e - 1.0, x < 0.0);
+}"),
+    ("pow_", "fn pow_(a: f32, b: f32) -> f32 {
+    if (b == 0.0 || a == 1.0) { return 1.0; }
+    if (isnan_(a) || isnan_(b)) { return bitcast<f32>(0x7fc00000u); }
+    if (b == 1.0) { return a; }
+    if (b == 2.0) { return a * a; }
+    let m = abs(a);
+    var r: f32;
+    if (m == 0.0) {
+        r = select(0.0, bitcast<f32>(0x7f800000u), b < 0.0);
+    } else if (m == bitcast<f32>(0x7f800000u)) {
+        r = select(m, 0.0, b < 0.0);
+    } else {
+        r = exp2(b * log2(m));
+    }
+    if (a < 0.0 || (a == 0.0 && bitcast<u32>(a) != 0u)) {
+        if (floor(b) != b) {
+            if (a == 0.0) { return r; }
+            return bitcast<f32>(0x7fc00000u);
+        }
+        if (abs(b % 2.0) == 1.0) { r = -r; }
+    }
+    return r;
+}"),
+    ("rem_f32", "fn rem_f32(a: f32, b: f32) -> f32 {
+    let r = a % b;
+    if (r != 0.0 && ((r < 0.0) != (b < 0.0))) { return r + b; }
+    return r;
+}"),
+    ("rem_i32", "fn rem_i32(a: i32, b: i32) -> i32 {
+    if (b == 0) { return 0; }
+    let r = a % b;
+    if (r != 0 && ((r < 0) != (b < 0))) { return r + b; }
+    return r;
+}"),
+    ("rem_u32", "fn rem_u32(a: u32, b: u32) -> u32 {
+    if (b == 0u) { return 0u; }
+    return a % b;
+}"),
+    ("bf16r_", "fn bf16r_(x: f32) -> f32 {
+    // Round to bfloat16, nearest even, as `half` does; NaN stays a quiet NaN.
+    let b = bitcast<u32>(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) { return bitcast<f32>(b | 0x00400000u); }
+    return bitcast<f32>((b + 0x7fffu + ((b >> 16u) & 1u)) & 0xffff0000u);
+}"),
+    ("f2i_", "fn f2i_(x: f32) -> i32 {
+    // Rust `as`: saturate, NaN to 0.
+    if (isnan_(x)) { return 0; }
+    if (x >= 2147483648.0) { return 2147483647; }
+    if (x <= -2147483648.0) { return -2147483647 - 1; }
+    return i32(x);
+}"),
+    ("f2u_", "fn f2u_(x: f32) -> u32 {
+    if (isnan_(x) || x <= 0.0) { return 0u; }
+    if (x >= 4294967296.0) { return 4294967295u; }
+    return u32(x);
+}"),
+];
+
 macro_rules! op_enum {
     ($(#[$m:meta])* $Enum:ident : $Trait:ident { $($V:ident),* $(,)? }) => {
         $(#[$m])*
@@ -274,9 +409,13 @@ macro_rules! op_enum {
             pub fn name(self) -> &'static str {
                 match self { $($Enum::$V => <$V as $Trait>::NAME),* }
             }
-            /// WGSL expression template.
+            /// WGSL expression template over f32.
             pub fn wgsl(self) -> &'static str {
                 match self { $($Enum::$V => <$V as $Trait>::WGSL),* }
+            }
+            /// WGSL expression template over integers (`{T}`: `i32` or `u32`).
+            pub fn wgsl_int(self) -> &'static str {
+                match self { $($Enum::$V => <$V as $Trait>::WGSL_INT),* }
             }
             /// Accepted dtypes.
             pub fn domain(self) -> Domain {

@@ -60,9 +60,12 @@ impl Tensor {
 
     /// A tensor over realized host data.
     pub(crate) fn from_storage(storage: CpuStorage, dims: &[usize], device: Device) -> Result<Tensor> {
-        device.check_available("tensor")?;
         let dtype = storage.dtype();
-        let node = Node::new(State::Realized(Buffer::Cpu(Arc::new(crate::cpu::pool::HostBuf::new(storage)))), dtype, device, dims.to_vec(), 0);
+        let buf = match device {
+            Device::Cpu => Buffer::Cpu(Arc::new(crate::cpu::pool::HostBuf::new(storage))),
+            Device::Gpu(i) => Buffer::Gpu(Arc::new(crate::gpu::transfer::upload(&crate::gpu::context(i)?, &storage)?)),
+        };
+        let node = Node::new(State::Realized(buf), dtype, device, dims.to_vec(), 0);
         Ok(Tensor { node, layout: Layout::contiguous(dims) })
     }
 
@@ -298,20 +301,38 @@ impl Tensor {
         if T::DTYPE != self.dtype() {
             bail!(DType, "to_vec", "the tensor holds {}, asked for {}; use to_dtype first", self.dtype(), T::DTYPE);
         }
-        self.realize()?;
-        let buf = self.node.buffer().expect("realized");
-        let s = T::slice(buf.cpu()).expect("dtype checked");
-        Ok(gather_layout(s, &self.layout))
+        self.read_host(|s, l| gather_layout(T::slice(s).expect("dtype checked"), l))
     }
 
     /// The elements as f64, whatever the dtype (bools as 0/1).
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
-        self.realize()?;
-        let buf = self.node.buffer().expect("realized");
-        let s = buf.cpu();
-        let mut out = Vec::with_capacity(self.numel());
-        for_each_offset(&self.layout, |o| out.push(s.get_f64(o)));
-        Ok(out)
+        self.read_host(|s, l| {
+            let mut out = Vec::with_capacity(l.numel());
+            for_each_offset(l, |o| out.push(s.get_f64(o)));
+            out
+        })
+    }
+
+    /// Realize, then look at the values in host memory through a layout: the
+    /// node's own buffer on the CPU; on a GPU, the viewed elements read back
+    /// (made contiguous on the device first when the view is strided).
+    pub(crate) fn read_host<R>(&self, f: impl FnOnce(&CpuStorage, &Layout) -> R) -> Result<R> {
+        match self.device() {
+            Device::Cpu => {
+                self.realize()?;
+                match self.node.buffer().expect("realized") {
+                    Buffer::Cpu(s) => Ok(f(&s, &self.layout)),
+                    Buffer::Gpu(_) => unreachable!("a CPU tensor holds a host buffer"),
+                }
+            }
+            Device::Gpu(i) => {
+                let t = if self.layout.is_contiguous() { self.clone() } else { self.contiguous()? };
+                t.realize()?;
+                let Some(Buffer::Gpu(b)) = t.node.buffer() else { unreachable!("a GPU tensor holds a GPU buffer") };
+                let s = crate::gpu::transfer::download(&crate::gpu::context(i)?, &b, t.layout.offset(), t.numel())?;
+                Ok(f(&s, &Layout::contiguous(t.dims())))
+            }
+        }
     }
 
     /// The only element of a one-element tensor.
@@ -330,13 +351,15 @@ impl Tensor {
         Ok(self.to_f64_vec()?[0])
     }
 
-    /// Move to another device (a no-op when already there).
+    /// Move to another device (a no-op when already there). The values are
+    /// computed where they are, then copied.
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
         if device == self.device() {
             return Ok(self.clone());
         }
         device.check_available("to_device")?;
-        bail!(Device, "to_device", "cannot move from {} to {device}", self.device())
+        let host = self.read_host(|s, l| crate::storage::map_storage!(s, v => StorageElem::wrap(gather_layout(v, l))))?;
+        Tensor::from_storage(host, self.dims(), device)
     }
 }
 

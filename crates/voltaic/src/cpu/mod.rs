@@ -16,8 +16,13 @@ use std::sync::Arc;
 /// Run one kernel; `bufs` holds every live slot of the plan.
 pub(crate) fn run_kernel(k: &Kernel, bufs: &[Option<Buffer>]) -> Result<Buffer> {
     check_alloc(k.numel * k.dtype.size_in_bytes())?;
-    let inputs: Vec<&CpuStorage> =
-        k.inputs.iter().map(|&s| bufs[s].as_ref().expect("input slot is live").cpu()).collect();
+    let mut inputs: Vec<&CpuStorage> = Vec::with_capacity(k.inputs.len());
+    for &s in &k.inputs {
+        match bufs[s].as_ref().expect("input slot is live") {
+            Buffer::Cpu(b) => inputs.push(b),
+            Buffer::Gpu(_) => crate::error::bail!(Device, "realize", "a GPU buffer reached the CPU executor; move tensors with to_device"),
+        }
+    }
     let out = match &k.kind {
         KernelKind::Elementwise { expr, shape } => elementwise::run(expr, shape, &inputs, k.dtype),
         KernelKind::Reduce { op, expr, shape, outer, inner } => {

@@ -25,14 +25,8 @@ pub(crate) const MAX_PENDING_DEPTH: u32 = 1000;
 pub(crate) enum Buffer {
     /// Host memory.
     Cpu(Arc<crate::cpu::pool::HostBuf>),
-}
-
-impl Buffer {
-    pub(crate) fn cpu(&self) -> &crate::storage::CpuStorage {
-        match self {
-            Buffer::Cpu(s) => s,
-        }
-    }
+    /// A pooled GPU buffer.
+    Gpu(Arc<crate::gpu::pool::GpuBuf>),
 }
 
 /// Parameters of an unfold (im2col) over the last two dims of an NCHW input.

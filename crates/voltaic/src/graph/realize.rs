@@ -23,9 +23,21 @@ pub(crate) fn realize(targets: &[&Tensor]) -> Result<()> {
     Ok(())
 }
 
-/// Run a plan and store the results in their nodes.
+/// Run a plan on its device's executor and store the results in their nodes.
 fn run(plan: &Plan, device: Device) -> Result<()> {
-    device.check_available("realize")?;
+    let mut stored = match device {
+        Device::Cpu => run_cpu(plan)?,
+        Device::Gpu(i) => crate::gpu::exec::run_plan(&crate::gpu::context(i)?, plan)?,
+    };
+    for (s, node) in &plan.store {
+        let buf = stored[*s].take().expect("kept slot was computed");
+        *node.state() = State::Realized(buf);
+    }
+    Ok(())
+}
+
+/// Run a plan kernel by kernel on the CPU; returns the buffers of kept slots.
+fn run_cpu(plan: &Plan) -> Result<Vec<Option<Buffer>>> {
     let mut bufs: Vec<Option<Buffer>> = plan
         .slots
         .iter()
@@ -46,9 +58,10 @@ fn run(plan: &Plan, device: Device) -> Result<()> {
             bufs[s] = None;
         }
     }
-    for (s, node) in &plan.store {
-        let buf = store[*s].take().or_else(|| bufs[*s].clone()).expect("kept slot was computed");
-        *node.state() = State::Realized(buf);
+    for (s, _) in &plan.store {
+        if store[*s].is_none() {
+            store[*s] = bufs[*s].clone();
+        }
     }
-    Ok(())
+    Ok(store)
 }

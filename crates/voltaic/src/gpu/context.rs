@@ -1,0 +1,261 @@
+//! One wgpu device: what the adapter can do, the pipeline cache, the buffer
+//! pool, and how its failures become [`Error`](crate::Error) values.
+
+use super::pool::Pool;
+use crate::error::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// What Voltaic uses of an adapter, read once when the device is opened.
+#[derive(Clone, Debug)]
+pub(crate) struct Caps {
+    /// `SHADER_F16`: f16 storage and arithmetic in shaders.
+    pub f16: bool,
+    /// `SUBGROUP`: subgroup operations (reductions use them where present).
+    pub subgroup: bool,
+    /// `TIMESTAMP_QUERY`: per-kernel GPU times for `VOLTAIC_PROFILE`.
+    pub timestamps: bool,
+    /// Largest byte range one storage binding may cover.
+    pub max_binding: u64,
+    /// Largest buffer the device can create.
+    pub max_buffer: u64,
+    /// Storage buffers one shader may bind.
+    pub max_storage_buffers: u32,
+    /// Alignment of a binding's offset.
+    pub offset_align: u64,
+    /// Workgroups per dispatch dimension.
+    pub max_groups: u32,
+    /// Workgroup shared memory in bytes.
+    pub workgroup_storage: u32,
+}
+
+impl Caps {
+    /// Bytes one binding chunk of a large buffer covers: the largest
+    /// multiple of the offset alignment that fits in one binding.
+    pub fn chunk_bytes(&self) -> u64 {
+        (self.max_binding / self.offset_align) * self.offset_align
+    }
+}
+
+/// Submissions allowed in flight before the host waits for the oldest, so a
+/// loop that never reads cannot queue unbounded work (and memory).
+const MAX_IN_FLIGHT: usize = 8;
+
+/// An open wgpu device with everything Voltaic keeps per device.
+pub(crate) struct GpuContext {
+    pub index: usize,
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub caps: Caps,
+    pub pool: Arc<Mutex<Pool>>,
+    pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    pipeline_cache: Option<wgpu::PipelineCache>,
+    /// Set by the device-lost callback.
+    lost: Arc<Mutex<Option<String>>>,
+    /// Errors that escaped every error scope (kept, never panicked on).
+    uncaptured: Arc<Mutex<Vec<String>>>,
+    in_flight: Mutex<VecDeque<wgpu::SubmissionIndex>>,
+    /// A small buffer that index kernels flag out-of-range indices in; read
+    /// with every transfer to the host.
+    pub index_error: wgpu::Buffer,
+    /// Pipelines compiled, submissions and dispatches so far (for tests and profiles).
+    pub compiled: AtomicU64,
+    pub submissions: AtomicU64,
+    pub dispatches: AtomicU64,
+}
+
+impl GpuContext {
+    /// Open a device on `adapter`, asking for every limit it offers and the
+    /// features Voltaic can use.
+    pub(crate) fn open(index: usize, adapter: &wgpu::Adapter) -> Result<GpuContext> {
+        let info = adapter.get_info();
+        let have = adapter.features();
+        let wanted = wgpu::Features::SHADER_F16
+            | wgpu::Features::SUBGROUP
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
+            | wgpu::Features::PIPELINE_CACHE;
+        let features = have & wanted;
+        let limits = adapter.limits();
+        let desc = wgpu::DeviceDescriptor {
+            label: Some("voltaic"),
+            required_features: features,
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        };
+        let (device, queue) = pollster::block_on(adapter.request_device(&desc))
+            .map_err(|e| Error::Backend(format!("gpu:{index} ({}): cannot open the device: {e}", info.name)))?;
+        let lost = Arc::new(Mutex::new(None));
+        let l2 = lost.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            *l2.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{reason:?}: {msg}"));
+        });
+        let uncaptured = Arc::new(Mutex::new(Vec::new()));
+        let u2 = uncaptured.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            u2.lock().unwrap_or_else(|p| p.into_inner()).push(e.to_string());
+        }));
+        let caps = Caps {
+            f16: features.contains(wgpu::Features::SHADER_F16),
+            subgroup: features.contains(wgpu::Features::SUBGROUP),
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
+            max_buffer: limits.max_buffer_size,
+            max_storage_buffers: limits.max_storage_buffers_per_shader_stage,
+            offset_align: limits.min_storage_buffer_offset_alignment.max(4) as u64,
+            max_groups: limits.max_compute_workgroups_per_dimension,
+            workgroup_storage: limits.max_compute_workgroup_storage_size,
+        };
+        let pipeline_cache = features.contains(wgpu::Features::PIPELINE_CACHE).then(|| {
+            // SAFETY: no data is passed, so there is nothing to validate.
+            unsafe {
+                device.create_pipeline_cache(&wgpu::PipelineCacheDescriptor { label: Some("voltaic"), data: None, fallback: true })
+            }
+        });
+        let index_error = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("voltaic index errors"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Ok(GpuContext {
+            index,
+            pool: Arc::new(Mutex::new(Pool::new(caps.max_buffer))),
+            device,
+            queue,
+            info,
+            caps,
+            pipelines: Mutex::new(HashMap::new()),
+            pipeline_cache,
+            lost,
+            uncaptured,
+            in_flight: Mutex::new(VecDeque::new()),
+            index_error,
+            compiled: AtomicU64::new(0),
+            submissions: AtomicU64::new(0),
+            dispatches: AtomicU64::new(0),
+        })
+    }
+
+    /// `Err` once the device is lost: nothing more can run on it.
+    pub(crate) fn check_alive(&self) -> Result<()> {
+        if let Some(why) = self.lost.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            return Err(Error::Backend(format!("gpu:{} ({}) was lost: {why}", self.index, self.info.name)));
+        }
+        Ok(())
+    }
+
+    /// The compute pipeline for a WGSL source, compiled once per device.
+    /// `read_only` gives each binding's access; the layout is explicit so
+    /// that a binding the shader happens not to use is still accepted.
+    pub(crate) fn pipeline(&self, source: &str, read_only: &[bool]) -> Result<Arc<wgpu::ComputePipeline>> {
+        if let Some(p) = self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).get(source) {
+            return Ok(p.clone());
+        }
+        let (p, err) = self.scoped(|| {
+            let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: None,
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
+            let entries: Vec<wgpu::BindGroupLayoutEntry> = read_only
+                .iter()
+                .enumerate()
+                .map(|(i, &ro)| wgpu::BindGroupLayoutEntry {
+                    binding: i as u32,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: wgpu::BufferBindingType::Storage { read_only: ro },
+                        has_dynamic_offset: false,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                })
+                .collect();
+            let bgl = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: None, entries: &entries });
+            let layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: None,
+                bind_group_layouts: &[Some(&bgl)],
+                immediate_size: 0,
+            });
+            self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: None,
+                layout: Some(&layout),
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: self.pipeline_cache.as_ref(),
+            })
+        });
+        if let Some(e) = err {
+            return Err(Error::Backend(format!("compiling a kernel on gpu:{}: {e}\n--- WGSL ---\n{source}", self.index)));
+        }
+        self.compiled.fetch_add(1, Ordering::Relaxed);
+        let p = Arc::new(p);
+        self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).insert(source.to_string(), p.clone());
+        Ok(p)
+    }
+
+    /// Run `f` inside error scopes for out-of-memory, validation and internal
+    /// errors, returning its value and the first error raised.
+    pub(crate) fn scoped<T>(&self, f: impl FnOnce() -> T) -> (T, Option<Error>) {
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let val = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let int = self.device.push_error_scope(wgpu::ErrorFilter::Internal);
+        let out = f();
+        let e_int = pollster::block_on(int.pop());
+        let e_val = pollster::block_on(val.pop());
+        let e_oom = pollster::block_on(oom.pop());
+        let err = match (e_oom, e_val, e_int) {
+            (Some(e), _, _) => Some(Error::OutOfMemory(format!("gpu:{}: {e}", self.index))),
+            (_, Some(e), _) | (_, _, Some(e)) => Some(Error::Backend(format!("gpu:{}: {e}", self.index))),
+            _ => None,
+        };
+        (out, err.or_else(|| self.take_uncaptured()))
+    }
+
+    fn take_uncaptured(&self) -> Option<Error> {
+        let mut u = self.uncaptured.lock().unwrap_or_else(|e| e.into_inner());
+        if u.is_empty() {
+            return None;
+        }
+        let msg = u.join("; ");
+        u.clear();
+        Some(Error::Backend(format!("gpu:{}: {msg}", self.index)))
+    }
+
+    /// Submit command buffers; waits for the oldest submission when too many
+    /// are in flight.
+    pub(crate) fn submit(&self, cmd: wgpu::CommandBuffer) -> Result<wgpu::SubmissionIndex> {
+        let idx = self.queue.submit([cmd]);
+        self.submissions.fetch_add(1, Ordering::Relaxed);
+        let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        q.push_back(idx.clone());
+        if q.len() > MAX_IN_FLIGHT {
+            let oldest = q.pop_front().expect("non-empty");
+            drop(q);
+            self.wait(Some(oldest))?;
+        } else {
+            drop(q);
+            // Let wgpu retire finished work so its bookkeeping does not grow.
+            let _ = self.device.poll(wgpu::PollType::Poll);
+        }
+        Ok(idx)
+    }
+
+    /// Block until a submission (or all work) has finished.
+    pub(crate) fn wait(&self, idx: Option<wgpu::SubmissionIndex>) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::Wait { submission_index: idx, timeout: None })
+            .map_err(|e| Error::Backend(format!("gpu:{}: waiting for the device failed: {e}", self.index)))?;
+        self.check_alive()
+    }
+
+    /// Forget submissions known to be finished (after a full wait).
+    pub(crate) fn clear_in_flight(&self) {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}

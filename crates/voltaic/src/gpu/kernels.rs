@@ -1,0 +1,576 @@
+//! One WGSL program per kernel kind of the scheduler.
+//!
+//! Elementwise and reduction kernels splice the fused expression from
+//! `codegen`; the others (matmul, gather, scatter_add, index_select, cumsum,
+//! cat, unfold) read their inputs through strided views.
+
+use super::codegen::{cast, compute_ty, emit_expr, literal, strided, unravel, Dispatch, Indexer, Program, Shader, Src};
+use super::context::Caps;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::graph::kernel::{Expr, Kernel, KernelKind, View};
+use crate::graph::UnfoldParams;
+use crate::layout::Layout;
+use crate::op::ReduceOp;
+use std::fmt::Write;
+
+/// Invocations per workgroup of the one-thread-per-element kernels.
+const WG: u32 = 256;
+
+/// The program that computes kernel `k`; `inputs` gives each input's dtype
+/// and element count.
+pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)]) -> Result<Program> {
+    let mut p = Program::default();
+    if k.numel == 0 {
+        return Ok(p);
+    }
+    let g = Gen { caps, inputs, out: (k.dtype, k.numel) };
+    match &k.kind {
+        KernelKind::Elementwise { expr, shape } => p.dispatches.push(g.elementwise(expr, shape)?),
+        KernelKind::Reduce { op, expr, shape, outer, inner } => g.reduce(&mut p, *op, expr, shape, *outer, *inner)?,
+        KernelKind::Matmul { a, b, m, k: kk, n, .. } => p.dispatches.push(g.matmul(a, b, *m, *kk, *n)),
+        KernelKind::Gather { dim, input, index } => p.dispatches.push(g.gather(*dim, input, index)),
+        KernelKind::IndexSelect { dim, input, index } => p.dispatches.push(g.index_select(*dim, input, index)),
+        KernelKind::ScatterAdd { dim, input, index, src } => {
+            p.dispatches.push(g.copy(input, "scatter_add_copy"));
+            if index.layout.numel() > 0 {
+                p.dispatches.push(g.scatter_add(*dim, input, index, src));
+            }
+        }
+        KernelKind::Cumsum { dim, input } => p.dispatches.push(g.cumsum(*dim, input)),
+        KernelKind::Cat { dim, parts } => {
+            let total: usize = parts.iter().map(|v| v.layout.dims()[*dim]).sum();
+            let mut at = 0;
+            for part in parts {
+                if part.layout.numel() > 0 {
+                    p.dispatches.push(g.cat_part(*dim, part, at, total));
+                }
+                at += part.layout.dims()[*dim];
+            }
+        }
+        KernelKind::Unfold { input, params, pad } => p.dispatches.push(g.unfold(input, params, *pad)),
+    }
+    Ok(p)
+}
+
+struct Gen<'a> {
+    caps: &'a Caps,
+    inputs: &'a [(DType, usize)],
+    out: (DType, usize),
+}
+
+fn groups(n: usize, per: u32) -> u64 {
+    (n as u64).div_ceil(per as u64)
+}
+
+impl Gen<'_> {
+    fn shader(&self) -> Shader<'_> {
+        Shader::new(self.caps)
+    }
+
+    fn bind_inputs(&self, sh: &mut Shader, which: &[usize]) {
+        for &k in which {
+            let (dt, n) = self.inputs[k];
+            sh.array(Src::Input(k), &format!("in{k}"), dt, n, false);
+        }
+    }
+
+    fn bind_out(&self, sh: &mut Shader) {
+        sh.array(Src::Output, "out", self.out.0, self.out.1, true);
+    }
+
+    fn elementwise(&self, expr: &Expr, shape: &[usize]) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        let used: Vec<usize> = (0..self.inputs.len()).collect();
+        self.bind_inputs(&mut sh, &used);
+        self.bind_out(&mut sh);
+        let n = self.out.1;
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let mut ix = Indexer::new(shape, "i");
+        let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+        let _ = writeln!(b, "    st_out(i, {});", cast(expr.dtype(), self.out.0, &v));
+        Ok(sh.finish(format!("elementwise {shape:?}"), WG, groups(n, WG), &b))
+    }
+
+    /// Copy a strided view into the (contiguous) output.
+    fn copy(&self, v: &View, label: &str) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[v.input]);
+        self.bind_out(&mut sh);
+        let n = v.layout.numel();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", v.layout.dims());
+        let _ = writeln!(b, "    st_out(i, ld_in{}({}));", v.input, strided(&d, &v.layout));
+        sh.finish(label.to_string(), WG, groups(n, WG), &b)
+    }
+
+    fn reduce(&self, p: &mut Program, op: ReduceOp, expr: &Expr, shape: &[usize], outer: usize, inner: usize) -> Result<()> {
+        let vdt = expr.dtype();
+        // Bools reduce as 0/1 counters.
+        let adt = if vdt == DType::Bool { DType::U32 } else { vdt.compute() };
+        let r = Reduction { op, adt, vdt, out: self.out.0 };
+        // Reading along the reduced dim with stride 1 favours a workgroup per
+        // output; short or strided rows favour a thread per output, whose
+        // neighbours then read neighbouring memory.
+        let inner_contig = expr.loads.iter().all(|l| l.path.len() == 1 && l.path[0].strides().last() == Some(&1));
+        if inner <= 64 || (!inner_contig && outer >= 1024) {
+            p.dispatches.push(self.reduce_rows(&r, expr, shape, outer, inner)?);
+            return Ok(());
+        }
+        // Few long rows: split each over several workgroups, then combine.
+        let splits = if outer >= 1024 { 1 } else { (inner / 8192).clamp(1, 2048usize.div_ceil(outer).max(1)) };
+        let chunk = inner.div_ceil(splits);
+        p.dispatches.push(self.reduce_groups(&r, expr, shape, outer, inner, splits, chunk)?);
+        if splits > 1 {
+            p.scratch.push((adt, outer * splits));
+            p.scratch.push((DType::U32, outer * splits));
+            p.dispatches.push(self.reduce_partials(&r, outer, splits));
+        }
+        Ok(())
+    }
+
+    /// One thread per output, looping over the reduced elements.
+    fn reduce_rows(&self, r: &Reduction, expr: &Expr, shape: &[usize], outer: usize, inner: usize) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        let used: Vec<usize> = (0..self.inputs.len()).collect();
+        self.bind_inputs(&mut sh, &used);
+        self.bind_out(&mut sh);
+        r.decl(&mut sh);
+        let mut b = format!("    let o = group * {WG}u + lid;\n    if (o >= {outer}u) {{ return; }}\n");
+        let _ = writeln!(b, "    var acc: {} = {};\n    var ai: u32 = 0xffffffffu;", r.acc_ty(), r.identity());
+        let _ = writeln!(b, "    for (var j = 0u; j < {inner}u; j = j + 1u) {{\n    let l = o * {inner}u + j;");
+        let mut ix = Indexer::new(shape, "l");
+        let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+        let _ = writeln!(b, "    {}\n    }}", r.fold("acc", "ai", &r.value(&v), "j"));
+        let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
+        Ok(sh.finish(format!("reduce_rows {} {outer}x{inner}", r.op.name()), WG, groups(outer, WG), &b))
+    }
+
+    /// A workgroup per (output, split), tree-combined in shared memory.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_groups(&self, r: &Reduction, expr: &Expr, shape: &[usize], outer: usize, inner: usize, splits: usize, chunk: usize) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        let used: Vec<usize> = (0..self.inputs.len()).collect();
+        self.bind_inputs(&mut sh, &used);
+        if splits == 1 {
+            self.bind_out(&mut sh);
+        } else {
+            sh.array(Src::Scratch(0), "pv", r.adt, outer * splits, true);
+            sh.array(Src::Scratch(1), "pi", DType::U32, outer * splits, true);
+        }
+        r.decl(&mut sh);
+        let at = r.acc_ty();
+        sh.decl(&format!("var<workgroup> sv: array<{at}, {WG}>;\nvar<workgroup> si: array<u32, {WG}>;"));
+        let total = outer * splits;
+        let mut b = format!("    if (group >= {total}u) {{ return; }}\n    let o = group / {splits}u;\n    let s = group % {splits}u;\n");
+        let _ = writeln!(b, "    let j0 = s * {chunk}u;\n    let j1 = min(j0 + {chunk}u, {inner}u);");
+        let _ = writeln!(b, "    var acc: {at} = {};\n    var ai: u32 = 0xffffffffu;", r.identity());
+        let _ = writeln!(b, "    for (var j = j0 + lid; j < j1; j = j + {WG}u) {{\n    let l = o * {inner}u + j;");
+        let mut ix = Indexer::new(shape, "l");
+        let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+        let _ = writeln!(b, "    {}\n    }}", r.fold("acc", "ai", &r.value(&v), "j"));
+        let _ = writeln!(b, "    sv[lid] = acc;\n    si[lid] = ai;\n    workgroupBarrier();");
+        let _ = writeln!(
+            b,
+            "    for (var w = {}u; w > 0u; w = w >> 1u) {{
+        if (lid < w) {{
+            var x = sv[lid];
+            var xi = si[lid];
+            {}
+            sv[lid] = x;
+            si[lid] = xi;
+        }}
+        workgroupBarrier();
+    }}",
+            WG / 2,
+            r.fold("x", "xi", "sv[lid + w]", "si[lid + w]")
+        );
+        if splits == 1 {
+            let _ = writeln!(b, "    if (lid == 0u) {{ st_out(o, {}); }}", r.finish("sv[0]", "si[0]"));
+        } else {
+            let _ = writeln!(b, "    if (lid == 0u) {{ st_pv(group, sv[0]); st_pi(group, si[0]); }}");
+        }
+        Ok(sh.finish(format!("reduce {} {outer}x{inner} in {splits} splits", r.op.name()), WG, total as u64, &b))
+    }
+
+    /// Combine the per-split partials of each output, in split order.
+    fn reduce_partials(&self, r: &Reduction, outer: usize, splits: usize) -> Dispatch {
+        let mut sh = self.shader();
+        sh.array(Src::Scratch(0), "pv", r.adt, outer * splits, false);
+        sh.array(Src::Scratch(1), "pi", DType::U32, outer * splits, false);
+        self.bind_out(&mut sh);
+        r.decl(&mut sh);
+        let mut b = format!("    let o = group * {WG}u + lid;\n    if (o >= {outer}u) {{ return; }}\n");
+        let _ = writeln!(b, "    var acc: {} = {};\n    var ai: u32 = 0xffffffffu;", r.acc_ty(), r.identity());
+        let _ = writeln!(
+            b,
+            "    for (var s = 0u; s < {splits}u; s = s + 1u) {{\n        {}\n    }}",
+            r.fold("acc", "ai", &format!("ld_pv(o * {splits}u + s)"), &format!("ld_pi(o * {splits}u + s)"))
+        );
+        let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
+        sh.finish(format!("reduce_partials {}", r.op.name()), WG, groups(outer, WG), &b)
+    }
+
+    fn matmul(&self, a: &View, bv: &View, m: usize, k: usize, n: usize) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[a.input, bv.input]);
+        self.bind_out(&mut sh);
+        let at = compute_ty(self.out.0);
+        let zero = literal(0.0, self.out.0);
+        sh.decl(&format!("var<workgroup> As: array<{at}, 1024>;\nvar<workgroup> Bs: array<{at}, 1024>;"));
+        let (la, lb) = (&a.layout, &bv.layout);
+        let r = la.dims().len();
+        let bdims = &la.dims()[..r - 2];
+        let batch: usize = bdims.iter().product();
+        let (tm, tn) = (m.div_ceil(64), n.div_ceil(64));
+        let total = batch * tm * tn;
+        let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
+        let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
+        let mut b = format!("    if (group >= {total}u) {{ return; }}\n");
+        let _ = writeln!(b, "    let z = group / {}u;\n    let rest = group % {}u;", tm * tn, tm * tn);
+        let _ = writeln!(b, "    let row0 = (rest / {tn}u) * 64u;\n    let col0 = (rest % {tn}u) * 64u;");
+        let zd = unravel(&mut b, &mut sh, "z", bdims);
+        let batch_off = |l: &Layout| {
+            let mut bl = l.clone();
+            bl.shape.0.truncate(r - 2);
+            bl.strides.truncate(r - 2);
+            strided(&zd, &bl)
+        };
+        let _ = writeln!(b, "    let abase = {};\n    let bbase = {};", batch_off(la), batch_off(lb));
+        let _ = writeln!(
+            b,
+            "    let tx = lid % 16u;
+    let ty = lid / 16u;
+    var acc: array<{at}, 16>;
+    for (var q = 0u; q < 16u; q = q + 1u) {{ acc[q] = {zero}; }}
+    for (var k0 = 0u; k0 < {k}u; k0 = k0 + 16u) {{
+        for (var r = 0u; r < 4u; r = r + 1u) {{
+            let e = lid + r * 256u;
+            let ar = e / 16u;
+            let ak = e % 16u;
+            var x = {zero};
+            if (row0 + ar < {m}u && k0 + ak < {k}u) {{ x = ld_in{ai}(abase + (row0 + ar) * {sam}u + (k0 + ak) * {sak}u); }}
+            As[ak * 64u + ar] = x;
+            let bk = e / 64u;
+            let bc = e % 64u;
+            var y = {zero};
+            if (k0 + bk < {k}u && col0 + bc < {n}u) {{ y = ld_in{bi}(bbase + (k0 + bk) * {sbk}u + (col0 + bc) * {sbn}u); }}
+            Bs[bk * 64u + bc] = y;
+        }}
+        workgroupBarrier();
+        for (var kk = 0u; kk < 16u; kk = kk + 1u) {{
+            var av: array<{at}, 4>;
+            var bw: array<{at}, 4>;
+            for (var q = 0u; q < 4u; q = q + 1u) {{
+                av[q] = As[kk * 64u + ty * 4u + q];
+                bw[q] = Bs[kk * 64u + tx * 4u + q];
+            }}
+            for (var i = 0u; i < 4u; i = i + 1u) {{
+                for (var j = 0u; j < 4u; j = j + 1u) {{
+                    acc[i * 4u + j] = acc[i * 4u + j] + av[i] * bw[j];
+                }}
+            }}
+        }}
+        workgroupBarrier();
+    }}
+    for (var i = 0u; i < 4u; i = i + 1u) {{
+        for (var j = 0u; j < 4u; j = j + 1u) {{
+            let gi = row0 + ty * 4u + i;
+            let gj = col0 + tx * 4u + j;
+            if (gi < {m}u && gj < {n}u) {{ st_out(z * {}u + gi * {n}u + gj, {}); }}
+        }}
+    }}",
+            m * n,
+            super::codegen::round_to(self.out.0, "acc[i * 4u + j]"),
+            ai = a.input,
+            bi = bv.input,
+        );
+        sh.finish(format!("matmul {batch}x{m}x{k}x{n}"), 256, total as u64, &b)
+    }
+
+    /// Read an index element (i32 or u32) as i32 into `name`, reporting it and
+    /// using 0 when it is outside `[0, size)`.
+    fn checked_index(&self, b: &mut String, name: &str, v: &View, off: &str, size: usize, op: u32) {
+        let raw = format!("ld_in{}({off})", v.input);
+        let as_i32 = if self.inputs[v.input].0 == DType::U32 { format!("bitcast<i32>({raw})") } else { raw };
+        let _ = writeln!(
+            b,
+            "    var {name} = {as_i32};
+    if ({name} < 0 || {name} >= {size}) {{ bad_index({op}u, {name}, {size}u); {name} = 0; }}"
+        );
+    }
+
+    fn gather(&self, dim: usize, input: &View, index: &View) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input, index.input]);
+        self.bind_out(&mut sh);
+        sh.index_errors();
+        let n = index.layout.numel();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let mut d = unravel(&mut b, &mut sh, "i", index.layout.dims());
+        let off = strided(&d, &index.layout);
+        self.checked_index(&mut b, "x", index, &off, input.layout.dims()[dim], OP_GATHER);
+        d[dim] = "u32(x)".into();
+        let _ = writeln!(b, "    st_out(i, ld_in{}({}));", input.input, strided_all(&d, &input.layout));
+        sh.finish("gather".into(), WG, groups(n, WG), &b)
+    }
+
+    fn index_select(&self, dim: usize, input: &View, index: &View) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input, index.input]);
+        self.bind_out(&mut sh);
+        sh.index_errors();
+        let mut dims = input.layout.dims().to_vec();
+        dims[dim] = index.layout.numel();
+        let n: usize = dims.iter().product();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let mut d = unravel(&mut b, &mut sh, "i", &dims);
+        let off = strided(&[d[dim].clone()], &index.layout);
+        self.checked_index(&mut b, "x", index, &off, input.layout.dims()[dim], OP_INDEX_SELECT);
+        d[dim] = "u32(x)".into();
+        let _ = writeln!(b, "    st_out(i, ld_in{}({}));", input.input, strided_all(&d, &input.layout));
+        sh.finish("index_select".into(), WG, groups(n, WG), &b)
+    }
+
+    /// `out[.., index[p], ..] += src[p]`: one thread per line along `dim` of
+    /// `index`, so no two threads touch the same output element and the
+    /// additions happen in index order, as on the CPU.
+    fn scatter_add(&self, dim: usize, input: &View, index: &View, src: &View) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[index.input, src.input]);
+        self.bind_out(&mut sh);
+        sh.index_errors();
+        let idims = index.layout.dims();
+        let len = idims[dim];
+        let mut line_dims = idims.to_vec();
+        line_dims[dim] = 1;
+        let lines: usize = line_dims.iter().product();
+        let odims = input.layout.dims();
+        let ostrides = crate::shape::Shape::new(odims).contiguous_strides();
+        let mut b = format!("    let t = group * {WG}u + lid;\n    if (t >= {lines}u) {{ return; }}\n");
+        let mut d = unravel(&mut b, &mut sh, "t", &line_dims);
+        let _ = writeln!(b, "    for (var j = 0u; j < {len}u; j = j + 1u) {{");
+        d[dim] = "j".into();
+        let ioff = strided_all(&d, &index.layout);
+        self.checked_index(&mut b, "x", index, &ioff, odims[dim], OP_SCATTER_ADD);
+        let soff = strided_all(&d, &src.layout);
+        d[dim] = "u32(x)".into();
+        let out_l = Layout { shape: crate::shape::Shape::new(odims), strides: ostrides, offset: 0 };
+        let ooff = strided_all(&d, &out_l);
+        let dt = self.out.0;
+        let sum = if dt == DType::Bool {
+            format!("ld_out(o) || ld_in{}({soff})", src.input)
+        } else {
+            super::codegen::round_to(dt, &format!("ld_out(o) + ld_in{}({soff})", src.input))
+        };
+        let _ = writeln!(b, "    let o = {ooff};\n    st_out(o, {sum});\n    }}");
+        sh.finish("scatter_add".into(), WG, groups(lines, WG), &b)
+    }
+
+    fn cumsum(&self, dim: usize, input: &View) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input]);
+        self.bind_out(&mut sh);
+        let l = &input.layout;
+        let dims = l.dims();
+        let len = dims[dim];
+        let mut line_dims = dims.to_vec();
+        line_dims[dim] = 1;
+        let lines: usize = line_dims.iter().product();
+        let inner: usize = dims[dim + 1..].iter().product();
+        let dt = self.out.0;
+        let ct = compute_ty(dt);
+        let mut b = format!("    let t = group * {WG}u + lid;\n    if (t >= {lines}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "t", &line_dims);
+        let base = strided(&d, l);
+        let outer_i = format!("(t / {inner}u)");
+        let _ = writeln!(
+            b,
+            "    let base = {base};
+    let obase = {outer_i} * {} + t % {inner}u;
+    var acc: {ct} = {};
+    for (var j = 0u; j < {len}u; j = j + 1u) {{
+        acc = {};
+        st_out(obase + j * {inner}u, acc);
+    }}",
+            format_args!("{}u", len * inner),
+            literal(0.0, dt),
+            super::codegen::round_to(dt, &format!("acc + ld_in{}(base + j * {}u)", input.input, l.strides()[dim])),
+        );
+        sh.finish("cumsum".into(), WG, groups(lines, WG), &b)
+    }
+
+    fn cat_part(&self, dim: usize, part: &View, at: usize, total: usize) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[part.input]);
+        self.bind_out(&mut sh);
+        let pd = part.layout.dims();
+        let n = part.layout.numel();
+        let mut od = pd.to_vec();
+        od[dim] = total;
+        let ostr = crate::shape::Shape::new(&od).contiguous_strides();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", pd);
+        let out_l = Layout { shape: crate::shape::Shape::new(&od), strides: ostr.clone(), offset: at * ostr[dim] };
+        let _ = writeln!(b, "    st_out({}, ld_in{}({}));", strided_all(&d, &out_l), part.input, strided(&d, &part.layout));
+        sh.finish("cat".into(), WG, groups(n, WG), &b)
+    }
+
+    fn unfold(&self, input: &View, p: &UnfoldParams, pad: f64) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input]);
+        self.bind_out(&mut sh);
+        let l = &input.layout;
+        let dd = l.dims();
+        let (h, w) = (dd[2], dd[3]);
+        let [oh, ow] = p.out_hw(h, w).unwrap_or([0, 0]);
+        let dims = [dd[0], dd[1], p.kernel[0], p.kernel[1], oh, ow];
+        let n: usize = dims.iter().product();
+        let dt = self.out.0;
+        let st = l.strides();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", &dims);
+        let _ = writeln!(
+            b,
+            "    let iy = i32({y} * {sy}u + {ki} * {dy}u) - {py};
+    let ix = i32({x} * {sx}u + {kj} * {dx}u) - {px};
+    var v = {pad};
+    if (iy >= 0 && iy < {h} && ix >= 0 && ix < {w}) {{
+        v = ld_in{inp}({off}u + {n0} * {s0}u + {c0} * {s1}u + u32(iy) * {s2}u + u32(ix) * {s3}u);
+    }}
+    st_out(i, v);",
+            y = d[4],
+            x = d[5],
+            ki = d[2],
+            kj = d[3],
+            n0 = d[0],
+            c0 = d[1],
+            sy = p.stride[0],
+            sx = p.stride[1],
+            dy = p.dilation[0],
+            dx = p.dilation[1],
+            py = p.padding[0],
+            px = p.padding[1],
+            pad = literal(pad, dt),
+            inp = input.input,
+            off = l.offset(),
+            s0 = st[0],
+            s1 = st[1],
+            s2 = st[2],
+            s3 = st[3],
+        );
+        sh.finish("unfold".into(), WG, groups(n, WG), &b)
+    }
+}
+
+/// Like `strided`, but keeps every digit (they may be runtime values that
+/// replace a size-1 dim).
+fn strided_all(digits: &[String], l: &Layout) -> String {
+    let mut terms = vec![format!("{}u", l.offset())];
+    for (d, &s) in digits.iter().zip(l.strides()) {
+        if s != 0 && d != "0u" {
+            terms.push(format!("{d} * {s}u"));
+        }
+    }
+    format!("({})", terms.join(" + "))
+}
+
+/// Codes that index kernels report with a bad index.
+pub(crate) const OP_GATHER: u32 = 1;
+pub(crate) const OP_INDEX_SELECT: u32 = 2;
+pub(crate) const OP_SCATTER_ADD: u32 = 3;
+
+/// The op name behind an index-error code.
+pub(crate) fn index_op_name(code: u32) -> &'static str {
+    match code {
+        OP_GATHER => "gather",
+        OP_INDEX_SELECT => "index_select",
+        OP_SCATTER_ADD => "scatter_add",
+        _ => "index",
+    }
+}
+
+/// The WGSL pieces of one reduction op over an accumulator type.
+struct Reduction {
+    op: ReduceOp,
+    /// Accumulator dtype (f32, i32 or u32).
+    adt: DType,
+    /// Dtype of the reduced values.
+    vdt: DType,
+    /// Output dtype.
+    out: DType,
+}
+
+impl Reduction {
+    fn acc_ty(&self) -> &'static str {
+        compute_ty(self.adt)
+    }
+
+    fn is_max(&self) -> bool {
+        matches!(self.op, ReduceOp::Max | ReduceOp::ArgMax)
+    }
+
+    fn identity(&self) -> String {
+        let t = self.acc_ty();
+        match self.op {
+            ReduceOp::Sum => literal(0.0, self.adt),
+            ReduceOp::Prod => literal(1.0, self.adt),
+            _ => {
+                let max = self.is_max();
+                match t {
+                    "f32" => format!("bitcast<f32>(0x{:08x}u)", if max { f32::NEG_INFINITY } else { f32::INFINITY }.to_bits()),
+                    "i32" => format!("bitcast<i32>(0x{:08x}u)", if max { i32::MIN } else { i32::MAX } as u32),
+                    _ => if max { "0u".into() } else { "0xffffffffu".into() },
+                }
+            }
+        }
+    }
+
+    /// A reduced value in the accumulator type.
+    fn value(&self, v: &str) -> String {
+        if self.vdt == DType::Bool {
+            format!("select(0u, 1u, {v})")
+        } else {
+            v.to_string()
+        }
+    }
+
+    /// Helper functions the fold uses.
+    fn decl(&self, sh: &mut Shader) {
+        let t = self.acc_ty();
+        let cmp = if self.is_max() { ">" } else { "<" };
+        let nan = |v: &str| if t == "f32" { format!("isnan_({v})") } else { "false".into() };
+        let (an, bn) = (nan("av"), nan("bv"));
+        sh.decl(&format!(
+            "fn better(av: {t}, ai: u32, bv: {t}, bi: u32) -> bool {{
+    // Does (bv, bi) replace (av, ai)? NaN wins, then the extreme value, then the lower index.
+    if (bi == 0xffffffffu) {{ return false; }}
+    if (ai == 0xffffffffu) {{ return true; }}
+    let an = {an};
+    let bn = {bn};
+    if (an || bn) {{ return bn && (!an || bi < ai); }}
+    if (bv {cmp} av) {{ return true; }}
+    return bv == av && bi < ai;
+}}"
+        ));
+    }
+
+    /// Statement folding value `v` (index `vi`) into accumulator `a` (index `ai`).
+    fn fold(&self, a: &str, ai: &str, v: &str, vi: &str) -> String {
+        match self.op {
+            ReduceOp::Sum => format!("{a} = {a} + {v};"),
+            ReduceOp::Prod => format!("{a} = {a} * {v};"),
+            // Max/min track an index too, so NaN and ties resolve the same way.
+            _ => format!("{{ let vv = {v}; let vi = {vi}; if (better({a}, {ai}, vv, vi)) {{ {a} = vv; {ai} = vi; }} }}"),
+        }
+    }
+
+    /// The output value from the final accumulator.
+    fn finish(&self, a: &str, ai: &str) -> String {
+        if self.op.is_arg() {
+            // An empty reduction is refused when recorded; 0 is never seen.
+            return format!("select(i32({ai}), 0, {ai} == 0xffffffffu)");
+        }
+        cast(self.adt, self.out, a)
+    }
+}

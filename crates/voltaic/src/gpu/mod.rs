@@ -1,0 +1,176 @@
+//! The wgpu executor: the scheduler's kernels as generated WGSL, run on any
+//! GPU that wgpu reaches (Vulkan, Metal, DX12, GL).
+//!
+//! A realization encodes every kernel of its plan into one command encoder
+//! and submits once; buffers come from a size-bucketed pool and return to it
+//! after their last consumer; pipelines are compiled once per distinct
+//! kernel source. Failures (validation, out of memory, device loss) come
+//! back as [`Error`](crate::Error) values.
+
+pub(crate) mod codegen;
+pub(crate) mod context;
+pub(crate) mod exec;
+pub(crate) mod kernels;
+pub(crate) mod pool;
+pub(crate) mod transfer;
+
+pub use pool::MemoryStats;
+
+use crate::error::{Error, Result};
+use context::GpuContext;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// An adapter wgpu found, with what Voltaic uses of it.
+#[derive(Clone, Debug)]
+pub struct AdapterReport {
+    /// Index for `Device::Gpu(index)`.
+    pub index: usize,
+    /// Adapter name (e.g. `NVIDIA H100 80GB HBM3`, `llvmpipe (LLVM 15.0.6, 256 bits)`).
+    pub name: String,
+    /// Backend (`Vulkan`, `Metal`, `Dx12`, `Gl`).
+    pub backend: String,
+    /// `DiscreteGpu`, `IntegratedGpu`, `VirtualGpu`, `Cpu` (a software adapter) or `Other`.
+    pub device_type: String,
+    /// Driver name and version.
+    pub driver: String,
+    /// Features Voltaic uses that the adapter has.
+    pub features: Vec<&'static str>,
+    /// Limits Voltaic uses, by name.
+    pub limits: Vec<(&'static str, u64)>,
+}
+
+impl AdapterReport {
+    /// A software rasteriser such as lavapipe: used only when asked for.
+    pub fn is_software(&self) -> bool {
+        self.device_type == "Cpu"
+    }
+}
+
+/// Counters of one GPU device, for tests and profiles.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GpuStats {
+    /// Queue submissions so far.
+    pub submissions: u64,
+    /// Compute dispatches encoded so far.
+    pub dispatches: u64,
+    /// Distinct kernels compiled so far.
+    pub pipelines: u64,
+    /// Memory held through the pool.
+    pub memory: MemoryStats,
+}
+
+struct Registry {
+    adapters: Vec<wgpu::Adapter>,
+    contexts: Mutex<HashMap<usize, Arc<GpuContext>>>,
+}
+
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| {
+        // WGPU_BACKEND (e.g. `vulkan`) narrows the search, as in every wgpu program.
+        let backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all());
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backends;
+        desc.flags = wgpu::InstanceFlags::empty().with_env();
+        let instance = wgpu::Instance::new(desc);
+        let mut adapters = pollster::block_on(instance.enumerate_adapters(backends));
+        // Real GPUs first, then the native APIs before GL: gpu:0 is the best.
+        let rank = |a: &wgpu::Adapter| {
+            let i = a.get_info();
+            let t = match i.device_type {
+                wgpu::DeviceType::DiscreteGpu => 0,
+                wgpu::DeviceType::IntegratedGpu => 1,
+                wgpu::DeviceType::VirtualGpu => 2,
+                wgpu::DeviceType::Other => 3,
+                wgpu::DeviceType::Cpu => 4,
+            };
+            (t, matches!(i.backend, wgpu::Backend::Gl) as u8)
+        };
+        adapters.sort_by_key(rank);
+        Registry { adapters, contexts: Mutex::new(HashMap::new()) }
+    })
+}
+
+/// Every adapter wgpu finds, best first (`gpu:0` is the first).
+pub fn adapters() -> Vec<AdapterReport> {
+    registry()
+        .adapters
+        .iter()
+        .enumerate()
+        .map(|(index, a)| {
+            let i = a.get_info();
+            let f = a.features();
+            let l = a.limits();
+            let named = [
+                (wgpu::Features::SHADER_F16, "shader-f16"),
+                (wgpu::Features::SUBGROUP, "subgroup"),
+                (wgpu::Features::TIMESTAMP_QUERY, "timestamp-query"),
+                (wgpu::Features::PIPELINE_CACHE, "pipeline-cache"),
+                (wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX, "cooperative-matrix"),
+                (wgpu::Features::SHADER_F64, "shader-f64"),
+            ];
+            AdapterReport {
+                index,
+                name: i.name.clone(),
+                backend: format!("{:?}", i.backend),
+                device_type: format!("{:?}", i.device_type),
+                driver: format!("{} {}", i.driver, i.driver_info).trim().to_string(),
+                features: named.iter().filter(|(x, _)| f.contains(*x)).map(|(_, n)| *n).collect(),
+                limits: vec![
+                    ("max_buffer_size", l.max_buffer_size),
+                    ("max_storage_buffer_binding_size", l.max_storage_buffer_binding_size),
+                    ("max_storage_buffers_per_shader_stage", l.max_storage_buffers_per_shader_stage as u64),
+                    ("max_compute_workgroups_per_dimension", l.max_compute_workgroups_per_dimension as u64),
+                    ("max_compute_invocations_per_workgroup", l.max_compute_invocations_per_workgroup as u64),
+                    ("max_compute_workgroup_storage_size", l.max_compute_workgroup_storage_size as u64),
+                ],
+            }
+        })
+        .collect()
+}
+
+/// Index of the best hardware GPU, if any.
+pub(crate) fn best_hardware() -> Option<usize> {
+    adapters().iter().find(|a| !a.is_software()).map(|a| a.index)
+}
+
+/// The open device `gpu:index`, opened on first use.
+pub(crate) fn context(index: usize) -> Result<Arc<GpuContext>> {
+    let reg = registry();
+    let mut ctxs = reg.contexts.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = ctxs.get(&index) {
+        c.check_alive()?;
+        return Ok(c.clone());
+    }
+    let Some(adapter) = reg.adapters.get(index) else {
+        let n = reg.adapters.len();
+        return Err(Error::Device {
+            op: "device",
+            msg: if n == 0 {
+                format!(
+                    "gpu:{index} is not available: wgpu found no GPU adapter (on Linux install a Vulkan driver, e.g. \
+                     `apt-get install libvulkan1 mesa-vulkan-drivers`, which includes the lavapipe software adapter)"
+                )
+            } else {
+                format!("gpu:{index} is not available: wgpu found {n} adapter(s), gpu:0 to gpu:{}", n - 1)
+            },
+        });
+    };
+    let ctx = Arc::new(GpuContext::open(index, adapter)?);
+    ctxs.insert(index, ctx.clone());
+    Ok(ctx)
+}
+
+/// Counters of device `gpu:index` (opening it if needed).
+pub fn stats(index: usize) -> Result<GpuStats> {
+    let c = context(index)?;
+    let memory = c.pool.lock().unwrap_or_else(|e| e.into_inner()).stats();
+    Ok(GpuStats {
+        submissions: c.submissions.load(Ordering::Relaxed),
+        dispatches: c.dispatches.load(Ordering::Relaxed),
+        pipelines: c.compiled.load(Ordering::Relaxed),
+        memory,
+    })
+}

@@ -1,0 +1,442 @@
+//! The GPU executor against the CPU executor on the same inputs: every op
+//! family, with views, broadcasting, odd sizes and every GPU dtype.
+//!
+//! These tests need a wgpu adapter. In CI that is Mesa's lavapipe (software
+//! Vulkan); when no adapter is found they fail, they never skip.
+//! `VOLTAIC_TEST_GPU=N` picks another adapter than `gpu:0`.
+
+mod common;
+
+use common::{assert_close, idx_tensor, rand_tensor, tensor, Rng};
+use voltaic::{Conv2dOpts, DType, Device, Reduction, Result, Tensor};
+
+/// The GPU under test; panics (fails the test) when there is none.
+fn gpu() -> Device {
+    let adapters = voltaic::gpu::adapters();
+    assert!(
+        !adapters.is_empty(),
+        "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)"
+    );
+    let i = std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    Device::Gpu(i)
+}
+
+fn to_gpu(ts: &[Tensor]) -> Vec<Tensor> {
+    ts.iter().map(|t| t.to_device(gpu()).expect("upload")).collect()
+}
+
+/// Run `f` on CPU tensors and on the same tensors moved to the GPU; the
+/// results must agree (`rtol`, `atol`), in shape, dtype and values.
+fn same(what: &str, inputs: &[Tensor], rtol: f64, atol: f64, f: impl Fn(&[Tensor]) -> Result<Tensor>) {
+    let want = f(inputs).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
+    let got = f(&to_gpu(inputs)).unwrap_or_else(|e| panic!("{what} on gpu: {e}"));
+    assert_eq!(got.device(), gpu(), "{what}: result device");
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    let (g, w) = (got.to_f64_vec().expect("gpu read"), want.to_f64_vec().expect("cpu read"));
+    assert_close(&g, &w, rtol, atol, &format!("{what} (gpu vs cpu)"));
+}
+
+fn randn(rng: &mut Rng, dims: &[usize], dt: DType) -> Tensor {
+    rand_tensor(rng, dims, dt).0
+}
+
+/// A strided (transposed) view with the given logical shape.
+fn transposed(rng: &mut Rng, dims: &[usize], dt: DType) -> Tensor {
+    let mut rev = dims.to_vec();
+    rev.reverse();
+    let t = randn(rng, &rev, dt);
+    let perm: Vec<isize> = (0..dims.len() as isize).rev().collect();
+    t.permute(&perm).expect("permute")
+}
+
+#[test]
+fn unary_ops_match_cpu_on_strided_inputs() {
+    let mut rng = Rng::new(1);
+    let x = transposed(&mut rng, &[37, 19], DType::F32);
+    let pos = x.abs().unwrap().add(0.01).unwrap();
+    let small = x.mul(0.3).unwrap();
+    type F = fn(&Tensor) -> Result<Tensor>;
+    let all: &[(&str, F, bool)] = &[
+        ("neg", Tensor::neg, false),
+        ("abs", Tensor::abs, false),
+        ("exp", Tensor::exp, false),
+        ("log", Tensor::log, true),
+        ("log1p", Tensor::log1p, true),
+        ("expm1", Tensor::expm1, false),
+        ("sqrt", Tensor::sqrt, true),
+        ("rsqrt", Tensor::rsqrt, true),
+        ("recip", Tensor::recip, true),
+        ("sin", Tensor::sin, false),
+        ("cos", Tensor::cos, false),
+        ("tanh", Tensor::tanh, false),
+        ("sigmoid", Tensor::sigmoid, false),
+        ("relu", Tensor::relu, false),
+        ("erf", Tensor::erf, false),
+        ("floor", Tensor::floor, false),
+        ("ceil", Tensor::ceil, false),
+        ("round", Tensor::round, false),
+        ("sign", Tensor::sign, false),
+        ("gelu", Tensor::gelu, false),
+        ("gelu_tanh", Tensor::gelu_tanh, false),
+        ("silu", Tensor::silu, false),
+        ("softplus", Tensor::softplus, false),
+    ];
+    for (name, f, positive) in all {
+        let input = if *positive { &pos } else { &x };
+        same(name, std::slice::from_ref(input), 2e-5, 2e-6, |t| f(&t[0]));
+        same(&format!("{name} small"), std::slice::from_ref(&small), 2e-5, 2e-6, |t| f(&t[0]));
+    }
+    same("leaky_relu", &[x.clone()], 1e-6, 0.0, |t| t[0].leaky_relu(0.1));
+    same("clamp", &[x.clone()], 0.0, 0.0, |t| t[0].clamp(Some(-0.5), Some(0.7)));
+    // Special values: NaN, infinities, signed zeros, large arguments.
+    let (sp, _) = tensor(&[f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, 1e4, -1e4, 88.0, -88.0, 1e-7, 50.0, -50.0], &[12], DType::F32);
+    for (name, f, _) in all {
+        same(&format!("{name} special"), std::slice::from_ref(&sp), 1e-5, 1e-6, |t| f(&t[0]));
+    }
+}
+
+#[test]
+fn integer_and_bool_unary_ops_match_cpu() {
+    let mut rng = Rng::new(2);
+    for dt in [DType::I32, DType::U32] {
+        let x = randn(&mut rng, &[5, 13], dt);
+        for (name, f) in [
+            ("neg", Tensor::neg as fn(&Tensor) -> Result<Tensor>),
+            ("abs", Tensor::abs),
+            ("relu", Tensor::relu),
+            ("sign", Tensor::sign),
+            ("floor", Tensor::floor),
+            ("round", Tensor::round),
+        ] {
+            same(&format!("{name} {dt}"), std::slice::from_ref(&x), 0.0, 0.0, |t| f(&t[0]));
+        }
+    }
+    let (extremes, _) = tensor(&[i32::MIN as f64, i32::MAX as f64, -1.0, 0.0], &[4], DType::I32);
+    same("neg i32 extremes", std::slice::from_ref(&extremes), 0.0, 0.0, |t| t[0].neg());
+    same("abs i32 extremes", std::slice::from_ref(&extremes), 0.0, 0.0, |t| t[0].abs());
+    let b = randn(&mut rng, &[7, 3], DType::Bool);
+    same("logical_not", std::slice::from_ref(&b), 0.0, 0.0, |t| t[0].logical_not());
+}
+
+#[test]
+fn binary_ops_broadcast_and_match_cpu() {
+    let mut rng = Rng::new(3);
+    for dt in [DType::F32, DType::I32, DType::U32] {
+        let a = randn(&mut rng, &[4, 1, 9], dt);
+        let b = transposed(&mut rng, &[6, 1], dt);
+        let ops: &[(&str, fn(&Tensor, &Tensor) -> Result<Tensor>)] = &[
+            ("add", |a, b| a.add(b)),
+            ("sub", |a, b| a.sub(b)),
+            ("mul", |a, b| a.mul(b)),
+            ("div", |a, b| a.div(b)),
+            ("rem", |a, b| a.rem(b)),
+            ("maximum", |a, b| a.maximum(b)),
+            ("minimum", |a, b| a.minimum(b)),
+            ("eq", |a, b| a.eq(b)),
+            ("ne", |a, b| a.ne(b)),
+            ("lt", |a, b| a.lt(b)),
+            ("le", |a, b| a.le(b)),
+            ("gt", |a, b| a.gt(b)),
+            ("ge", |a, b| a.ge(b)),
+        ];
+        for (name, f) in ops {
+            same(&format!("{name} {dt}"), &[a.clone(), b.clone()], 1e-6, 1e-7, |t| f(&t[0], &t[1]));
+        }
+    }
+    let a = randn(&mut rng, &[3, 8], DType::F32);
+    let e = randn(&mut rng, &[8], DType::F32);
+    same("pow", &[a.abs().unwrap(), e.clone()], 1e-5, 1e-6, |t| t[0].pow(&t[1]));
+    same("pow negative base", &[a.clone()], 1e-5, 1e-6, |t| t[0].pow(3.0));
+    same("pow squared", &[a.clone()], 1e-6, 0.0, |t| t[0].pow(2.0));
+    same("pow nan", &[a.clone()], 1e-5, 1e-6, |t| t[0].pow(0.5));
+    same("scalar chain", &[a.clone()], 1e-6, 1e-7, |t| t[0].mul(3.0)?.sub(1.5)?.div(7.0)?.rem(0.75));
+    let (z, _) = tensor(&[7.0, -7.0, 7.0, -7.0, 0.0, i32::MIN as f64], &[6], DType::I32);
+    let (d, _) = tensor(&[3.0, 3.0, -3.0, 0.0, 0.0, -1.0], &[6], DType::I32);
+    same("int rem signs and zero", &[z, d], 0.0, 0.0, |t| t[0].rem(&t[1]));
+    let p = randn(&mut rng, &[5, 5], DType::Bool);
+    let q = transposed(&mut rng, &[5, 5], DType::Bool);
+    same("logical_and", &[p.clone(), q.clone()], 0.0, 0.0, |t| t[0].logical_and(&t[1]));
+    same("logical_or", &[p.clone(), q.clone()], 0.0, 0.0, |t| t[0].logical_or(&t[1]));
+    same("bool lt", &[p.clone(), q.clone()], 0.0, 0.0, |t| t[0].lt(&t[1]));
+    same("where", &[p, a.narrow(1, 0, 5).unwrap().narrow(0, 0, 1).unwrap(), e.narrow(0, 0, 5).unwrap()], 0.0, 0.0, |t| {
+        t[0].where_cond(&t[1], &t[2])
+    });
+    let m = randn(&mut rng, &[3, 8], DType::Bool);
+    same("masked_fill", &[a, m], 0.0, 0.0, |t| t[0].masked_fill(&t[1], -1.25));
+}
+
+#[test]
+fn casts_between_every_gpu_dtype_match_cpu() {
+    let vals = [0.0, -0.0, 1.5, -1.5, 2.5, 0.49, 65504.0, 70000.0, -3e9, 3e9, 5e9, f64::NAN, f64::INFINITY, -1.0, 255.0, 1e-8];
+    let dts = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::U32, DType::Bool];
+    for &from in &dts {
+        let (x, _) = tensor(&vals, &[vals.len()], from);
+        for &to in &dts {
+            same(&format!("cast {from} -> {to}"), std::slice::from_ref(&x), 0.0, 0.0, |t| t[0].to_dtype(to));
+        }
+    }
+}
+
+#[test]
+fn half_precision_arithmetic_matches_cpu() {
+    let mut rng = Rng::new(4);
+    for dt in [DType::F16, DType::BF16] {
+        let a = randn(&mut rng, &[9, 17], dt);
+        let b = transposed(&mut rng, &[9, 17], dt);
+        same(&format!("{dt} chain"), &[a.clone(), b.clone()], 0.0, 0.0, |t| t[0].mul(&t[1])?.add(0.1)?.relu());
+        same(&format!("{dt} exp"), &[a.clone()], 1e-3, 1e-4, |t| t[0].exp());
+        same(&format!("{dt} sum"), &[a.clone()], 1e-2, 1e-2, |t| t[0].sum(&[-1], false));
+        same(&format!("{dt} matmul"), &[a.clone(), b.t().unwrap()], 1e-2, 2e-2, |t| t[0].matmul(&t[1]));
+        same(&format!("{dt} softmax"), &[a.clone()], 1e-2, 1e-3, |t| t[0].softmax(-1));
+        same(&format!("{dt} cumsum"), &[a.clone()], 0.0, 0.0, |t| t[0].cumsum(1));
+    }
+}
+
+#[test]
+fn reductions_over_any_axes_match_cpu() {
+    let mut rng = Rng::new(5);
+    let x = randn(&mut rng, &[6, 5, 7, 4], DType::F32);
+    let xt = x.permute(&[2, 0, 3, 1]).unwrap();
+    let axes_sets: &[&[isize]] = &[&[], &[0], &[-1], &[1, 2], &[0, 3], &[0, 1, 2, 3], &[2]];
+    for t in [&x, &xt] {
+        for axes in axes_sets {
+            for keep in [false, true] {
+                let w = format!("{axes:?} keep={keep} contiguous={}", t.is_contiguous());
+                same(&format!("sum {w}"), &[t.clone()], 1e-5, 1e-5, |v| v[0].sum(axes, keep));
+                same(&format!("mean {w}"), &[t.clone()], 1e-5, 1e-6, |v| v[0].mean(axes, keep));
+                same(&format!("max {w}"), &[t.clone()], 0.0, 0.0, |v| v[0].max(axes, keep));
+                same(&format!("min {w}"), &[t.clone()], 0.0, 0.0, |v| v[0].min(axes, keep));
+                same(&format!("prod {w}"), &[t.mul(0.5).unwrap().add(1.0).unwrap()], 1e-4, 1e-6, |v| v[0].prod(axes, keep));
+                same(&format!("var {w}"), &[t.clone()], 1e-4, 1e-5, |v| v[0].var(axes, 1, keep));
+                same(&format!("std {w}"), &[t.clone()], 1e-4, 1e-5, |v| v[0].std(axes, 0, keep));
+                same(&format!("logsumexp {w}"), &[t.clone()], 1e-5, 1e-5, |v| v[0].logsumexp(axes, keep));
+            }
+        }
+        for d in [None, Some(0), Some(1), Some(-1)] {
+            same(&format!("argmax {d:?}"), &[t.clone()], 0.0, 0.0, |v| v[0].argmax(d, false));
+            same(&format!("argmin {d:?}"), &[t.clone()], 0.0, 0.0, |v| v[0].argmin(d, true));
+        }
+    }
+    // Ties, NaN and infinities: first index wins, NaN wins.
+    let (s, _) = tensor(
+        &[1.0, 3.0, 3.0, f64::NAN, 2.0, f64::NAN, -1.0, f64::NEG_INFINITY, f64::NEG_INFINITY, 5.0, 5.0, 0.0],
+        &[3, 4],
+        DType::F32,
+    );
+    for d in [0, 1] {
+        same("argmax special", &[s.clone()], 0.0, 0.0, |v| v[0].argmax(Some(d), false));
+        same("argmin special", &[s.clone()], 0.0, 0.0, |v| v[0].argmin(Some(d), false));
+        same("max special", &[s.clone()], 0.0, 0.0, |v| v[0].max(&[d], false));
+        same("min special", &[s.clone()], 0.0, 0.0, |v| v[0].min(&[d], false));
+    }
+    for dt in [DType::I32, DType::U32, DType::Bool] {
+        let t = randn(&mut rng, &[9, 70], dt);
+        same(&format!("sum {dt}"), &[t.clone()], 0.0, 0.0, |v| v[0].sum(&[1], false));
+        same(&format!("max {dt}"), &[t.clone()], 0.0, 0.0, |v| v[0].max(&[0], false));
+        same(&format!("argmin {dt}"), &[t.clone()], 0.0, 0.0, |v| v[0].argmin(Some(1), false));
+        if dt != DType::Bool {
+            same(&format!("prod {dt}"), &[t.clone()], 0.0, 0.0, |v| v[0].prod(&[1], false));
+        }
+    }
+}
+
+#[test]
+fn long_and_strided_reductions_use_every_strategy() {
+    let mut rng = Rng::new(6);
+    // One long row: split over many workgroups, then combined.
+    let long = randn(&mut rng, &[200_003], DType::F32);
+    same("sum long", &[long.clone()], 1e-4, 1e-3, |v| v[0].sum(&[0], false));
+    same("max long", &[long.clone()], 0.0, 0.0, |v| v[0].max(&[0], false));
+    same("argmax long", &[long.clone()], 0.0, 0.0, |v| v[0].argmax(Some(0), false));
+    same("argmin long", &[long.clone()], 0.0, 0.0, |v| v[0].argmin(None, false));
+    let rows = randn(&mut rng, &[3, 40_000], DType::F32);
+    same("sum few long rows", &[rows.clone()], 1e-4, 1e-3, |v| v[0].sum(&[1], false));
+    same("argmax few long rows", &[rows], 0.0, 0.0, |v| v[0].argmax(Some(1), false));
+    // Many rows reduced along a strided dim: a thread per output.
+    let cols = randn(&mut rng, &[300, 2000], DType::F32);
+    same("sum over dim 0", &[cols.clone()], 1e-4, 1e-4, |v| v[0].sum(&[0], false));
+    same("argmax over dim 0", &[cols.clone()], 0.0, 0.0, |v| v[0].argmax(Some(0), false));
+    // Medium rows: a workgroup per output.
+    same("softmax rows", &[cols.clone()], 1e-5, 1e-7, |v| v[0].softmax(-1));
+    same("log_softmax rows", &[cols.clone()], 1e-5, 1e-5, |v| v[0].log_softmax(-1));
+    same("softmax cols", &[cols.clone()], 1e-5, 1e-7, |v| v[0].softmax(0));
+    same("cumsum", &[cols.clone()], 1e-4, 1e-4, |v| v[0].cumsum(1));
+    same("cumsum strided", &[cols.t().unwrap()], 1e-4, 1e-4, |v| v[0].cumsum(0));
+    let ints = randn(&mut rng, &[4, 33, 5], DType::I32);
+    same("cumsum i32", &[ints], 0.0, 0.0, |v| v[0].cumsum(1));
+}
+
+#[test]
+fn matmul_matches_cpu_for_every_form() {
+    let mut rng = Rng::new(7);
+    let cases: &[(&[usize], &[usize])] = &[
+        (&[7], &[7]),
+        (&[5], &[5, 3]),
+        (&[4, 6], &[6]),
+        (&[1, 1], &[1, 1]),
+        (&[65, 33], &[33, 70]),
+        (&[3, 17, 9], &[9, 31]),
+        (&[2, 1, 5, 8], &[3, 8, 4]),
+        (&[128, 130], &[130, 129]),
+        (&[0, 4], &[4, 3]),
+        (&[3, 0], &[0, 5]),
+    ];
+    for (da, db) in cases {
+        let a = randn(&mut rng, da, DType::F32);
+        let b = randn(&mut rng, db, DType::F32);
+        same(&format!("matmul {da:?} @ {db:?}"), &[a, b], 1e-5, 1e-5, |t| t[0].matmul(&t[1]));
+    }
+    let a = transposed(&mut rng, &[37, 21], DType::F32);
+    let b = transposed(&mut rng, &[21, 45], DType::F32);
+    same("matmul transposed views", &[a.clone(), b.clone()], 1e-5, 1e-5, |t| t[0].matmul(&t[1]));
+    let wide = randn(&mut rng, &[1, 45], DType::F32).broadcast_to(&[5, 45]).unwrap();
+    same("matmul broadcast rows", &[wide, b.t().unwrap()], 1e-5, 1e-5, |t| t[0].matmul(&t[1]));
+    for dt in [DType::I32, DType::U32] {
+        let a = randn(&mut rng, &[9, 13], dt);
+        let b = randn(&mut rng, &[13, 6], dt);
+        same(&format!("matmul {dt}"), &[a, b], 0.0, 0.0, |t| t[0].matmul(&t[1]));
+    }
+    same("linear + relu", &[a.clone(), b.clone(), randn(&mut rng, &[45], DType::F32)], 1e-5, 1e-5, |t| {
+        t[0].matmul(&t[1])?.add(&t[2])?.relu()
+    });
+}
+
+#[test]
+fn indexing_ops_match_cpu() {
+    let mut rng = Rng::new(8);
+    let x = randn(&mut rng, &[5, 7, 3], DType::F32);
+    let idx: Vec<i64> = (0..5 * 4 * 3).map(|_| rng.below(7) as i64).collect();
+    let index = idx_tensor(&idx, &[5, 4, 3]);
+    same("gather dim 1", &[x.clone(), index.clone()], 0.0, 0.0, |t| t[0].gather(1, &t[1]));
+    let src = randn(&mut rng, &[5, 4, 3], DType::F32);
+    same("scatter_add dim 1", &[x.clone(), index.clone(), src.clone()], 1e-6, 1e-6, |t| t[0].scatter_add(1, &t[1], &t[2]));
+    let idx0: Vec<i64> = (0..2 * 7 * 3).map(|_| rng.below(5) as i64).collect();
+    let index0 = idx_tensor(&idx0, &[2, 7, 3]);
+    let src0 = randn(&mut rng, &[2, 7, 3], DType::F32);
+    same("scatter_add dim 0", &[x.clone(), index0, src0], 1e-6, 1e-6, |t| t[0].scatter_add(0, &t[1], &t[2]));
+    let sel = idx_tensor(&[6, 0, 0, 3, 2], &[5]);
+    same("index_select", &[x.clone(), sel.clone()], 0.0, 0.0, |t| t[0].index_select(1, &t[1]));
+    same("index_select strided", &[x.permute(&[2, 1, 0]).unwrap(), sel.clone()], 0.0, 0.0, |t| t[0].index_select(1, &t[1]));
+    let table = randn(&mut rng, &[11, 6], DType::F32);
+    let tokens = idx_tensor(&[1, 10, 3, 3, 0, 7], &[2, 3]);
+    same("embedding", &[table, tokens.clone()], 0.0, 0.0, |t| t[0].embedding(&t[1]));
+    same("one_hot", &[tokens], 0.0, 0.0, |t| t[0].one_hot(11));
+    let u = Tensor::from_vec(vec![2u32, 0, 1], &[3], Device::Cpu).unwrap();
+    same("index_select u32 index", &[x.clone(), u], 0.0, 0.0, |t| t[0].index_select(0, &t[1]));
+    let parts = [randn(&mut rng, &[2, 3], DType::F32), transposed(&mut rng, &[2, 5], DType::F32), randn(&mut rng, &[2, 0], DType::F32)];
+    same("cat", &parts, 0.0, 0.0, |t| Tensor::cat(&[&t[0], &t[1], &t[2]], 1));
+    same("stack", &[parts[0].clone(), parts[0].mul(2.0).unwrap()], 0.0, 0.0, |t| Tensor::stack(&[&t[0], &t[1]], 1));
+    same("split+chunk", &[x.clone()], 0.0, 0.0, |t| {
+        let s = t[0].split(3, 1)?;
+        let c = t[0].chunk(2, 0)?;
+        Tensor::cat(&[&s[0], &c[1].narrow(0, 0, 1)?.narrow(1, 0, 3)?, &s[2].expand(&[5, 3, 3])?], 0)
+    });
+}
+
+#[test]
+fn nn_ops_match_cpu() {
+    let mut rng = Rng::new(9);
+    let x = randn(&mut rng, &[2, 4, 9, 8], DType::F32);
+    let w = randn(&mut rng, &[6, 2, 3, 3], DType::F32);
+    let b = randn(&mut rng, &[6], DType::F32);
+    let opts = Conv2dOpts { stride: [2, 1], padding: [1, 2], dilation: [1, 2], groups: 2 };
+    same("conv2d", &[x.clone(), w.clone(), b.clone()], 1e-5, 1e-5, |t| t[0].conv2d(&t[1], Some(&t[2]), opts));
+    let w1 = randn(&mut rng, &[5, 4, 3, 3], DType::F32);
+    same("conv2d plain", &[x.clone(), w1], 1e-5, 1e-5, |t| t[0].conv2d(&t[1], None, Conv2dOpts::default()));
+    same("max_pool2d", &[x.clone()], 0.0, 0.0, |t| t[0].max_pool2d([3, 2], Some([2, 2]), [1, 1]));
+    same("avg_pool2d", &[x.clone()], 1e-6, 1e-6, |t| t[0].avg_pool2d([2, 2], None, [0, 0]));
+    let h = randn(&mut rng, &[3, 5, 24], DType::F32);
+    let g = randn(&mut rng, &[24], DType::F32);
+    let bb = randn(&mut rng, &[24], DType::F32);
+    same("layer_norm", &[h.clone(), g, bb], 1e-5, 1e-5, |t| t[0].layer_norm(&[24], Some(&t[1]), Some(&t[2]), 1e-5));
+    let logits = randn(&mut rng, &[13, 10], DType::F32);
+    let target = idx_tensor(&(0..13).map(|i| (i * 7 % 10) as i64).collect::<Vec<_>>(), &[13]);
+    for (ls, red) in [(0.0, Reduction::Mean), (0.1, Reduction::Sum), (0.2, Reduction::None)] {
+        same(&format!("cross_entropy {ls} {red:?}"), &[logits.clone(), target.clone()], 1e-5, 1e-5, |t| {
+            t[0].cross_entropy(&t[1], ls, red)
+        });
+    }
+    same("mse_loss", &[logits.clone(), logits.t().unwrap().contiguous().unwrap().reshape(&[13, 10]).unwrap()], 1e-5, 1e-6, |t| {
+        t[0].mse_loss(&t[1], Reduction::Mean)
+    });
+}
+
+#[test]
+fn random_tensors_are_the_same_on_every_device() {
+    for (dt, f) in [
+        (DType::F32, Tensor::randn as fn(&[usize], DType, Device) -> Result<Tensor>),
+        (DType::F32, Tensor::rand),
+        (DType::BF16, Tensor::rand),
+    ] {
+        voltaic::manual_seed(1234);
+        let c = f(&[3, 50], dt, Device::Cpu).unwrap().to_f64_vec().unwrap();
+        voltaic::manual_seed(1234);
+        let g = f(&[3, 50], dt, gpu()).unwrap().to_f64_vec().unwrap();
+        assert_eq!(c, g, "{dt}");
+    }
+    voltaic::manual_seed(7);
+    let c = Tensor::ones(&[100], DType::F32, Device::Cpu).unwrap().dropout(0.3, true).unwrap().to_vec::<f32>().unwrap();
+    voltaic::manual_seed(7);
+    let g = Tensor::ones(&[100], DType::F32, gpu()).unwrap().dropout(0.3, true).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(c, g);
+}
+
+#[test]
+fn empty_tensors_work() {
+    let e = Tensor::zeros(&[0, 3], DType::F32, gpu()).unwrap();
+    assert_eq!(e.add(1.0).unwrap().to_vec::<f32>().unwrap(), Vec::<f32>::new());
+    assert_eq!(e.sum(&[0], false).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 3]);
+    assert_eq!(e.prod(&[0], false).unwrap().to_vec::<f32>().unwrap(), vec![1.0; 3]);
+    assert_eq!(e.softmax(-1).unwrap().dims(), &[0, 3]);
+}
+
+#[test]
+fn views_and_creation_round_trip() {
+    let g = gpu();
+    let a = Tensor::arange(0.0, 24.0, 1.0, DType::F32, g).unwrap().reshape(&[2, 3, 4]).unwrap();
+    let v = a.permute(&[2, 0, 1]).unwrap().slice(0, 1, 4, 2).unwrap();
+    let c = Tensor::arange(0.0, 24.0, 1.0, DType::F32, Device::Cpu).unwrap().reshape(&[2, 3, 4]).unwrap();
+    let w = c.permute(&[2, 0, 1]).unwrap().slice(0, 1, 4, 2).unwrap();
+    assert_eq!(v.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+    assert_eq!(v.contiguous().unwrap().to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+    let eye = Tensor::eye(3, DType::I32, g).unwrap();
+    assert_eq!(eye.to_vec::<i32>().unwrap(), vec![1, 0, 0, 0, 1, 0, 0, 0, 1]);
+    let f = Tensor::full(&[2, 2], 2.5, DType::F16, g).unwrap();
+    assert_eq!(f.to_f64_vec().unwrap(), vec![2.5; 4]);
+    assert_eq!(Tensor::scalar(3u32, g).unwrap().item::<u32>().unwrap(), 3);
+    let s = format!("{}", Tensor::linspace(0.0, 1.0, 3, DType::F32, g).unwrap());
+    assert_eq!(s, "tensor([0.0000, 0.5000, 1.0000], device=gpu:0)");
+    // Moving back and forth keeps values; the GPU result is a GPU tensor.
+    let back = v.to_device(Device::Cpu).unwrap();
+    assert_eq!(back.device(), Device::Cpu);
+    assert_eq!(back.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+}
+
+#[test]
+fn mixing_devices_is_an_error() {
+    let a = Tensor::ones(&[3], DType::F32, Device::Cpu).unwrap();
+    let b = Tensor::ones(&[3], DType::F32, gpu()).unwrap();
+    let e = a.add(&b).unwrap_err().to_string();
+    assert!(e.contains("cpu") && e.contains("gpu:0"), "{e}");
+    let e = a.matmul(&b).unwrap_err().to_string();
+    assert!(e.contains("matmul"), "{e}");
+}
+
+#[test]
+fn f64_is_a_clear_error_on_the_gpu() {
+    let e = Tensor::zeros(&[2], DType::F64, Device::Cpu).unwrap().add(1.0).unwrap().to_device(gpu()).unwrap_err();
+    assert!(e.to_string().contains("f64"), "{e}");
+}
+
+#[test]
+fn software_adapters_are_not_the_best_device() {
+    if std::env::var("VOLTAIC_DEVICE").is_ok() {
+        return; // an explicit choice overrides; nothing to check
+    }
+    let hardware = voltaic::gpu::adapters().into_iter().find(|a| !a.is_software());
+    match hardware {
+        Some(a) => assert_eq!(Device::best(), Device::Gpu(a.index)),
+        None => assert_eq!(Device::best(), Device::Cpu),
+    }
+}

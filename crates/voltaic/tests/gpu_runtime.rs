@@ -1,0 +1,166 @@
+//! The GPU executor's runtime properties: one dispatch per fused kernel, one
+//! submission per realization, pipelines compiled once, memory that does not
+//! grow in a loop, tensors larger than one binding, huge dispatches, and
+//! allocation failures as errors.
+//!
+//! These tests read device-wide counters, so they run one at a time (each
+//! holds `SERIAL`), in their own test binary.
+
+use std::sync::Mutex;
+use voltaic::gpu::{stats, GpuStats};
+use voltaic::{inspect, DType, Device, Tensor};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn gpu() -> (Device, usize) {
+    assert!(
+        !voltaic::gpu::adapters().is_empty(),
+        "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)"
+    );
+    let i = std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    (Device::Gpu(i), i)
+}
+
+fn delta(a: &GpuStats, b: &GpuStats) -> (u64, u64, u64) {
+    (b.submissions - a.submissions, b.dispatches - a.dispatches, b.pipelines - a.pipelines)
+}
+
+#[test]
+fn fused_chain_is_one_dispatch_and_a_realization_one_submission() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (g, i) = gpu();
+    let x = Tensor::randn(&[1, 37], DType::F32, g).unwrap().broadcast_to(&[23, 37]).unwrap();
+    let y = Tensor::randn(&[23, 1], DType::F32, g).unwrap();
+    let chain = |x: &Tensor| {
+        let mut t = x.clone();
+        for k in 0..20 {
+            t = match k % 4 {
+                0 => t.mul(1.01).unwrap(),
+                1 => t.add(&y).unwrap(),
+                2 => t.tanh().unwrap(),
+                _ => t.sub(0.5).unwrap(),
+            };
+        }
+        t
+    };
+    let t = chain(&x);
+    assert_eq!(inspect(&[&t]).len(), 1);
+    let before = stats(i).unwrap();
+    t.realize().unwrap();
+    let (subs, disp, _) = delta(&before, &stats(i).unwrap());
+    assert_eq!((subs, disp), (1, 1), "a 20-op chain over a broadcast input: one dispatch, one submission");
+
+    // A multi-kernel graph: matmul, softmax, sum, argmax.
+    let w = Tensor::randn(&[37, 16], DType::F32, g).unwrap();
+    let build = || {
+        let h = chain(&x).matmul(&w).unwrap().softmax(-1).unwrap();
+        (h.sum(&[0], false).unwrap(), h.argmax(Some(-1), false).unwrap())
+    };
+    let (s, a) = build();
+    let kernels = inspect(&[&s, &a]).len();
+    assert!(kernels >= 4, "{kernels}");
+    let before = stats(i).unwrap();
+    Tensor::realize_all(&[&s, &a]).unwrap();
+    let (subs, disp, compiled) = delta(&before, &stats(i).unwrap());
+    assert_eq!(subs, 1, "one realization, one submission");
+    assert_eq!(disp, kernels as u64);
+    assert!(compiled > 0);
+    // The same graph again compiles nothing new.
+    let (s, a) = build();
+    let before = stats(i).unwrap();
+    Tensor::realize_all(&[&s, &a]).unwrap();
+    let (subs, _, compiled) = delta(&before, &stats(i).unwrap());
+    assert_eq!((subs, compiled), (1, 0), "pipelines are cached by kernel");
+}
+
+#[test]
+fn a_training_like_loop_does_not_grow_memory() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (g, i) = gpu();
+    voltaic::manual_seed(3);
+    let x = Tensor::randn(&[64, 32], DType::F32, g).unwrap();
+    let mut w = Tensor::randn(&[32, 10], DType::F32, g).unwrap().mul(0.1).unwrap().contiguous().unwrap();
+    let target = Tensor::arange(0.0, 64.0, 1.0, DType::I32, g).unwrap().rem(10).unwrap();
+    let mut after_warmup = None;
+    for step in 0..1000 {
+        // Forward, a hand-written gradient of softmax cross-entropy, an SGD step.
+        let logits = x.matmul(&w).unwrap();
+        let p = logits.softmax(-1).unwrap();
+        let grad_logits = p.sub(&target.one_hot(10).unwrap().to_dtype(DType::F32).unwrap()).unwrap().div(64.0).unwrap();
+        let grad_w = x.t().unwrap().matmul(&grad_logits).unwrap();
+        w = w.sub(&grad_w.mul(0.5).unwrap()).unwrap();
+        w.realize().unwrap();
+        if step == 20 {
+            after_warmup = Some(stats(i).unwrap().memory);
+        }
+    }
+    let loss = x.matmul(&w).unwrap().cross_entropy(&target, 0.0, voltaic::Reduction::Mean).unwrap().item::<f32>().unwrap();
+    assert!(loss.is_finite());
+    let warm = after_warmup.unwrap();
+    let end = stats(i).unwrap().memory;
+    assert_eq!(end.allocations, warm.allocations, "no new buffers after warm-up: {warm:?} -> {end:?}");
+    assert!(end.in_use + end.cached <= warm.in_use + warm.cached, "{warm:?} -> {end:?}");
+    g.empty_cache().unwrap();
+    assert_eq!(stats(i).unwrap().memory.cached, 0);
+}
+
+#[test]
+fn tensors_larger_than_one_binding_work() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (g, _) = gpu();
+    // 40M i32 = 160 MB (integers, so every value is exact): more than lavapipe's 128 MiB binding, and more than
+    // 65,535 workgroups of 256 in one dimension.
+    let n = 40_000_000usize;
+    let x = Tensor::arange(0.0, n as f64, 1.0, DType::I32, g).unwrap();
+    let y = x.mul(2).unwrap().add(1).unwrap();
+    let probe = [0usize, 1, 33_554_431, 33_554_432, 33_554_433, n - 1];
+    for &p in &probe {
+        let v = y.narrow(0, p, 1).unwrap().item::<i32>().unwrap();
+        assert_eq!(v, (2 * p + 1) as i32, "element {p}");
+    }
+    // A strided read across the chunk boundary, and a reduction over it all.
+    let tail = y.slice(0, 33_554_400, 33_554_500, 7).unwrap().to_vec::<i32>().unwrap();
+    let want: Vec<i32> = (33_554_400..33_554_500).step_by(7).map(|p| 2 * p + 1).collect();
+    assert_eq!(tail, want);
+    let m = y.max(&[0], false).unwrap().item::<i32>().unwrap();
+    assert_eq!(m, (2 * (n - 1) + 1) as i32);
+    let s = y.to_dtype(DType::F32).unwrap().sum(&[0], false).unwrap().item::<f32>().unwrap() as f64;
+    let want_sum = (n as f64) * (n as f64);
+    assert!((s - want_sum).abs() / want_sum < 1e-5, "{s} vs {want_sum}");
+    let am = y.argmax(None, false).unwrap().item::<i32>().unwrap();
+    assert_eq!(am as usize, n - 1);
+}
+
+#[test]
+fn impossible_allocations_are_errors_and_the_device_stays_usable() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (g, _) = gpu();
+    let huge = Tensor::zeros(&[1 << 36], DType::F32, g).unwrap().contiguous().unwrap();
+    let e = huge.realize().map(|_| ()).expect_err("a 256 GiB buffer cannot exist");
+    assert!(matches!(e, voltaic::Error::OutOfMemory(_)), "{e}");
+    let ok = Tensor::ones(&[4], DType::F32, g).unwrap().add(1.0).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(ok, vec![2.0; 4]);
+}
+
+fn idx(v: &[i32], dims: &[usize]) -> Tensor {
+    Tensor::from_vec(v.to_vec(), dims, Device::Cpu).unwrap()
+}
+
+#[test]
+fn out_of_range_indices_are_errors_when_read() {
+    // The device's index-error flag is shared, so this runs alone.
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (gpu, _) = gpu();
+    let gpu = || gpu;
+    let x = Tensor::randn(&[4, 3], DType::F32, gpu()).unwrap();
+    let bad = idx(&[0, 4], &[2]).to_device(gpu()).unwrap();
+    let r = x.index_select(0, &bad).unwrap();
+    let e = r.to_vec::<f32>().expect_err("index 4 of 4 rows must fail");
+    assert!(e.to_string().contains("index_select") && e.to_string().contains("index 4"), "{e}");
+    // The flag was consumed: later work on the device runs normally.
+    let ok = x.index_select(0, &idx(&[3, 0], &[2]).to_device(gpu()).unwrap()).unwrap();
+    assert_eq!(ok.to_vec::<f32>().unwrap().len(), 6);
+    let neg = idx(&[-1, 0, 0], &[1, 3]).to_device(gpu()).unwrap();
+    let e = x.gather(0, &neg).unwrap().to_vec::<f32>().expect_err("negative index");
+    assert!(e.to_string().contains("gather"), "{e}");
+}
