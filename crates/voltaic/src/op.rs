@@ -161,8 +161,9 @@ unary!(/// hyperbolic tangent
 unary!(/// logistic sigmoid `1 / (1 + e^-x)`
     Sigmoid, "sigmoid", "(1.0 / (1.0 + exp(-{x})))", Float,
     |x| 1.0 / (1.0 + fastmath::exp_f32(-x)), |x| 1.0 / (1.0 + (-x).exp()));
-unary!(/// `max(x, 0)`; NaN stays NaN as in PyTorch
-    Relu, "relu", "select({x}, {T}(0), {x} < {T}(0))", Numeric,
+unary!(/// `max(x, 0)`; NaN stays NaN as in PyTorch (the WGSL tests NaN on the bits:
+    /// some compilers turn the select into a NaN-dropping `max`)
+    Relu, "relu", "select(select({x}, 0.0, {x} < 0.0), {x}, isnan_({x}))" | "select({x}, {T}(0), {x} < {T}(0))", Numeric,
     |x| if x < 0.0 { 0.0 } else { x }, |x| if x < 0.0 { 0.0 } else { x },
     int |x| if x < Default::default() { Default::default() } else { x });
 unary!(/// the error function
@@ -174,7 +175,7 @@ unary!(/// round up
 unary!(/// round half to even, as PyTorch
     Round, "round", "round({x})" | "{x}", Numeric, |x| x.round_ties_even(), |x| x.round_ties_even(), int |x| x);
 unary!(/// -1, 0 or 1 (NaN stays NaN)
-    Sign, "sign", "select(select({x}, -1.0, {x} < 0.0), 1.0, {x} > 0.0)" | "select(select({x}, {T}(0) - {T}(1), {x} < {T}(0)), {T}(1), {x} > {T}(0))", Numeric,
+    Sign, "sign", "select(select(select({x}, -1.0, {x} < 0.0), 1.0, {x} > 0.0), {x}, isnan_({x}))" | "select(select({x}, {T}(0) - {T}(1), {x} < {T}(0)), {T}(1), {x} > {T}(0))", Numeric,
     |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
     |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
     int |x| x.sign_());
@@ -379,6 +380,29 @@ pub const WGSL_HELPERS: &[(&str, &str)] = &[
     let b = bitcast<u32>(x);
     if ((b & 0x7fffffffu) > 0x7f800000u) { return bitcast<f32>(b | 0x00400000u); }
     return bitcast<f32>((b + 0x7fffu + ((b >> 16u) & 1u)) & 0xffff0000u);
+}"),
+    ("f16r_", "fn f16r_(x: f32) -> f32 {
+    // Round to IEEE half, nearest even, on the bits: some drivers drop an
+    // f32 -> f16 -> f32 round trip as a no-op, which changes fused results.
+    let b = bitcast<u32>(x);
+    let a = b & 0x7fffffffu;
+    let sign = b & 0x80000000u;
+    if (a >= 0x7f800000u) { return x; }
+    let e = a >> 23u;
+    if (e >= 113u) {
+        let r = (a + 0xfffu + ((a >> 13u) & 1u)) & 0xffffe000u;
+        if (r > 0x477fe000u) { return bitcast<f32>(sign | 0x7f800000u); }
+        return bitcast<f32>(sign | r);
+    }
+    // Below 2^-14 the half spacing is 2^-24: round m * 2^(e - 126) to an integer.
+    if (e < 101u) { return bitcast<f32>(sign); }
+    let m = (a & 0x7fffffu) | 0x800000u;
+    let s = 126u - e;
+    var q = m >> s;
+    let rest = m & ((1u << s) - 1u);
+    let half = 1u << (s - 1u);
+    if (rest > half || (rest == half && (q & 1u) == 1u)) { q = q + 1u; }
+    return bitcast<f32>(sign | bitcast<u32>(f32(q) * 5.9604644775390625e-8));
 }"),
     ("f2i_", "fn f2i_(x: f32) -> i32 {
     // Rust `as`: saturate, NaN to 0.

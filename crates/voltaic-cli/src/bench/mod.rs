@@ -2,6 +2,7 @@
 //! run on the same machine. Times are medians of several runs after warm-up.
 
 mod cpu;
+mod gpu;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -11,9 +12,12 @@ use std::time::Instant;
 /// Arguments of `voltaic bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Which suite to run: cpu (gpu, train and embed come with later issues).
+    /// Which suite to run: cpu (against numpy) or gpu (against PyTorch on the same GPU).
     #[arg(long, default_value = "cpu")]
     suite: String,
+    /// GPU for the gpu suite (default: the best hardware GPU; `gpu:N` picks one, a software adapter included).
+    #[arg(long)]
+    device: Option<String>,
     /// Print one JSON object per row instead of a table.
     #[arg(long)]
     json: bool,
@@ -53,26 +57,59 @@ pub fn median_ms(warmup: usize, runs: usize, mut f: impl FnMut() -> anyhow::Resu
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let cases: Vec<&str> = match args.suite.as_str() {
-        "cpu" => cpu::CASES.to_vec(),
-        s => bail!("unknown or not yet available suite {s:?}: expected cpu"),
+    let gpu_suite = match args.suite.as_str() {
+        "cpu" => false,
+        "gpu" => true,
+        s => bail!("unknown suite {s:?}: expected cpu or gpu (train and embed come with later issues)"),
     };
-    let cases: Vec<&str> = cases.into_iter().filter(|c| args.filter.as_deref().is_none_or(|f| c.contains(f))).collect();
+    let all = if gpu_suite { gpu::CASES } else { cpu::CASES };
+    let cases: Vec<&str> = all.iter().copied().filter(|c| args.filter.as_deref().is_none_or(|f| c.contains(f))).collect();
+    let device = match (&args.device, gpu_suite) {
+        (Some(d), _) => voltaic::Device::parse(d)?,
+        (None, false) => voltaic::Device::Cpu,
+        (None, true) => match voltaic::Device::best() {
+            d @ voltaic::Device::Gpu(_) => d,
+            voltaic::Device::Cpu => bail!("no hardware GPU found for the gpu suite; pass --device gpu:N to use a software adapter"),
+        },
+    };
     let pb = ProgressBar::new(cases.len() as u64 * if args.no_peer { 1 } else { 2 });
     pb.set_style(ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
     let mut peer_ms = std::collections::HashMap::new();
+    let mut peer_extra = std::collections::HashMap::new();
     let mut peer_name = String::from("none");
+    let mut meta = serde_json::Map::new();
+    meta.insert("device".into(), json!(device.to_string()));
+    if let voltaic::Device::Gpu(i) = device {
+        if let Some(a) = voltaic::gpu::adapters().into_iter().find(|a| a.index == i) {
+            meta.insert("adapter".into(), json!(a.name));
+            meta.insert("backend".into(), json!(a.backend));
+            meta.insert("driver".into(), json!(a.driver));
+        }
+    } else {
+        meta.insert("threads".into(), json!(rayon::current_num_threads()));
+    }
     if !args.no_peer {
-        pb.set_message("numpy peer");
-        let (name, times) = cpu::numpy_peer(&cases, args.runs).context("running the numpy peer")?;
-        peer_name = name;
-        peer_ms = times;
+        pb.set_message(if gpu_suite { "PyTorch peer" } else { "numpy peer" });
+        if gpu_suite {
+            let p = gpu::torch_peer(&cases, args.runs).context("running the PyTorch peer")?;
+            peer_name = p.name;
+            peer_ms = p.times;
+            peer_extra = p.extra;
+            if let Some(c) = p.info.get("clocks") {
+                meta.insert("clocks".into(), c.clone());
+            }
+        } else {
+            let (name, times) = cpu::numpy_peer(&cases, args.runs).context("running the numpy peer")?;
+            peer_name = name;
+            peer_ms = times;
+        }
         pb.inc(cases.len() as u64);
     }
     let mut rows = vec![];
     for c in &cases {
         pb.set_message(format!("voltaic {c}"));
-        let (ms, note) = cpu::run_case(c, args.runs)?;
+        let (ms, note) = if gpu_suite { gpu::run_case(c, device, args.runs) } else { cpu::run_case(c, args.runs) }
+            .with_context(|| format!("benchmark {c}"))?;
         rows.push(Row { name: c.to_string(), voltaic_ms: ms, peer: peer_name.clone(), peer_ms: peer_ms.get(*c).copied(), note });
         pb.inc(1);
     }
@@ -80,17 +117,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     for r in &rows {
         let speedup = r.peer_ms.map(|p| p / r.voltaic_ms);
         if args.json {
-            println!(
-                "{}",
-                json!({
-                    "name": r.name, "voltaic_ms": round3(r.voltaic_ms), "peer": r.peer,
-                    "peer_ms": r.peer_ms.map(round3), "speedup": speedup.map(round3),
-                    "device": "cpu", "threads": rayon::current_num_threads(), "note": r.note,
-                })
-            );
+            let mut o = json!({
+                "name": r.name, "voltaic_ms": round3(r.voltaic_ms), "peer": r.peer,
+                "peer_ms": r.peer_ms.map(round3), "speedup": speedup.map(round3), "note": r.note,
+            });
+            let m = o.as_object_mut().expect("object");
+            m.extend(meta.clone());
+            if let Some(extra) = peer_extra.get(&r.name) {
+                m.extend(extra.clone());
+            }
+            println!("{o}");
         } else {
             println!(
-                "{:<24} voltaic {:>9.3} ms   {} {:>9} ms   speedup {:>6}   {}",
+                "{:<26} voltaic {:>9.3} ms   {} {:>9} ms   speedup {:>6}   {}",
                 r.name,
                 r.voltaic_ms,
                 r.peer,

@@ -127,7 +127,7 @@ fn to_storage(dt: DType, e: &str) -> String {
 /// Round an f32 compute value to what `dt` can hold (a no-op but for half types).
 pub(crate) fn round_to(dt: DType, e: &str) -> String {
     match dt {
-        DType::F16 => format!("f32(f16({e}))"),
+        DType::F16 => format!("f16r_({e})"),
         DType::BF16 => format!("bf16r_({e})"),
         _ => e.to_string(),
     }

@@ -60,6 +60,15 @@ pub(crate) struct GpuContext {
     /// A small buffer that index kernels flag out-of-range indices in; read
     /// with every transfer to the host.
     pub index_error: wgpu::Buffer,
+    /// Mappable buffers kept for reading results back.
+    pub staging: Mutex<Vec<wgpu::Buffer>>,
+    /// Compiled kernels by signature (see `exec::compile`).
+    pub compiled_kernels: Mutex<HashMap<u64, Vec<(super::exec::Signature, Arc<super::exec::Compiled>)>>>,
+    /// Matmul plans chosen by measurement.
+    pub tuner: super::autotune::Tuner,
+    /// Where the driver's pipeline cache is kept between runs.
+    pipeline_cache_file: Option<std::path::PathBuf>,
+    last_cache_save: Mutex<Option<std::time::Instant>>,
     /// Pipelines compiled, submissions and dispatches so far (for tests and profiles).
     pub compiled: AtomicU64,
     pub submissions: AtomicU64,
@@ -110,10 +119,19 @@ impl GpuContext {
             max_groups: limits.max_compute_workgroups_per_dimension,
             workgroup_storage: limits.max_compute_workgroup_storage_size,
         };
+        let pipeline_cache_file = wgpu::util::pipeline_cache_key(&info)
+            .and_then(|k| Some(super::autotune::cache_dir()?.join(format!("{k}-{}.bin", super::autotune::device_tag(&info)))));
         let pipeline_cache = features.contains(wgpu::Features::PIPELINE_CACHE).then(|| {
-            // SAFETY: no data is passed, so there is nothing to validate.
+            let data = pipeline_cache_file.as_ref().and_then(|f| std::fs::read(f).ok());
+            // SAFETY: the data, if any, is what `get_data` returned for this
+            // adapter and driver in an earlier run (the file name holds both);
+            // with `fallback` the driver drops data it does not accept.
             unsafe {
-                device.create_pipeline_cache(&wgpu::PipelineCacheDescriptor { label: Some("voltaic"), data: None, fallback: true })
+                device.create_pipeline_cache(&wgpu::PipelineCacheDescriptor {
+                    label: Some("voltaic"),
+                    data: data.as_deref(),
+                    fallback: true,
+                })
             }
         });
         let index_error = device.create_buffer(&wgpu::BufferDescriptor {
@@ -123,6 +141,11 @@ impl GpuContext {
             mapped_at_creation: false,
         });
         Ok(GpuContext {
+            compiled_kernels: Mutex::new(HashMap::new()),
+            staging: Mutex::new(Vec::new()),
+            tuner: super::autotune::Tuner::new(&info),
+            pipeline_cache_file,
+            last_cache_save: Mutex::new(None),
             index,
             pool: Arc::new(Mutex::new(Pool::new(caps.max_buffer))),
             device,
@@ -157,10 +180,17 @@ impl GpuContext {
             return Ok(p.clone());
         }
         let (p, err) = self.scoped(|| {
-            let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: None,
-                source: wgpu::ShaderSource::Wgsl(source.into()),
-            });
+            // SAFETY: every index a generated kernel computes is in bounds by
+            // construction (index tensors are checked in the kernel), and its
+            // loops are bounded; naga's per-access clamping and loop counters
+            // would only cost time. Storage buffers keep the driver's robust
+            // access where the adapter has it.
+            let module = unsafe {
+                self.device.create_shader_module_trusted(
+                    wgpu::ShaderModuleDescriptor { label: None, source: wgpu::ShaderSource::Wgsl(source.into()) },
+                    wgpu::ShaderRuntimeChecks::unchecked(),
+                )
+            };
             let entries: Vec<wgpu::BindGroupLayoutEntry> = read_only
                 .iter()
                 .enumerate()
@@ -194,9 +224,25 @@ impl GpuContext {
             return Err(Error::Backend(format!("compiling a kernel on gpu:{}: {e}\n--- WGSL ---\n{source}", self.index)));
         }
         self.compiled.fetch_add(1, Ordering::Relaxed);
+        self.save_pipeline_cache(false);
         let p = Arc::new(p);
         self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).insert(source.to_string(), p.clone());
         Ok(p)
+    }
+
+    /// Write the driver's pipeline cache to disk (at most every few seconds
+    /// unless `now`), so the next run skips compiling.
+    pub(crate) fn save_pipeline_cache(&self, now: bool) {
+        let (Some(cache), Some(file)) = (&self.pipeline_cache, &self.pipeline_cache_file) else { return };
+        let mut last = self.last_cache_save.lock().unwrap_or_else(|e| e.into_inner());
+        if !now && last.is_some_and(|t| t.elapsed().as_secs_f64() < 5.0) {
+            return;
+        }
+        *last = Some(std::time::Instant::now());
+        if let Some(data) = cache.get_data() {
+            // A cache that cannot be written only costs compile time later.
+            let _ = super::autotune::write_atomic(file, &data);
+        }
     }
 
     /// Run `f` inside error scopes for out-of-memory, validation and internal
@@ -240,8 +286,11 @@ impl GpuContext {
             self.wait(Some(oldest))?;
         } else {
             drop(q);
-            // Let wgpu retire finished work so its bookkeeping does not grow.
-            let _ = self.device.poll(wgpu::PollType::Poll);
+            // Now and then, let wgpu retire finished work so its bookkeeping
+            // does not grow (polling every time costs more than it saves).
+            if self.submissions.load(Ordering::Relaxed) % 16 == 0 {
+                let _ = self.device.poll(wgpu::PollType::Poll);
+            }
         }
         Ok(idx)
     }

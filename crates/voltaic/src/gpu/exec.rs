@@ -9,12 +9,133 @@ use crate::graph::Buffer;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// One encoded dispatch, waiting for the pass.
-struct Encoded {
+/// One dispatch of a kernel, compiled.
+pub(crate) struct CompiledDispatch {
+    pipeline: Arc<wgpu::ComputePipeline>,
+    binds: Vec<Bind>,
+    grid: (u32, u32),
+    label: String,
+}
+
+/// A kernel compiled for one device: its dispatches and scratch buffers.
+pub(crate) struct Compiled {
+    dispatches: Vec<CompiledDispatch>,
+    scratch: Vec<(crate::dtype::DType, usize)>,
+}
+
+impl Compiled {
+    /// The label of the first dispatch, for profiles.
+    pub(crate) fn label(&self) -> Option<&str> {
+        self.dispatches.first().map(|d| d.label.as_str())
+    }
+}
+
+/// What a compiled kernel depends on besides the device.
+#[derive(PartialEq, Hash)]
+pub(crate) struct Signature {
+    kind: crate::graph::kernel::KernelKind,
+    inputs: Vec<(crate::dtype::DType, usize)>,
+    dtype: crate::dtype::DType,
+    numel: usize,
+    plan: Option<super::matmul::Plan>,
+}
+
+/// Kernel `k` compiled for `ctx`: from the device's cache when an equal
+/// kernel was compiled before (a training loop generates and compiles each
+/// kernel once), else generated and compiled now.
+pub(crate) fn compile(
+    ctx: &GpuContext,
+    k: &crate::graph::kernel::Kernel,
+    inputs: &[(crate::dtype::DType, usize)],
+    plan: Option<super::matmul::Plan>,
+) -> Result<Arc<Compiled>> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (&k.kind, inputs, k.dtype, k.numel, plan).hash(&mut h);
+    let key = h.finish();
+    let same = |s: &Signature| s.kind == k.kind && s.inputs == inputs && s.dtype == k.dtype && s.numel == k.numel && s.plan == plan;
+    if let Some(v) = ctx.compiled_kernels.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        if let Some((_, c)) = v.iter().find(|(s, _)| same(s)) {
+            return Ok(c.clone());
+        }
+    }
+    let prog = super::kernels::program(&ctx.caps, k, inputs, plan)?;
+    let mut dispatches = Vec::with_capacity(prog.dispatches.len());
+    for d in prog.dispatches {
+        if d.binds.len() > ctx.caps.max_storage_buffers as usize {
+            return Err(Error::Backend(format!(
+                "{}: the kernel binds {} buffers but gpu:{} allows {} per shader",
+                d.label,
+                d.binds.len(),
+                ctx.index,
+                ctx.caps.max_storage_buffers
+            )));
+        }
+        let read_only: Vec<bool> = d.binds.iter().map(|b| b.read_only).collect();
+        let pipeline = ctx.pipeline(&d.source, &read_only)?;
+        dispatches.push(CompiledDispatch { pipeline, binds: d.binds, grid: grid(ctx, d.groups)?, label: d.label });
+    }
+    let c = Arc::new(Compiled { dispatches, scratch: prog.scratch });
+    let sig = Signature { kind: k.kind.clone(), inputs: inputs.to_vec(), dtype: k.dtype, numel: k.numel, plan };
+    ctx.compiled_kernels.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_default().push((sig, c.clone()));
+    Ok(c)
+}
+
+/// One dispatch with its buffers bound, waiting for the pass.
+pub(crate) struct Encoded {
     pipeline: Arc<wgpu::ComputePipeline>,
     bind_group: wgpu::BindGroup,
     grid: (u32, u32),
-    kernel: usize,
+    /// Scratch buffers the dispatch binds; they go back to the pool with it.
+    _scratch: Arc<Vec<GpuBuf>>,
+}
+
+/// Bind every dispatch of a compiled kernel: `input(i)` is the buffer of
+/// the kernel's input `i`. Scratch buffers are taken from the pool.
+pub(crate) fn bind<'b>(
+    ctx: &'b GpuContext,
+    c: &Compiled,
+    input: &dyn Fn(usize) -> &'b wgpu::Buffer,
+    out: &'b wgpu::Buffer,
+) -> Result<Vec<Encoded>> {
+    let scratch: Arc<Vec<GpuBuf>> =
+        Arc::new(c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?);
+    let mut encoded = Vec::with_capacity(c.dispatches.len());
+    for d in &c.dispatches {
+        let buffer_of = |b: &Bind| -> &wgpu::Buffer {
+            match b.src {
+                Src::Input(i) => input(i),
+                Src::Output => out,
+                Src::Scratch(i) => scratch[i].raw(),
+                Src::IndexError => &ctx.index_error,
+            }
+        };
+        let entries: Vec<wgpu::BindGroupEntry> = d
+            .binds
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let buf = buffer_of(b);
+                let offset = b.chunk as u64 * b.chunk_bytes;
+                let size = b.chunk_bytes.min(buf.size() - offset);
+                wgpu::BindGroupEntry {
+                    binding: i as u32,
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: buf,
+                        offset,
+                        size: std::num::NonZeroU64::new(size),
+                    }),
+                }
+            })
+            .collect();
+        let bind_group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &d.pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        encoded.push(Encoded { pipeline: d.pipeline.clone(), bind_group, grid: d.grid, _scratch: scratch.clone() });
+    }
+    Ok(encoded)
 }
 
 /// Run `plan` on `ctx`; returns the buffers of the slots the plan stores.
@@ -29,6 +150,8 @@ pub(crate) fn run_plan(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<
 
 fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Buffer>>> {
     let mut bufs: Vec<Option<Arc<GpuBuf>>> = Vec::with_capacity(plan.slots.len());
+    // Buffers freed while encoding; they return to the pool after the submit.
+    let mut retired: Vec<GpuBuf> = Vec::new();
     for s in &plan.slots {
         bufs.push(match &s.source {
             SlotSource::External(Buffer::Gpu(b)) => Some(b.clone()),
@@ -43,7 +166,7 @@ fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Bu
     }
     let keep: std::collections::HashSet<usize> = plan.store.iter().map(|(s, _)| *s).collect();
     let mut stored: Vec<Option<Buffer>> = vec![None; plan.slots.len()];
-    let mut encoded: Vec<Encoded> = Vec::new();
+    let mut encoded: Vec<(Encoded, usize)> = Vec::new();
     let mut labels: Vec<String> = Vec::new();
     for (ki, k) in plan.kernels.iter().enumerate() {
         check_dtype(&ctx.caps, k.dtype, k.kind.name())?;
@@ -51,67 +174,32 @@ fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Bu
         for &(dt, _) in &inputs {
             check_dtype(&ctx.caps, dt, k.kind.name())?;
         }
-        let prog = super::kernels::program(&ctx.caps, k, &inputs)?;
-        let out = Arc::new(alloc(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(k.dtype))?);
-        let scratch: Vec<GpuBuf> = prog
-            .scratch
-            .iter()
-            .map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt)))
-            .collect::<Result<_>>()?;
-        for d in &prog.dispatches {
-            if d.binds.len() > ctx.caps.max_storage_buffers as usize {
-                return Err(Error::Backend(format!(
-                    "{}: the kernel binds {} buffers but gpu:{} allows {} per shader",
-                    k.kind.name(),
-                    d.binds.len(),
-                    ctx.index,
-                    ctx.caps.max_storage_buffers
-                )));
-            }
-            let read_only: Vec<bool> = d.binds.iter().map(|b| b.read_only).collect();
-            let pipeline = ctx.pipeline(&d.source, &read_only)?;
-            let buffer_of = |b: &Bind| -> &wgpu::Buffer {
-                match b.src {
-                    Src::Input(i) => bufs[k.inputs[i]].as_ref().expect("inputs are live").raw(),
-                    Src::Output => out.raw(),
-                    Src::Scratch(i) => scratch[i].raw(),
-                    Src::IndexError => &ctx.index_error,
-                }
-            };
-            let entries: Vec<wgpu::BindGroupEntry> = d
-                .binds
-                .iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    let buf = buffer_of(b);
-                    let offset = b.chunk as u64 * b.chunk_bytes;
-                    let size = b.chunk_bytes.min(buf.size() - offset);
-                    wgpu::BindGroupEntry {
-                        binding: i as u32,
-                        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                            buffer: buf,
-                            offset,
-                            size: std::num::NonZeroU64::new(size),
-                        }),
-                    }
-                })
-                .collect();
-            let bind_group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: None,
-                layout: &pipeline.get_bind_group_layout(0),
-                entries: &entries,
-            });
-            encoded.push(Encoded { pipeline, bind_group, grid: grid(ctx, d.groups)?, kernel: ki });
+        let bytes = k.numel as u64 * elem_bytes(k.dtype);
+        let out = Arc::new(match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {
+            Some(i) => retired.swap_remove(i).reuse(k.dtype, k.numel),
+            None => alloc(ctx, k.dtype, k.numel, bytes)?,
+        });
+        let mm_plan = super::autotune::plan_for(ctx, k, &inputs)?;
+        let compiled = compile(ctx, k, &inputs, mm_plan)?;
+        let input_buf = |i: usize| bufs[k.inputs[i]].as_ref().expect("inputs are live").raw();
+        for e in bind(ctx, &compiled, &input_buf, out.raw())? {
+            encoded.push((e, ki));
         }
-        labels.push(prog.dispatches.first().map(|d| d.label.clone()).unwrap_or_else(|| k.kind.name().into()));
+        labels.push(compiled.label().unwrap_or(k.kind.name()).to_string());
         if keep.contains(&k.out) {
             stored[k.out] = Some(Buffer::Gpu(out.clone()));
         }
         bufs[k.out] = Some(out);
-        // Freed buffers go back to the pool now; a later kernel of this same
-        // pass may reuse them, and wgpu orders its writes after these reads.
+        // A buffer whose last reader is encoded may hold the output of a later
+        // kernel of this same pass (wgpu orders that write after these reads).
+        // It must not reach the shared pool before this submission does: another
+        // thread could take it and submit a write that runs before our reads.
         for &s in &plan.free_after[ki] {
-            bufs[s] = None;
+            if let Some(b) = bufs[s].take() {
+                if let Ok(b) = Arc::try_unwrap(b) {
+                    retired.push(b);
+                }
+            }
         }
     }
     for (s, _) in &plan.store {
@@ -128,7 +216,7 @@ fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Bu
     match &timing {
         None => {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-            for e in &encoded {
+            for (e, _) in &encoded {
                 dispatch(&mut pass, e);
             }
         }
@@ -139,7 +227,7 @@ fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Bu
                     label: None,
                     timestamp_writes: Some(t.writes(ki)),
                 });
-                for e in encoded.iter().filter(|e| e.kernel == ki) {
+                for (e, _) in encoded.iter().filter(|(_, k)| *k == ki) {
                     dispatch(&mut pass, e);
                 }
             }
@@ -155,7 +243,7 @@ fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Bu
     Ok(stored)
 }
 
-fn dispatch(pass: &mut wgpu::ComputePass<'_>, e: &Encoded) {
+pub(crate) fn dispatch(pass: &mut wgpu::ComputePass<'_>, e: &Encoded) {
     pass.set_pipeline(&e.pipeline);
     pass.set_bind_group(0, &e.bind_group, &[]);
     pass.dispatch_workgroups(e.grid.0, e.grid.1, 1);

@@ -16,10 +16,13 @@ use std::fmt::Write;
 
 /// Invocations per workgroup of the one-thread-per-element kernels.
 const WG: u32 = 256;
+/// Elements each thread of an elementwise kernel computes.
+const PER: u32 = 4;
 
 /// The program that computes kernel `k`; `inputs` gives each input's dtype
 /// and element count.
-pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)]) -> Result<Program> {
+/// `plan` picks the matmul kernel (the shape heuristic when `None`).
+pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], plan: Option<super::matmul::Plan>) -> Result<Program> {
     let mut p = Program::default();
     if k.numel == 0 {
         return Ok(p);
@@ -28,7 +31,12 @@ pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)]) -> Res
     match &k.kind {
         KernelKind::Elementwise { expr, shape } => p.dispatches.push(g.elementwise(expr, shape)?),
         KernelKind::Reduce { op, expr, shape, outer, inner } => g.reduce(&mut p, *op, expr, shape, *outer, *inner)?,
-        KernelKind::Matmul { a, b, m, k: kk, n, .. } => p.dispatches.push(g.matmul(a, b, *m, *kk, *n)),
+        KernelKind::Matmul { a, b, batch, m, k: kk, n } => {
+            let r = b.layout.dims().len();
+            let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
+            let plan = plan.unwrap_or_else(|| super::matmul::default_plan(*batch, *m, *kk, *n, sbn == 1 || sbk != 1));
+            g.matmul(&mut p, a, b, *m, *kk, *n, plan)
+        }
         KernelKind::Gather { dim, input, index } => p.dispatches.push(g.gather(*dim, input, index)),
         KernelKind::IndexSelect { dim, input, index } => p.dispatches.push(g.index_select(*dim, input, index)),
         KernelKind::ScatterAdd { dim, input, index, src } => {
@@ -53,10 +61,11 @@ pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)]) -> Res
     Ok(p)
 }
 
-struct Gen<'a> {
-    caps: &'a Caps,
-    inputs: &'a [(DType, usize)],
-    out: (DType, usize),
+/// Generates the programs of one kernel.
+pub(crate) struct Gen<'a> {
+    pub caps: &'a Caps,
+    pub inputs: &'a [(DType, usize)],
+    pub out: (DType, usize),
 }
 
 fn groups(n: usize, per: u32) -> u64 {
@@ -68,14 +77,14 @@ impl Gen<'_> {
         Shader::new(self.caps)
     }
 
-    fn bind_inputs(&self, sh: &mut Shader, which: &[usize]) {
+    pub(crate) fn bind_inputs(&self, sh: &mut Shader, which: &[usize]) {
         for &k in which {
             let (dt, n) = self.inputs[k];
             sh.array(Src::Input(k), &format!("in{k}"), dt, n, false);
         }
     }
 
-    fn bind_out(&self, sh: &mut Shader) {
+    pub(crate) fn bind_out(&self, sh: &mut Shader) {
         sh.array(Src::Output, "out", self.out.0, self.out.1, true);
     }
 
@@ -85,11 +94,19 @@ impl Gen<'_> {
         self.bind_inputs(&mut sh, &used);
         self.bind_out(&mut sh);
         let n = self.out.1;
-        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
-        let mut ix = Indexer::new(shape, "i");
-        let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
-        let _ = writeln!(b, "    st_out(i, {});", cast(expr.dtype(), self.out.0, &v));
-        Ok(sh.finish(format!("elementwise {shape:?}"), WG, groups(n, WG), &b))
+        // Each thread takes PER elements, WG apart: loads stay coalesced and
+        // more of them are in flight.
+        // Small tensors take one element per thread: their latency is the
+        // chain of ops, not memory.
+        let per = if n >= 1 << 20 { PER } else { 1 };
+        let mut b = String::new();
+        for k in 0..per {
+            let _ = writeln!(b, "    {{\n    let i = group * {}u + {}u + lid;\n    if (i < {n}u) {{", WG * per, WG * k);
+            let mut ix = Indexer::new(shape, "i");
+            let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+            let _ = writeln!(b, "    st_out(i, {});\n    }}\n    }}", cast(expr.dtype(), self.out.0, &v));
+        }
+        Ok(sh.finish(format!("elementwise {shape:?}"), WG, groups(n, WG * per), &b))
     }
 
     /// Copy a strided view into the (contiguous) output.
@@ -112,7 +129,8 @@ impl Gen<'_> {
         // Reading along the reduced dim with stride 1 favours a workgroup per
         // output; short or strided rows favour a thread per output, whose
         // neighbours then read neighbouring memory.
-        let inner_contig = expr.loads.iter().all(|l| l.path.len() == 1 && l.path[0].strides().last() == Some(&1));
+        // Loads that broadcast along the reduced dims (stride 0) do not count.
+        let inner_contig = expr.loads.iter().all(|l| l.path.len() == 1 && matches!(l.path[0].strides().last(), Some(0 | 1)));
         if inner <= 64 || (!inner_contig && outer >= 1024) {
             p.dispatches.push(self.reduce_rows(&r, expr, shape, outer, inner)?);
             return Ok(());
@@ -164,11 +182,21 @@ impl Gen<'_> {
         let total = outer * splits;
         let mut b = format!("    if (group >= {total}u) {{ return; }}\n    let o = group / {splits}u;\n    let s = group % {splits}u;\n");
         let _ = writeln!(b, "    let j0 = s * {chunk}u;\n    let j1 = min(j0 + {chunk}u, {inner}u);");
-        let _ = writeln!(b, "    var acc: {at} = {};\n    var ai: u32 = 0xffffffffu;", r.identity());
-        let _ = writeln!(b, "    for (var j = j0 + lid; j < j1; j = j + {WG}u) {{\n    let l = o * {inner}u + j;");
-        let mut ix = Indexer::new(shape, "l");
-        let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
-        let _ = writeln!(b, "    {}\n    }}", r.fold("acc", "ai", &r.value(&v), "j"));
+        // PER independent accumulators, so PER loads are in flight per thread.
+        for k in 0..PER {
+            let _ = writeln!(b, "    var acc{k}: {at} = {};\n    var ai{k}: u32 = 0xffffffffu;", r.identity());
+        }
+        let _ = writeln!(b, "    for (var j = j0 + lid; j < j1; j = j + {}u) {{", WG * PER);
+        for k in 0..PER {
+            let _ = writeln!(b, "    {{\n    let jj = j + {}u;\n    if (jj < j1) {{\n    let l = o * {inner}u + jj;", WG * k);
+            let mut ix = Indexer::new(shape, "l");
+            let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+            let _ = writeln!(b, "    {}\n    }}\n    }}", r.fold(&format!("acc{k}"), &format!("ai{k}"), &r.value(&v), "jj"));
+        }
+        let _ = writeln!(b, "    }}\n    var acc = acc0;\n    var ai = ai0;");
+        for k in 1..PER {
+            let _ = writeln!(b, "    {}", r.fold("acc", "ai", &format!("acc{k}"), &format!("ai{k}")));
+        }
         let _ = writeln!(b, "    sv[lid] = acc;\n    si[lid] = ai;\n    workgroupBarrier();");
         let _ = writeln!(
             b,
@@ -209,83 +237,6 @@ impl Gen<'_> {
         );
         let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
         sh.finish(format!("reduce_partials {}", r.op.name()), WG, groups(outer, WG), &b)
-    }
-
-    fn matmul(&self, a: &View, bv: &View, m: usize, k: usize, n: usize) -> Dispatch {
-        let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[a.input, bv.input]);
-        self.bind_out(&mut sh);
-        let at = compute_ty(self.out.0);
-        let zero = literal(0.0, self.out.0);
-        sh.decl(&format!("var<workgroup> As: array<{at}, 1024>;\nvar<workgroup> Bs: array<{at}, 1024>;"));
-        let (la, lb) = (&a.layout, &bv.layout);
-        let r = la.dims().len();
-        let bdims = &la.dims()[..r - 2];
-        let batch: usize = bdims.iter().product();
-        let (tm, tn) = (m.div_ceil(64), n.div_ceil(64));
-        let total = batch * tm * tn;
-        let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
-        let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
-        let mut b = format!("    if (group >= {total}u) {{ return; }}\n");
-        let _ = writeln!(b, "    let z = group / {}u;\n    let rest = group % {}u;", tm * tn, tm * tn);
-        let _ = writeln!(b, "    let row0 = (rest / {tn}u) * 64u;\n    let col0 = (rest % {tn}u) * 64u;");
-        let zd = unravel(&mut b, &mut sh, "z", bdims);
-        let batch_off = |l: &Layout| {
-            let mut bl = l.clone();
-            bl.shape.0.truncate(r - 2);
-            bl.strides.truncate(r - 2);
-            strided(&zd, &bl)
-        };
-        let _ = writeln!(b, "    let abase = {};\n    let bbase = {};", batch_off(la), batch_off(lb));
-        let _ = writeln!(
-            b,
-            "    let tx = lid % 16u;
-    let ty = lid / 16u;
-    var acc: array<{at}, 16>;
-    for (var q = 0u; q < 16u; q = q + 1u) {{ acc[q] = {zero}; }}
-    for (var k0 = 0u; k0 < {k}u; k0 = k0 + 16u) {{
-        for (var r = 0u; r < 4u; r = r + 1u) {{
-            let e = lid + r * 256u;
-            let ar = e / 16u;
-            let ak = e % 16u;
-            var x = {zero};
-            if (row0 + ar < {m}u && k0 + ak < {k}u) {{ x = ld_in{ai}(abase + (row0 + ar) * {sam}u + (k0 + ak) * {sak}u); }}
-            As[ak * 64u + ar] = x;
-            let bk = e / 64u;
-            let bc = e % 64u;
-            var y = {zero};
-            if (k0 + bk < {k}u && col0 + bc < {n}u) {{ y = ld_in{bi}(bbase + (k0 + bk) * {sbk}u + (col0 + bc) * {sbn}u); }}
-            Bs[bk * 64u + bc] = y;
-        }}
-        workgroupBarrier();
-        for (var kk = 0u; kk < 16u; kk = kk + 1u) {{
-            var av: array<{at}, 4>;
-            var bw: array<{at}, 4>;
-            for (var q = 0u; q < 4u; q = q + 1u) {{
-                av[q] = As[kk * 64u + ty * 4u + q];
-                bw[q] = Bs[kk * 64u + tx * 4u + q];
-            }}
-            for (var i = 0u; i < 4u; i = i + 1u) {{
-                for (var j = 0u; j < 4u; j = j + 1u) {{
-                    acc[i * 4u + j] = acc[i * 4u + j] + av[i] * bw[j];
-                }}
-            }}
-        }}
-        workgroupBarrier();
-    }}
-    for (var i = 0u; i < 4u; i = i + 1u) {{
-        for (var j = 0u; j < 4u; j = j + 1u) {{
-            let gi = row0 + ty * 4u + i;
-            let gj = col0 + tx * 4u + j;
-            if (gi < {m}u && gj < {n}u) {{ st_out(z * {}u + gi * {n}u + gj, {}); }}
-        }}
-    }}",
-            m * n,
-            super::codegen::round_to(self.out.0, "acc[i * 4u + j]"),
-            ai = a.input,
-            bi = bv.input,
-        );
-        sh.finish(format!("matmul {batch}x{m}x{k}x{n}"), 256, total as u64, &b)
     }
 
     /// Read an index element (i32 or u32) as i32 into `name`, reporting it and

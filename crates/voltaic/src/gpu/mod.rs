@@ -7,10 +7,12 @@
 //! kernel source. Failures (validation, out of memory, device loss) come
 //! back as [`Error`](crate::Error) values.
 
+pub(crate) mod autotune;
 pub(crate) mod codegen;
 pub(crate) mod context;
 pub(crate) mod exec;
 pub(crate) mod kernels;
+pub(crate) mod matmul;
 pub(crate) mod pool;
 pub(crate) mod transfer;
 
@@ -173,4 +175,13 @@ pub fn stats(index: usize) -> Result<GpuStats> {
         pipelines: c.compiled.load(Ordering::Relaxed),
         memory,
     })
+}
+
+/// Write each open device's pipeline cache to disk now (it is also written
+/// every few seconds while kernels compile). Call before a short program exits.
+pub fn save_caches() {
+    let reg = registry();
+    for c in reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        c.save_pipeline_cache(true);
+    }
 }

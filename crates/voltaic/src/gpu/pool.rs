@@ -76,6 +76,13 @@ impl GpuBuf {
     pub(crate) fn raw(&self) -> &wgpu::Buffer {
         self.buffer.as_ref().expect("a live GpuBuf holds its buffer")
     }
+    /// The same buffer, relabelled to hold `numel` elements of `dtype`
+    /// (which must fit).
+    pub(crate) fn reuse(mut self, dtype: DType, numel: usize) -> GpuBuf {
+        self.dtype = dtype;
+        self.numel = numel;
+        self
+    }
     /// Bytes of the underlying (bucketed) buffer.
     pub(crate) fn size(&self) -> u64 {
         self.raw().size()

@@ -63,12 +63,7 @@ pub(crate) fn download(ctx: &Arc<GpuContext>, buf: &GpuBuf, start: usize, len: u
     let size = hi - lo;
     let staging_size = size + 16;
     let (res, err) = ctx.scoped(|| {
-        let staging = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("voltaic readback"),
-            size: staging_size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let staging = take_staging(ctx, staging_size);
         let mut enc = ctx.device.create_command_encoder(&Default::default());
         if size > 0 {
             enc.copy_buffer_to_buffer(buf.raw(), lo, &staging, 0, size);
@@ -81,8 +76,9 @@ pub(crate) fn download(ctx: &Arc<GpuContext>, buf: &GpuBuf, start: usize, len: u
     }
     let (staging, cmd) = res;
     let idx = ctx.submit(cmd)?;
-    let bytes = map_read(ctx, &staging, idx)?;
+    let bytes = map_read(ctx, &staging, idx, size as usize + 16)?;
     ctx.clear_in_flight();
+    give_staging(ctx, staging);
     let flags: Vec<u32> = bytes[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     if flags[0] != 0 {
         ctx.queue.write_buffer(&ctx.index_error, 0, &[0u8; 16]);
@@ -98,10 +94,38 @@ pub(crate) fn download(ctx: &Arc<GpuContext>, buf: &GpuBuf, start: usize, len: u
     Ok(from_gpu_bytes(buf.dtype, &bytes[skip..size as usize], len))
 }
 
-/// Map a staging buffer after submission `idx` and copy its bytes out.
-fn map_read(ctx: &GpuContext, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex) -> Result<Vec<u8>> {
+/// Staging buffers up to this size are kept for the next read.
+const KEPT_STAGING: u64 = 1 << 24;
+
+/// A mappable buffer of at least `size` bytes: a kept one when it fits.
+fn take_staging(ctx: &GpuContext, size: u64) -> wgpu::Buffer {
+    let mut kept = ctx.staging.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = kept.iter().position(|b| b.size() >= size) {
+        return kept.swap_remove(i);
+    }
+    drop(kept);
+    let size = if size <= KEPT_STAGING { super::pool::bucket(size) } else { size };
+    ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("voltaic readback"),
+        size,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
+}
+
+fn give_staging(ctx: &GpuContext, b: wgpu::Buffer) {
+    if b.size() <= KEPT_STAGING {
+        let mut kept = ctx.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() < 4 {
+            kept.push(b);
+        }
+    }
+}
+
+/// Map the first `len` bytes of a staging buffer after submission `idx` and copy them out.
+fn map_read(ctx: &GpuContext, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex, len: usize) -> Result<Vec<u8>> {
     let (tx, rx) = std::sync::mpsc::channel();
-    staging.map_async(wgpu::MapMode::Read, .., move |r| {
+    staging.map_async(wgpu::MapMode::Read, ..len as u64, move |r| {
         let _ = tx.send(r);
     });
     ctx.wait(Some(idx))?;
@@ -111,7 +135,7 @@ fn map_read(ctx: &GpuContext, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex
         Err(_) => return Err(Error::Backend(format!("gpu:{}: the readback never completed", ctx.index))),
     }
     let view = staging
-        .get_mapped_range(..)
+        .get_mapped_range(..len as u64)
         .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?;
     let out = view.to_vec();
     drop(view);
@@ -119,9 +143,10 @@ fn map_read(ctx: &GpuContext, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex
     Ok(out)
 }
 
-/// Whether `VOLTAIC_PROFILE` asks for per-kernel GPU times.
+/// Whether `VOLTAIC_PROFILE` asks for per-kernel GPU times (read once).
 pub(crate) fn profiling() -> bool {
-    std::env::var("VOLTAIC_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
 }
 
 /// Timestamp queries around each kernel of one realization.
@@ -171,7 +196,7 @@ impl Timing {
 
     /// Wait for the realization and print one line per kernel to stderr.
     pub(crate) fn report(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex, rows: &[(String, usize)]) -> Result<()> {
-        let bytes = map_read(ctx, &self.staging, idx)?;
+        let bytes = map_read(ctx, &self.staging, idx, 16 * self.n)?;
         let ticks: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
         let period = ctx.queue.get_timestamp_period() as f64;
         let mut total = 0.0;

@@ -37,8 +37,22 @@ pub(crate) enum Instr {
     Cast(usize),
 }
 
+impl std::hash::Hash for Instr {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        std::mem::discriminant(self).hash(h);
+        match self {
+            Instr::Load(a) | Instr::Cast(a) => a.hash(h),
+            Instr::Const(c) => c.to_bits().hash(h),
+            Instr::Unary(op, a) => (op, a).hash(h),
+            Instr::Binary(op, a, b) => (op, a, b).hash(h),
+            Instr::Cmp(op, a, b) => (op, a, b).hash(h),
+            Instr::Where(c, a, b) => (c, a, b).hash(h),
+        }
+    }
+}
+
 /// A fused elementwise program; the last instruction is the result.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Hash)]
 pub(crate) struct Expr {
     /// Instructions and the dtype of each one's value.
     pub instrs: Vec<(Instr, DType)>,
@@ -53,14 +67,15 @@ impl Expr {
 }
 
 /// A strided read of a whole input buffer by a non-fused kernel.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Hash)]
 pub(crate) struct View {
     pub input: usize,
     pub layout: Layout,
 }
 
-/// What a kernel computes.
-#[derive(Clone, Debug)]
+/// What a kernel computes. Equal kinds generate equal code, so executors
+/// cache compiled kernels by it.
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) enum KernelKind {
     /// `out[i] = expr(i)` over `shape`.
     Elementwise { expr: Expr, shape: Vec<usize> },
@@ -88,6 +103,22 @@ pub(crate) struct Kernel {
     pub numel: usize,
     /// Names of the graph ops fused into this kernel, for schedules and profiles.
     pub ops: Vec<&'static str>,
+}
+
+impl std::hash::Hash for KernelKind {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        std::mem::discriminant(self).hash(h);
+        match self {
+            KernelKind::Elementwise { expr, shape } => (expr, shape).hash(h),
+            KernelKind::Reduce { op, expr, shape, outer, inner } => (op, expr, shape, outer, inner).hash(h),
+            KernelKind::Matmul { a, b, batch, m, k, n } => (a, b, batch, m, k, n).hash(h),
+            KernelKind::Gather { dim, input, index } | KernelKind::IndexSelect { dim, input, index } => (dim, input, index).hash(h),
+            KernelKind::ScatterAdd { dim, input, index, src } => (dim, input, index, src).hash(h),
+            KernelKind::Cumsum { dim, input } => (dim, input).hash(h),
+            KernelKind::Cat { dim, parts } => (dim, parts).hash(h),
+            KernelKind::Unfold { input, params, pad } => (input, params, pad.to_bits()).hash(h),
+        }
+    }
 }
 
 impl KernelKind {

@@ -1,0 +1,319 @@
+//! The GPU suite: each row checked against a host reference (on an output
+//! buffer poisoned first) before it is timed, and PyTorch's timings for the
+//! same work on the same GPU.
+
+use anyhow::{bail, ensure, Context};
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::Instant;
+use voltaic::{Conv2dOpts, DType, Device, Tensor};
+
+/// Rows of issue 3 first, then the shapes issue 5 adds.
+pub const CASES: &[&str] = &[
+    "matmul_f32_4096",
+    "add_f32_256m",
+    "chain10_f32_16m",
+    "softmax_rows_8192",
+    "sum_f32_256m",
+    "conv2d_resnet_block",
+    "launch_1000_small",
+    "realize_small_graph",
+    "matmul_f32_4096x4096x4100",
+    "bmm_f32_attention",
+    "linear_f32_b128",
+    "gemv_f32_4096",
+    "matmul_f16_4096",
+    "layernorm_rows_8192",
+];
+
+const TORCH_PEER: &str = include_str!("torch_peer.py");
+
+/// What the PyTorch side reported.
+pub struct Peer {
+    pub name: String,
+    pub times: HashMap<String, f64>,
+    /// Extra fields per case (torch.compile timings).
+    pub extra: HashMap<String, serde_json::Map<String, serde_json::Value>>,
+    /// GPU name and clocks as the peer saw them.
+    pub info: serde_json::Value,
+}
+
+/// Run the PyTorch side.
+pub fn torch_peer(cases: &[&str], runs: usize) -> anyhow::Result<Peer> {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(TORCH_PEER)
+        .arg(cases.join(","))
+        .arg(runs.to_string())
+        .output()
+        .context("starting python3 for the PyTorch peer")?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        if err.contains("No module named 'torch'") {
+            bail!("PyTorch is not installed: the GPU suite's peer needs torch with CUDA (or pass --no-peer)");
+        }
+        bail!("the PyTorch peer failed: {err}");
+    }
+    let mut peer = Peer { name: "torch".into(), times: HashMap::new(), extra: HashMap::new(), info: serde_json::Value::Null };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        if let Some(p) = v.get("peer").and_then(|p| p.as_str()) {
+            peer.name = p.to_string();
+            peer.info = v.clone();
+        } else if let (Some(n), Some(ms)) = (v["name"].as_str(), v["ms"].as_f64()) {
+            peer.times.insert(n.to_string(), ms);
+            let mut extra = v.as_object().cloned().unwrap_or_default();
+            extra.remove("name");
+            extra.remove("ms");
+            peer.extra.insert(n.to_string(), extra);
+        }
+    }
+    Ok(peer)
+}
+
+/// Median wall time of `f` in ms, as a user sees it: after at least 300 ms
+/// of warm-up (GPU clocks drop whenever the device idles), several runs of
+/// back-to-back calls, each run ended by a full wait on the device.
+pub fn gpu_median_ms(dev: Device, runs: usize, per_call_wait: bool, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    let mut n = 0usize;
+    while t0.elapsed().as_secs_f64() < 0.3 || n < 3 {
+        f()?;
+        if per_call_wait {
+            dev.synchronize()?;
+        }
+        n += 1;
+    }
+    dev.synchronize()?;
+    let per = t0.elapsed().as_secs_f64() / n as f64;
+    let reps = if per_call_wait { 1 } else { ((0.02 / per.max(1e-7)) as usize).clamp(1, 1000) };
+    let mut ts = Vec::with_capacity(runs);
+    for _ in 0..runs.max(1) {
+        let s = Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        dev.synchronize()?;
+        ts.push(s.elapsed().as_secs_f64() * 1e3 / reps as f64);
+    }
+    ts.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+    Ok(ts[ts.len() / 2])
+}
+
+/// Fill the pool's buffers for `numel` f32 elements with NaN, so that an
+/// output that is not written shows up in the check.
+fn poison(dev: Device, numel: usize) -> anyhow::Result<()> {
+    let t = Tensor::full(&[numel], f64::NAN, DType::F32, dev)?.contiguous()?;
+    t.realize()?;
+    dev.synchronize()?;
+    Ok(())
+}
+
+fn close(got: f64, want: f64, tol: f64, scale: f64) -> bool {
+    (got - want).abs() <= tol * (scale + want.abs())
+}
+
+/// Check sampled entries of a (batched) matmul against f64 dot products.
+fn check_matmul(a: &[f32], b: &[f32], c: &[f32], batch: usize, m: usize, k: usize, n: usize, tol: f64) -> anyhow::Result<()> {
+    let picks = [(0, 0, 0), (batch - 1, m - 1, n - 1), (batch / 2, m / 2, n / 3), (0, m - 1, 0), (batch - 1, 0, n - 1)];
+    for &(z, i, j) in &picks {
+        let mut want = 0.0f64;
+        let mut scale = 0.0f64;
+        for p in 0..k {
+            let t = a[(z * m + i) * k + p] as f64 * b[(z * k + p) * n + j] as f64;
+            want += t;
+            scale += t.abs();
+        }
+        let got = c[(z * m + i) * n + j] as f64;
+        ensure!(close(got, want, tol, scale / (k as f64).sqrt()), "matmul check failed at ({z},{i},{j}): {got} vs {want}");
+    }
+    Ok(())
+}
+
+fn as_f32(t: &Tensor) -> anyhow::Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.to_vec::<f32>()?)
+}
+
+fn matmul_case(dev: Device, runs: usize, batch: &[usize], m: usize, k: usize, n: usize, dt: DType) -> anyhow::Result<(f64, String)> {
+    let bsz: usize = batch.iter().product();
+    let mut da = batch.to_vec();
+    da.extend([m, k]);
+    let mut db = batch.to_vec();
+    db.extend([k, n]);
+    let a = Tensor::randn(&da, dt, dev)?;
+    let b = Tensor::randn(&db, dt, dev)?;
+    poison(dev, bsz * m * n)?;
+    let c = a.matmul(&b)?;
+    let tol = if dt == DType::F16 { 2e-2 } else { 1e-4 };
+    check_matmul(&as_f32(&a)?, &as_f32(&b)?, &as_f32(&c)?, bsz, m, k, n, tol)?;
+    let ms = gpu_median_ms(dev, runs, false, || {
+        a.matmul(&b)?.realize()?;
+        Ok(())
+    })?;
+    let tflops = 2.0 * (bsz * m * k * n) as f64 / (ms * 1e9);
+    Ok((ms, format!("{tflops:.2} TFLOP/s")))
+}
+
+/// Check then time one case on `dev`; returns (median ms, note).
+pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, String)> {
+    voltaic::manual_seed(7);
+    match name {
+        "matmul_f32_4096" => matmul_case(dev, runs, &[], 4096, 4096, 4096, DType::F32),
+        "matmul_f32_4096x4096x4100" => matmul_case(dev, runs, &[], 4096, 4100, 4096, DType::F32),
+        "bmm_f32_attention" => matmul_case(dev, runs, &[64, 12], 128, 64, 128, DType::F32),
+        "linear_f32_b128" => matmul_case(dev, runs, &[], 128, 784, 256, DType::F32),
+        "gemv_f32_4096" => matmul_case(dev, runs, &[], 1, 4096, 4096, DType::F32),
+        "matmul_f16_4096" => matmul_case(dev, runs, &[], 4096, 4096, 4096, DType::F16),
+        "add_f32_256m" => {
+            let n = 1 << 28;
+            let a = Tensor::randn(&[n], DType::F32, dev)?;
+            let b = Tensor::randn(&[n], DType::F32, dev)?;
+            poison(dev, n)?;
+            let c = a.add(&b)?;
+            for i in [0, 12345, n / 2 + 7, n - 1] {
+                let (x, y, z) = (a.narrow(0, i, 1)?.item::<f32>()?, b.narrow(0, i, 1)?.item::<f32>()?, c.narrow(0, i, 1)?.item::<f32>()?);
+                ensure!(z == x + y, "add check failed at {i}");
+            }
+            let ms = gpu_median_ms(dev, runs, false, || {
+                a.add(&b)?.realize()?;
+                Ok(())
+            })?;
+            Ok((ms, format!("{:.0} GB/s", 12.0 * n as f64 / (ms * 1e6))))
+        }
+        "chain10_f32_16m" => {
+            let n = 1 << 24;
+            let x = Tensor::randn(&[n], DType::F32, dev)?;
+            let y = Tensor::randn(&[n], DType::F32, dev)?;
+            let chain = |x: &Tensor, y: &Tensor| -> voltaic::Result<Tensor> {
+                x.mul(2.0)?.add(1.0)?.relu()?.sub(y)?.abs()?.sqrt()?.mul(y)?.add(3.0)?.mul(0.5)?.sub(y)
+            };
+            poison(dev, n)?;
+            let got = chain(&x, &y)?.to_vec::<f32>()?;
+            let (xv, yv) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
+            for i in (0..n).step_by(9973) {
+                let (x, y) = (xv[i], yv[i]);
+                let want = ((((x * 2.0 + 1.0).max(0.0) - y).abs().sqrt() * y) + 3.0) * 0.5 - y;
+                ensure!(close(got[i] as f64, want as f64, 1e-5, 1.0), "chain check failed at {i}");
+            }
+            let kernels = voltaic::inspect(&[&chain(&x, &y)?]).len();
+            let ms = gpu_median_ms(dev, runs, false, || {
+                chain(&x, &y)?.realize()?;
+                Ok(())
+            })?;
+            Ok((ms, format!("{kernels} kernel(s), {:.0} GB/s", 12.0 * n as f64 / (ms * 1e6))))
+        }
+        "softmax_rows_8192" | "layernorm_rows_8192" => {
+            let n = 8192;
+            let x = Tensor::randn(&[n, n], DType::F32, dev)?;
+            let w = Tensor::randn(&[n], DType::F32, dev)?;
+            let bias = Tensor::randn(&[n], DType::F32, dev)?;
+            let soft = name.starts_with("softmax");
+            let f = || if soft { x.softmax(-1) } else { x.layer_norm(&[n], Some(&w), Some(&bias), 1e-5) };
+            poison(dev, n * n)?;
+            let y = f()?;
+            let (wv, bv) = (w.to_vec::<f32>()?, bias.to_vec::<f32>()?);
+            for r in [0usize, 4097, n - 1] {
+                let row: Vec<f64> = x.narrow(0, r, 1)?.to_vec::<f32>()?.iter().map(|&v| v as f64).collect();
+                let got = y.narrow(0, r, 1)?.to_vec::<f32>()?;
+                let want: Vec<f64> = if soft {
+                    let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = row.iter().map(|v| (v - m).exp()).sum();
+                    row.iter().map(|v| (v - m).exp() / z).collect()
+                } else {
+                    let mean = row.iter().sum::<f64>() / n as f64;
+                    let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
+                    row.iter().enumerate().map(|(c, v)| (v - mean) / (var + 1e-5).sqrt() * wv[c] as f64 + bv[c] as f64).collect()
+                };
+                for c in [0usize, 77, n - 1] {
+                    ensure!(close(got[c] as f64, want[c], 1e-4, 1e-6), "{name} check failed at ({r},{c})");
+                }
+            }
+            let kernels = voltaic::inspect(&[&f()?]).len();
+            let ms = gpu_median_ms(dev, runs, false, || {
+                f()?.realize()?;
+                Ok(())
+            })?;
+            Ok((ms, format!("{kernels} kernels, {:.0} GB/s (one read, one write)", 8.0 * (n * n) as f64 / (ms * 1e6))))
+        }
+        "sum_f32_256m" => {
+            let n = 1 << 28;
+            let x = Tensor::rand(&[n], DType::F32, dev)?;
+            let got = x.sum_all()?.item::<f32>()? as f64;
+            let mut want = 0.0f64;
+            for c in 0..16 {
+                want += x.narrow(0, c * (n / 16), n / 16)?.to_vec::<f32>()?.iter().map(|&v| v as f64).sum::<f64>();
+            }
+            ensure!(close(got, want, 1e-5, 0.0), "sum check failed: {got} vs {want}");
+            let ms = gpu_median_ms(dev, runs, false, || {
+                x.sum_all()?.realize()?;
+                Ok(())
+            })?;
+            Ok((ms, format!("{:.0} GB/s", 4.0 * n as f64 / (ms * 1e6))))
+        }
+        "conv2d_resnet_block" => {
+            let x = Tensor::randn(&[8, 64, 56, 56], DType::F32, dev)?;
+            let w = Tensor::randn(&[64, 64, 3, 3], DType::F32, dev)?;
+            let opts = Conv2dOpts { padding: [1, 1], ..Default::default() };
+            poison(dev, 8 * 64 * 56 * 56)?;
+            let y = x.conv2d(&w, None, opts)?.to_vec::<f32>()?;
+            let (xv, wv) = (x.to_vec::<f32>()?, w.to_vec::<f32>()?);
+            for &(n, co, i, j) in &[(0usize, 0usize, 0usize, 0usize), (7, 63, 55, 55), (3, 17, 20, 31)] {
+                let mut want = 0.0f64;
+                for ci in 0..64 {
+                    for ki in 0..3 {
+                        for kj in 0..3 {
+                            let (yy, xx) = (i as isize + ki as isize - 1, j as isize + kj as isize - 1);
+                            if (0..56).contains(&yy) && (0..56).contains(&xx) {
+                                want += xv[((n * 64 + ci) * 56 + yy as usize) * 56 + xx as usize] as f64
+                                    * wv[((co * 64 + ci) * 3 + ki) * 3 + kj] as f64;
+                            }
+                        }
+                    }
+                }
+                ensure!(close(y[((n * 64 + co) * 56 + i) * 56 + j] as f64, want, 1e-4, 1.0), "conv2d check failed");
+            }
+            let ms = gpu_median_ms(dev, runs, false, || {
+                x.conv2d(&w, None, opts)?.realize()?;
+                Ok(())
+            })?;
+            let tflops = 2.0 * 8.0 * 64.0 * 64.0 * 9.0 * 56.0 * 56.0 / (ms * 1e9);
+            Ok((ms, format!("{tflops:.2} TFLOP/s")))
+        }
+        "launch_1000_small" => {
+            let x0 = Tensor::randn(&[1024], DType::F32, dev)?;
+            let chain = || -> voltaic::Result<Vec<f32>> {
+                let mut x = x0.clone();
+                for _ in 0..500 {
+                    x = x.mul(1.0001)?.sub(0.0001)?;
+                }
+                x.to_vec::<f32>()
+            };
+            let got = chain()?;
+            let xv = x0.to_vec::<f32>()?;
+            for i in [0usize, 511, 1023] {
+                let mut v = xv[i];
+                for _ in 0..500 {
+                    v = v * 1.0001 - 0.0001;
+                }
+                ensure!(close(got[i] as f64, v as f64, 1e-5, 1e-3), "launch chain check failed at {i}");
+            }
+            let ms = gpu_median_ms(dev, runs, true, || {
+                chain()?;
+                Ok(())
+            })?;
+            Ok((ms, "1000 ops fused into 1 kernel, then one read".into()))
+        }
+        "realize_small_graph" => {
+            let a = Tensor::randn(&[1024], DType::F32, dev)?;
+            let b = Tensor::randn(&[1024], DType::F32, dev)?;
+            let got = a.add(&b)?.to_vec::<f32>()?;
+            ensure!(got[5] == a.to_vec::<f32>()?[5] + b.to_vec::<f32>()?[5], "add check failed");
+            let ms = gpu_median_ms(dev, runs, true, || {
+                a.add(&b)?.to_vec::<f32>()?;
+                Ok(())
+            })?;
+            Ok((ms, format!("{:.0} us to record, encode, submit, wait and read one kernel", ms * 1e3)))
+        }
+        _ => bail!("unknown case {name}"),
+    }
+}

@@ -1,0 +1,218 @@
+//! Matmul kernel choice by measurement, remembered per adapter and driver.
+//!
+//! The first time a matmul shape meets a hardware GPU, each candidate plan
+//! (tile sizes, or the split-K column kernel for few rows) runs a few times
+//! on scratch buffers and the fastest is kept, in memory and in a small text
+//! file under the user's cache directory, so later runs pay nothing. Software
+//! adapters (lavapipe) and `VOLTAIC_AUTOTUNE=0` use the shape heuristic.
+
+use super::codegen::elem_bytes;
+use super::context::GpuContext;
+use super::matmul::{default_plan, Plan, Tile, TILES};
+use super::pool::alloc;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::graph::kernel::{Kernel, KernelKind};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// What decides the best plan: shape, operand layouts and dtype.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    a_kfast: bool,
+    b_nfast: bool,
+    dtype: DType,
+}
+
+impl Key {
+    fn line(&self) -> String {
+        format!("{} {} {} {} {} {} {}", self.batch, self.m, self.k, self.n, self.a_kfast as u8, self.b_nfast as u8, self.dtype)
+    }
+}
+
+fn plan_text(p: &Plan) -> String {
+    match p {
+        Plan::Tiled(t) => format!("tiled {} {} {} {} {}", t.bm, t.bn, t.bk, t.tm, t.tn),
+        Plan::Columns { splits } => format!("columns {splits}"),
+    }
+}
+
+fn parse_line(line: &str) -> Option<(Key, Plan)> {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    let num = |i: usize| w.get(i)?.parse::<usize>().ok();
+    let dtype = crate::dtype::DType::ALL.into_iter().find(|d| Some(&d.name()) == w.get(6))?;
+    let key = Key { batch: num(0)?, m: num(1)?, k: num(2)?, n: num(3)?, a_kfast: num(4)? == 1, b_nfast: num(5)? == 1, dtype };
+    let plan = match *w.get(7)? {
+        "tiled" => Plan::Tiled(Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?)),
+        "columns" => Plan::Columns { splits: num(8)? },
+        _ => return None,
+    };
+    Some((key, plan))
+}
+
+/// The key of a matmul kernel, and whether its `b` walks n fastest.
+pub(crate) fn key_of(k: &Kernel) -> Option<Key> {
+    let KernelKind::Matmul { a, b, batch, m, k: kk, n } = &k.kind else { return None };
+    let r = a.layout.dims().len();
+    let (sam, sak) = (a.layout.strides()[r - 2], a.layout.strides()[r - 1]);
+    let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
+    Some(Key { batch: *batch, m: *m, k: *kk, n: *n, a_kfast: sak == 1 && sam != 1, b_nfast: sbn == 1 || sbk != 1, dtype: k.dtype })
+}
+
+/// Remembered plans of one device.
+pub(crate) struct Tuner {
+    plans: Mutex<HashMap<Key, Plan>>,
+    file: Option<PathBuf>,
+    enabled: bool,
+}
+
+/// `$VOLTAIC_CACHE_DIR`, else `$XDG_CACHE_HOME/voltaic`, else `~/.cache/voltaic`.
+pub(crate) fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("VOLTAIC_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("voltaic"))
+}
+
+/// A file name part that names this adapter and driver.
+pub(crate) fn device_tag(info: &wgpu::AdapterInfo) -> String {
+    let raw = format!("{:?}-{:x}-{:x}-{}-{}", info.backend, info.vendor, info.device, info.driver, info.driver_info);
+    raw.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect()
+}
+
+/// Write `bytes` to `path` through a temporary file and a rename, so a crash
+/// never leaves half a file.
+pub(crate) fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
+impl Tuner {
+    pub(crate) fn new(info: &wgpu::AdapterInfo) -> Tuner {
+        let software = info.device_type == wgpu::DeviceType::Cpu;
+        let enabled = match std::env::var("VOLTAIC_AUTOTUNE") {
+            Ok(v) => v != "0" && !v.is_empty(),
+            Err(_) => !software,
+        };
+        let file = cache_dir().map(|d| d.join(format!("matmul-{}.txt", device_tag(info))));
+        let mut plans = HashMap::new();
+        if let Some(f) = &file {
+            if let Ok(text) = std::fs::read_to_string(f) {
+                plans.extend(text.lines().filter_map(parse_line));
+            }
+        }
+        Tuner { plans: Mutex::new(plans), file, enabled }
+    }
+
+    fn remember(&self, key: Key, plan: Plan) {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        plans.insert(key, plan);
+        if let Some(f) = &self.file {
+            let text: String = plans.iter().map(|(k, p)| format!("{} {}\n", k.line(), plan_text(p))).collect();
+            // A cache that cannot be written only costs a re-tune next time.
+            let _ = write_atomic(f, text.as_bytes());
+        }
+    }
+}
+
+/// The plan for matmul kernel `k`: remembered, measured now, or the default.
+pub(crate) fn plan_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)]) -> Result<Option<Plan>> {
+    let Some(key) = key_of(k) else { return Ok(None) };
+    if let Some(p) = super::matmul::FORCE.with(|f| f.get()) {
+        return Ok(Some(p));
+    }
+    if let Some(p) = ctx.tuner.plans.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(Some(*p));
+    }
+    let default = default_plan(key.batch, key.m, key.k, key.n, key.b_nfast);
+    // Too small to matter, or tuning is off: the heuristic.
+    let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
+    if !ctx.tuner.enabled || flops < 1e7 {
+        return Ok(Some(default));
+    }
+    let best = measure(ctx, k, inputs, &key, default)?;
+    if std::env::var_os("VOLTAIC_AUTOTUNE_LOG").is_some() {
+        eprintln!("voltaic autotune: {} -> {}", key.line(), plan_text(&best));
+    }
+    ctx.tuner.remember(key, best);
+    Ok(Some(best))
+}
+
+fn candidates(ctx: &GpuContext, key: &Key, default: Plan) -> Vec<Plan> {
+    let mut c = vec![default];
+    for t in TILES {
+        let threads = (t.bm / t.tm) * (t.bn / t.tn);
+        let shared = t.bk * (t.bm + t.bn + 8) * 4;
+        if threads as u32 <= 1024 && shared as u32 <= ctx.caps.workgroup_storage {
+            c.push(Plan::Tiled(*t));
+        }
+    }
+    if key.m <= 8 && key.b_nfast {
+        for s in [1, 4, 16, 64, 256] {
+            if s == 1 || key.k / s >= 16 {
+                c.push(Plan::Columns { splits: s });
+            }
+        }
+    }
+    c.dedup();
+    c
+}
+
+/// Time every candidate on scratch buffers; the fastest wins.
+fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, default: Plan) -> Result<Plan> {
+    let bufs: Vec<super::pool::GpuBuf> =
+        inputs.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
+    // Zero them: uninitialised memory could hold NaN or denormals.
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    for b in &bufs {
+        enc.clear_buffer(b.raw(), 0, None);
+    }
+    ctx.submit(enc.finish())?;
+    let out = alloc(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(k.dtype))?;
+    let mut best = (f64::INFINITY, default);
+    for plan in candidates(ctx, key, default) {
+        let compiled = super::exec::compile(ctx, k, inputs, Some(plan))?;
+        let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw())?;
+        let run = |reps: usize| -> Result<f64> {
+            let mut enc = ctx.device.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                for _ in 0..reps {
+                    for e in &encoded {
+                        super::exec::dispatch(&mut pass, e);
+                    }
+                }
+            }
+            let t = Instant::now();
+            let idx = ctx.submit(enc.finish())?;
+            ctx.wait(Some(idx))?;
+            Ok(t.elapsed().as_secs_f64() / reps as f64)
+        };
+        let first = run(1)?;
+        let reps = ((0.01 / first.max(1e-6)) as usize).clamp(2, 200);
+        let t = run(reps)?.min(run(reps)?);
+        if t < best.0 {
+            best = (t, plan);
+        }
+    }
+    ctx.clear_in_flight();
+    Ok(best.1)
+}

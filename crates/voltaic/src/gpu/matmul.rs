@@ -1,0 +1,327 @@
+//! Matmul kernels: a register-blocked tiled kernel whose tile is chosen by
+//! shape (or by the autotuner), and a split-K column kernel for products with
+//! very few rows (gemv), which the tiled kernel would leave mostly idle.
+
+use super::codegen::{compute_ty, literal, round_to, strided, unravel, Dispatch, Program, Shader, Src};
+use super::kernels::Gen;
+use crate::dtype::DType;
+use crate::graph::kernel::View;
+use crate::layout::Layout;
+use std::fmt::Write;
+
+/// A tiled kernel's shape: `bm` x `bn` outputs per workgroup, `bk` of the
+/// inner dim per step, `tm` x `tn` outputs per thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Tile {
+    pub bm: usize,
+    pub bn: usize,
+    pub bk: usize,
+    pub tm: usize,
+    pub tn: usize,
+}
+
+impl Tile {
+    pub(crate) const fn new(bm: usize, bn: usize, bk: usize, tm: usize, tn: usize) -> Tile {
+        Tile { bm, bn, bk, tm, tn }
+    }
+    fn threads(&self) -> usize {
+        (self.bm / self.tm) * (self.bn / self.tn)
+    }
+}
+
+/// Tiles the autotuner tries; the first that fits is the default.
+pub(crate) const TILES: &[Tile] = &[
+    Tile::new(128, 128, 16, 8, 8),
+    Tile::new(128, 128, 8, 8, 8),
+    Tile::new(128, 64, 16, 8, 4),
+    Tile::new(64, 128, 16, 4, 8),
+    Tile::new(64, 64, 16, 4, 4),
+    Tile::new(64, 64, 8, 4, 4),
+    Tile::new(32, 32, 16, 4, 4),
+];
+
+/// Which kernel a matmul uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Plan {
+    Tiled(Tile),
+    /// Few rows: one thread per output column, the inner dim split `splits` ways.
+    Columns { splits: usize },
+}
+
+/// The kernel for a problem when nothing better is known: big tiles when
+/// there are enough of them to fill a large GPU, smaller ones otherwise.
+pub(crate) fn default_plan(batch: usize, m: usize, k: usize, n: usize, b_nfast: bool) -> Plan {
+    if m <= 4 && b_nfast {
+        let col_blocks = batch * n.div_ceil(256);
+        let splits = (512 / col_blocks.max(1)).clamp(1, k.div_ceil(64).max(1));
+        return Plan::Columns { splits };
+    }
+    let tiles = |t: &Tile| batch * m.div_ceil(t.bm) * n.div_ceil(t.bn);
+    for t in [TILES[0], TILES[2], TILES[4]] {
+        if tiles(&t) >= 264 {
+            return Plan::Tiled(t);
+        }
+    }
+    Plan::Tiled(TILES[6])
+}
+
+/// Per-batch offset of a `[..., r, c]` layout for batch index `z` (a WGSL expression).
+fn batch_offset(digits: &[String], l: &Layout) -> String {
+    let r = l.dims().len();
+    let mut bl = l.clone();
+    bl.shape.0.truncate(r - 2);
+    bl.strides.truncate(r - 2);
+    strided(digits, &bl)
+}
+
+impl Gen<'_> {
+    /// The program for `a @ b` with `a` `[..., m, k]` and `b` `[..., k, n]`.
+    pub(crate) fn matmul(&self, p: &mut Program, a: &View, b: &View, m: usize, k: usize, n: usize, plan: Plan) {
+        match plan {
+            Plan::Tiled(t) => p.dispatches.push(self.matmul_tiled(a, b, m, k, n, t)),
+            Plan::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits),
+        }
+    }
+
+    fn matmul_tiled(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, t: Tile) -> Dispatch {
+        let mut sh = Shader::new(self.caps);
+        self.bind_inputs(&mut sh, &[a.input, bv.input]);
+        self.bind_out(&mut sh);
+        let ct = compute_ty(self.out.0);
+        let zero = literal(0.0, self.out.0);
+        let (la, lb) = (&a.layout, &bv.layout);
+        let r = la.dims().len();
+        let bdims = &la.dims()[..r - 2];
+        let batch: usize = bdims.iter().product();
+        let Tile { bm, bn, bk, tm, tn } = t;
+        let threads = t.threads();
+        let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
+        let total = batch * tiles_m * tiles_n;
+        let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
+        let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
+        // Which global loads are coalesced: walk the contiguous dim fastest.
+        let a_kfast = sak == 1 && sam != 1;
+        let b_nfast = sbn == 1 || sbk != 1;
+        // Shared tiles hold vec4s along m (A) and n (B); rows are padded by one
+        // vec4 when the stores walk k fastest, against bank conflicts.
+        let sa = bm / 4 + a_kfast as usize;
+        let sb = bn / 4 + (!b_nfast) as usize;
+        sh.decl(&format!(
+            "var<workgroup> As: array<vec4<{ct}>, {}>;\nvar<workgroup> Bs: array<vec4<{ct}>, {}>;",
+            bk * sa,
+            bk * sb
+        ));
+        let (na, nb) = (bm * bk / threads, bn * bk / threads);
+        let tx_n = bn / tn;
+        let (rg, cg) = (tm / 4, tn / 4);
+        let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
+        let _ = writeln!(s, "    let z = group / {}u;\n    let rest = group % {}u;", tiles_m * tiles_n, tiles_m * tiles_n);
+        let _ = writeln!(s, "    let row0 = (rest / {tiles_n}u) * {bm}u;\n    let col0 = (rest % {tiles_n}u) * {bn}u;");
+        let zd = unravel(&mut s, &mut sh, "z", bdims);
+        let _ = writeln!(s, "    let abase = {};\n    let bbase = {};", batch_offset(&zd, la), batch_offset(&zd, lb));
+        let _ = writeln!(s, "    let tx = lid % {tx_n}u;\n    let ty = lid / {tx_n}u;");
+        // Where each of this thread's global loads lands in the tiles.
+        for i in 0..na {
+            let e = format!("(lid + {}u)", i * threads);
+            let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
+            let _ = writeln!(s, "    let ar{i} = {ar};\n    let ak{i} = {ak};\n    let arok{i} = row0 + ar{i} < {m}u;");
+        }
+        for i in 0..nb {
+            let e = format!("(lid + {}u)", i * threads);
+            let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
+            let _ = writeln!(s, "    let bc{i} = {bc};\n    let bk{i} = {bkk};\n    let bcok{i} = col0 + bc{i} < {n}u;");
+        }
+        for g in 0..rg {
+            for rr in 0..4 {
+                for h in 0..cg {
+                    let _ = writeln!(s, "    var c{g}_{rr}_{h} = vec4<{ct}>({zero});");
+                }
+            }
+        }
+        // Global loads of step `kt` into registers.
+        let load = |s: &mut String, kt: &str| {
+            for i in 0..na {
+                let _ = writeln!(
+                    s,
+                    "    ra{i} = {zero};\n    if (arok{i} && {kt} + ak{i} < {k}u) {{ ra{i} = ld_in{ai}(abase + (row0 + ar{i}) * {sam}u + ({kt} + ak{i}) * {sak}u); }}",
+                    ai = a.input
+                );
+            }
+            for i in 0..nb {
+                let _ = writeln!(
+                    s,
+                    "    rb{i} = {zero};\n    if (bcok{i} && {kt} + bk{i} < {k}u) {{ rb{i} = ld_in{bi}(bbase + ({kt} + bk{i}) * {sbk}u + (col0 + bc{i}) * {sbn}u); }}",
+                    bi = bv.input
+                );
+            }
+        };
+        for i in 0..na {
+            let _ = writeln!(s, "    var ra{i}: {ct};");
+        }
+        for i in 0..nb {
+            let _ = writeln!(s, "    var rb{i}: {ct};");
+        }
+        load(&mut s, "0u");
+        let steps = k.div_ceil(bk);
+        let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
+        for i in 0..na {
+            let _ = writeln!(s, "    As[ak{i} * {sa}u + ar{i} / 4u][ar{i} % 4u] = ra{i};");
+        }
+        for i in 0..nb {
+            let _ = writeln!(s, "    Bs[bk{i} * {sb}u + bc{i} / 4u][bc{i} % 4u] = rb{i};");
+        }
+        let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {}u) {{", steps * bk);
+        load(&mut s, &format!("(kt + {bk}u)"));
+        let _ = writeln!(s, "    }}");
+        for kk in 0..bk {
+            for g in 0..rg {
+                let _ = writeln!(s, "    let a{kk}_{g} = As[{}u + ty];", kk * sa + g * (bm / rg) / 4);
+            }
+            for h in 0..cg {
+                let _ = writeln!(s, "    let b{kk}_{h} = Bs[{}u + tx];", kk * sb + h * (bn / cg) / 4);
+            }
+            for g in 0..rg {
+                for rr in 0..4 {
+                    for h in 0..cg {
+                        let _ = writeln!(s, "    c{g}_{rr}_{h} = c{g}_{rr}_{h} + a{kk}_{g}[{rr}] * b{kk}_{h};");
+                    }
+                }
+            }
+        }
+        let _ = writeln!(s, "    workgroupBarrier();\n    }}");
+        // Epilogue: bounds-checked stores, rounded to the output dtype.
+        for g in 0..rg {
+            for rr in 0..4 {
+                let _ = writeln!(s, "    {{\n    let gi = row0 + {}u + ty * 4u;", g * (bm / rg) + rr);
+                let _ = writeln!(s, "    if (gi < {m}u) {{");
+                for h in 0..cg {
+                    for q in 0..4 {
+                        let _ = writeln!(
+                            s,
+                            "    {{ let gj = col0 + {}u + tx * 4u; if (gj < {n}u) {{ st_out(z * {}u + gi * {n}u + gj, {}); }} }}",
+                            h * (bn / cg) + q,
+                            m * n,
+                            round_to(self.out.0, &format!("c{g}_{rr}_{h}[{q}]"))
+                        );
+                    }
+                }
+                let _ = writeln!(s, "    }}\n    }}");
+            }
+        }
+        sh.finish(format!("matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}"), threads as u32, total as u64, &s)
+    }
+
+    /// Few rows: a thread per output column, the inner dim cut into `splits`
+    /// chunks whose partial sums a second pass adds up.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_columns(&self, p: &mut Program, a: &View, bv: &View, m: usize, k: usize, n: usize, splits: usize) {
+        let ct = compute_ty(self.out.0);
+        let acc_dt = if ct == "f32" { DType::F32 } else { self.out.0 };
+        let zero = literal(0.0, self.out.0);
+        let (la, lb) = (&a.layout, &bv.layout);
+        let r = la.dims().len();
+        let bdims = &la.dims()[..r - 2];
+        let batch: usize = bdims.iter().product();
+        let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
+        let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
+        let cols = n.div_ceil(256);
+        let chunk = k.div_ceil(splits);
+        let total = batch * splits * cols;
+        let mut sh = Shader::new(self.caps);
+        self.bind_inputs(&mut sh, &[a.input, bv.input]);
+        let direct = splits == 1;
+        if direct {
+            self.bind_out(&mut sh);
+        } else {
+            sh.array(Src::Scratch(0), "part", acc_dt, batch * splits * m * n, true);
+            p.scratch.push((acc_dt, batch * splits * m * n));
+        }
+        let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
+        let _ = writeln!(s, "    let z = group / {}u;\n    let ks = (group / {cols}u) % {splits}u;", splits * cols);
+        let _ = writeln!(s, "    let col = (group % {cols}u) * 256u + lid;\n    if (col >= {n}u) {{ return; }}");
+        let zd = unravel(&mut s, &mut sh, "z", bdims);
+        let _ = writeln!(s, "    let abase = {};\n    let bbase = {} + col * {sbn}u;", batch_offset(&zd, la), batch_offset(&zd, lb));
+        let _ = writeln!(s, "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);");
+        for i in 0..m {
+            let _ = writeln!(s, "    var acc{i}: {ct} = {zero};");
+        }
+        let _ = writeln!(s, "    for (var q = k0; q < k1; q = q + 1u) {{\n    let bq = ld_in{}(bbase + q * {sbk}u);", bv.input);
+        for i in 0..m {
+            let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + q * {sak}u) * bq;", a.input, i * sam);
+        }
+        let _ = writeln!(s, "    }}");
+        for i in 0..m {
+            if direct {
+                let _ = writeln!(s, "    st_out(z * {}u + {}u + col, {});", m * n, i * n, round_to(self.out.0, &format!("acc{i}")));
+            } else {
+                let _ = writeln!(s, "    st_part(((z * {splits}u + ks) * {m}u + {i}u) * {n}u + col, acc{i});");
+            }
+        }
+        p.dispatches.push(sh.finish(format!("matmul_columns {batch}x{m}x{k}x{n} in {splits} splits"), 256, total as u64, &s));
+        if direct {
+            return;
+        }
+        // Second pass: add the partial sums of each output, in split order.
+        let mut sh = Shader::new(self.caps);
+        sh.array(Src::Scratch(0), "part", acc_dt, batch * splits * m * n, false);
+        self.bind_out(&mut sh);
+        let outs = batch * m * n;
+        let mut s = format!("    let o = group * 256u + lid;\n    if (o >= {outs}u) {{ return; }}\n");
+        let _ = writeln!(s, "    let z = o / {}u;\n    let rest = o % {}u;\n    var acc: {ct} = {zero};", m * n, m * n);
+        let _ = writeln!(s, "    for (var ks = 0u; ks < {splits}u; ks = ks + 1u) {{ acc = acc + ld_part((z * {splits}u + ks) * {}u + rest); }}", m * n);
+        let _ = writeln!(s, "    st_out(o, {});", round_to(self.out.0, "acc"));
+        p.dispatches.push(sh.finish("matmul_columns_sum".into(), 256, (outs as u64).div_ceil(256), &s));
+    }
+}
+
+thread_local! {
+    /// A plan to use instead of the default, for tests and the autotuner.
+    pub(crate) static FORCE: std::cell::Cell<Option<Plan>> = const { std::cell::Cell::new(None) };
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Device, Tensor};
+
+    fn check(plan: Plan, da: &[usize], db: &[usize], transpose_a: bool, transpose_b: bool, dt: DType) {
+        let make = |d: &[usize], t: bool| {
+            let mut dims = d.to_vec();
+            let r = dims.len();
+            if t {
+                dims.swap(r - 2, r - 1);
+            }
+            let x = Tensor::randn(&dims, DType::F32, Device::Cpu).unwrap().mul(2.0).unwrap().round().unwrap().to_dtype(dt).unwrap();
+            if t { x.transpose(-1, -2).unwrap() } else { x }
+        };
+        let (a, b) = (make(da, transpose_a), make(db, transpose_b));
+        let want = a.matmul(&b).unwrap().to_f64_vec().unwrap();
+        let (ga, gb) = (a.to_device(Device::Gpu(0)).unwrap(), b.to_device(Device::Gpu(0)).unwrap());
+        FORCE.with(|f| f.set(Some(plan)));
+        let got = ga.matmul(&gb).and_then(|c| c.to_f64_vec());
+        FORCE.with(|f| f.set(None));
+        let got = got.unwrap_or_else(|e| panic!("{plan:?} {da:?}@{db:?}: {e}"));
+        // Small integers: every product and sum is exact in f32.
+        assert_eq!(got, want, "{plan:?} {da:?} @ {db:?} transposed {transpose_a}/{transpose_b} {dt}");
+    }
+
+    #[test]
+    fn every_plan_matches_the_cpu() {
+        assert!(!crate::gpu::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+        let shapes: &[(&[usize], &[usize])] = &[(&[3, 5], &[5, 7]), (&[2, 33, 17], &[2, 17, 70]), (&[130, 40], &[40, 129])];
+        for &tile in TILES {
+            for &(da, db) in shapes {
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    check(Plan::Tiled(tile), da, db, ta, tb, DType::F32);
+                }
+            }
+            check(Plan::Tiled(tile), &[9, 20], &[20, 11], false, false, DType::I32);
+        }
+        for splits in [1, 3, 8] {
+            check(Plan::Columns { splits }, &[1, 300], &[300, 517], false, false, DType::F32);
+            check(Plan::Columns { splits }, &[4, 2, 3, 70], &[4, 2, 70, 9], true, false, DType::F32);
+            check(Plan::Columns { splits }, &[3, 33], &[33, 5], false, false, DType::U32);
+        }
+    }
+}
