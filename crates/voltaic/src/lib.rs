@@ -17,6 +17,7 @@
 
 #![warn(missing_docs)]
 
+mod autograd;
 pub mod cpu;
 mod device;
 mod display;
@@ -32,6 +33,7 @@ mod shape;
 mod storage;
 mod tensor;
 
+pub use autograd::{is_grad_enabled, no_grad, NoGradGuard};
 pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{Error, Result};

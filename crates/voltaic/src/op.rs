@@ -8,6 +8,8 @@
 //! primitives in `ops/`.
 
 use crate::cpu::fastmath;
+use crate::error::Result;
+use crate::tensor::Tensor;
 
 /// Which dtypes an elementwise op accepts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +49,9 @@ pub trait UnaryKernel {
     fn bool(x: bool) -> bool {
         x
     }
+    /// Gradient with respect to the input, from the input `x`, the output
+    /// `y` and the output's gradient `g` (tensor ops, so it runs anywhere).
+    fn grad(x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Tensor>;
 }
 
 /// A binary primitive over two operands of one dtype.
@@ -75,14 +80,20 @@ pub trait BinaryKernel {
     fn bool(a: bool, _b: bool) -> bool {
         a
     }
+    /// Gradients with respect to both operands (same shape as the output),
+    /// from the operands, the output `y` and the output's gradient `g`.
+    fn grad(a: &Tensor, b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)>;
 }
 
 macro_rules! unary {
     ($(#[$m:meta])* $T:ident, $name:literal, $wgsl:literal $(| $wgsl_int:literal)?, $dom:ident,
-     |$x:ident| $f32:expr, |$y:ident| $f64:expr $(, int |$i:ident| $int:expr)? $(, bool |$b:ident| $bool:expr)?) => {
+     |$x:ident| $f32:expr, |$y:ident| $f64:expr $(, int |$i:ident| $int:expr)? $(, bool |$b:ident| $bool:expr)?;
+     grad |$gx:ident, $gy:ident, $gg:ident| $grad:expr) => {
         $(#[$m])*
         pub struct $T;
         impl UnaryKernel for $T {
+            #[allow(unused_variables)]
+            fn grad($gx: &Tensor, $gy: &Tensor, $gg: &Tensor) -> Result<Tensor> { $grad }
             const NAME: &'static str = $name;
             const WGSL: &'static str = $wgsl;
             $(const WGSL_INT: &'static str = $wgsl_int;)?
@@ -135,59 +146,82 @@ impl IntOps for u32 {
 }
 
 unary!(/// `-x`
-    Neg, "neg", "(-{x})" | "({T}(0) - {x})", Numeric, |x| -x, |x| -x, int |x| x.neg_());
+    Neg, "neg", "(-{x})" | "({T}(0) - {x})", Numeric, |x| -x, |x| -x, int |x| x.neg_();
+    grad |x, y, g| g.neg());
 unary!(/// `|x|`
-    Abs, "abs", "abs({x})", Numeric, |x| x.abs(), |x| x.abs(), int |x| x.abs_());
+    Abs, "abs", "abs({x})", Numeric, |x| x.abs(), |x| x.abs(), int |x| x.abs_();
+    grad |x, y, g| g.mul(&x.sign()?));
 unary!(/// `e^x`
-    Exp, "exp", "exp({x})", Float, |x| fastmath::exp_f32(x), |x| x.exp());
+    Exp, "exp", "exp({x})", Float, |x| fastmath::exp_f32(x), |x| x.exp();
+    grad |x, y, g| g.mul(y));
 unary!(/// natural logarithm
-    Log, "log", "log({x})", Float, |x| x.ln(), |x| x.ln());
+    Log, "log", "log({x})", Float, |x| x.ln(), |x| x.ln();
+    grad |x, y, g| g.div(x));
 unary!(/// `ln(1 + x)`, accurate near 0
-    Log1p, "log1p", "log1p_({x})", Float, |x| x.ln_1p(), |x| x.ln_1p());
+    Log1p, "log1p", "log1p_({x})", Float, |x| x.ln_1p(), |x| x.ln_1p();
+    grad |x, y, g| g.div(&x.add(1.0)?));
 unary!(/// `e^x - 1`, accurate near 0
-    Expm1, "expm1", "expm1_({x})", Float, |x| x.exp_m1(), |x| x.exp_m1());
+    Expm1, "expm1", "expm1_({x})", Float, |x| x.exp_m1(), |x| x.exp_m1();
+    grad |x, y, g| g.mul(&y.add(1.0)?));
 unary!(/// square root
-    Sqrt, "sqrt", "sqrt({x})", Float, |x| x.sqrt(), |x| x.sqrt());
+    Sqrt, "sqrt", "sqrt({x})", Float, |x| x.sqrt(), |x| x.sqrt();
+    grad |x, y, g| g.div(&y.mul(2.0)?));
 unary!(/// `1 / sqrt(x)`
-    Rsqrt, "rsqrt", "(1.0 / sqrt({x}))", Float, |x| 1.0 / x.sqrt(), |x| 1.0 / x.sqrt());
+    Rsqrt, "rsqrt", "(1.0 / sqrt({x}))", Float, |x| 1.0 / x.sqrt(), |x| 1.0 / x.sqrt();
+    grad |x, y, g| g.mul(&y.mul(y)?.mul(y)?)?.mul(-0.5));
 unary!(/// `1 / x`
-    Recip, "reciprocal", "(1.0 / {x})", Float, |x| 1.0 / x, |x| 1.0 / x);
+    Recip, "reciprocal", "(1.0 / {x})", Float, |x| 1.0 / x, |x| 1.0 / x;
+    grad |x, y, g| g.mul(&y.mul(y)?)?.neg());
 unary!(/// sine
-    Sin, "sin", "sin_({x})", Float, |x| x.sin(), |x| x.sin());
+    Sin, "sin", "sin_({x})", Float, |x| x.sin(), |x| x.sin();
+    grad |x, y, g| g.mul(&x.cos()?));
 unary!(/// cosine
-    Cos, "cos", "cos_({x})", Float, |x| x.cos(), |x| x.cos());
+    Cos, "cos", "cos_({x})", Float, |x| x.cos(), |x| x.cos();
+    grad |x, y, g| g.mul(&x.sin()?)?.neg());
 unary!(/// hyperbolic tangent
-    Tanh, "tanh", "tanh_({x})", Float, |x| x.tanh(), |x| x.tanh());
+    Tanh, "tanh", "tanh_({x})", Float, |x| x.tanh(), |x| x.tanh();
+    grad |x, y, g| g.mul(&y.mul(y)?.neg()?.add(1.0)?));
 unary!(/// logistic sigmoid `1 / (1 + e^-x)`
     Sigmoid, "sigmoid", "(1.0 / (1.0 + exp(-{x})))", Float,
-    |x| 1.0 / (1.0 + fastmath::exp_f32(-x)), |x| 1.0 / (1.0 + (-x).exp()));
+    |x| 1.0 / (1.0 + fastmath::exp_f32(-x)), |x| 1.0 / (1.0 + (-x).exp());
+    grad |x, y, g| g.mul(y)?.mul(&y.neg()?.add(1.0)?));
 unary!(/// `max(x, 0)`; NaN stays NaN as in PyTorch (the WGSL tests NaN on the bits:
     /// some compilers turn the select into a NaN-dropping `max`)
     Relu, "relu", "select(select({x}, 0.0, {x} < 0.0), {x}, isnan_({x}))" | "select({x}, {T}(0), {x} < {T}(0))", Numeric,
     |x| if x < 0.0 { 0.0 } else { x }, |x| if x < 0.0 { 0.0 } else { x },
-    int |x| if x < Default::default() { Default::default() } else { x });
+    int |x| if x < Default::default() { Default::default() } else { x };
+    grad |x, y, g| g.mul(&x.gt(0.0)?.to_dtype(g.dtype())?));
 unary!(/// the error function
-    Erf, "erf", "erf_({x})", Float, |x| libm::erff(x), |x| libm::erf(x));
+    Erf, "erf", "erf_({x})", Float, |x| libm::erff(x), |x| libm::erf(x);
+    grad |x, y, g| g.mul(&x.mul(x)?.neg()?.exp()?.mul(std::f64::consts::FRAC_2_SQRT_PI)?));
 unary!(/// round down
-    Floor, "floor", "floor({x})" | "{x}", Numeric, |x| x.floor(), |x| x.floor(), int |x| x);
+    Floor, "floor", "floor({x})" | "{x}", Numeric, |x| x.floor(), |x| x.floor(), int |x| x;
+    grad |x, y, g| g.zeros_like());
 unary!(/// round up
-    Ceil, "ceil", "ceil({x})" | "{x}", Numeric, |x| x.ceil(), |x| x.ceil(), int |x| x);
+    Ceil, "ceil", "ceil({x})" | "{x}", Numeric, |x| x.ceil(), |x| x.ceil(), int |x| x;
+    grad |x, y, g| g.zeros_like());
 unary!(/// round half to even, as PyTorch
-    Round, "round", "round({x})" | "{x}", Numeric, |x| x.round_ties_even(), |x| x.round_ties_even(), int |x| x);
+    Round, "round", "round({x})" | "{x}", Numeric, |x| x.round_ties_even(), |x| x.round_ties_even(), int |x| x;
+    grad |x, y, g| g.zeros_like());
 unary!(/// -1, 0 or 1 (NaN stays NaN)
     Sign, "sign", "select(select(select({x}, -1.0, {x} < 0.0), 1.0, {x} > 0.0), {x}, isnan_({x}))" | "select(select({x}, {T}(0) - {T}(1), {x} < {T}(0)), {T}(1), {x} > {T}(0))", Numeric,
     |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
     |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
-    int |x| x.sign_());
+    int |x| x.sign_();
+    grad |x, y, g| g.zeros_like());
 unary!(/// logical not
-    Not, "logical_not", "!({x})", Bool, |x| x, |x| x, bool |x| !x);
+    Not, "logical_not", "!({x})", Bool, |x| x, |x| x, bool |x| !x;
+    grad |x, y, g| g.zeros_like());
 
 macro_rules! binary {
     ($(#[$m:meta])* $T:ident, $name:literal, $wgsl:literal $(| $wgsl_int:literal)?, $dom:ident,
-     |$a:ident, $b:ident| $float:expr $(, int |$ia:ident, $ib:ident| $int:expr)? $(, bool |$ba:ident, $bb:ident| $bool:expr)?) => {
+     |$a:ident, $b:ident| $float:expr $(, int |$ia:ident, $ib:ident| $int:expr)? $(, bool |$ba:ident, $bb:ident| $bool:expr)?;
+     grad |$ga:ident, $gb:ident, $gy:ident, $gg:ident| $grad:expr) => {
         $(#[$m])*
         pub struct $T;
         impl BinaryKernel for $T {
+            #[allow(unused_variables)]
+            fn grad($ga: &Tensor, $gb: &Tensor, $gy: &Tensor, $gg: &Tensor) -> Result<(Tensor, Tensor)> { $grad }
             const NAME: &'static str = $name;
             const WGSL: &'static str = $wgsl;
             $(const WGSL_INT: &'static str = $wgsl_int;)?
@@ -211,30 +245,47 @@ macro_rules! binary {
 }
 
 binary!(/// `a + b` (integers wrap)
-    Add, "add", "({a} + {b})", Numeric, |a, b| a + b, int |a, b| a.wrapping_add(b));
+    Add, "add", "({a} + {b})", Numeric, |a, b| a + b, int |a, b| a.wrapping_add(b);
+    grad |a, b, y, g| Ok((g.clone(), g.clone())));
 binary!(/// `a - b` (integers wrap)
-    Sub, "sub", "({a} - {b})", Numeric, |a, b| a - b, int |a, b| a.wrapping_sub(b));
+    Sub, "sub", "({a} - {b})", Numeric, |a, b| a - b, int |a, b| a.wrapping_sub(b);
+    grad |a, b, y, g| Ok((g.clone(), g.neg()?)));
 binary!(/// `a * b` (integers wrap)
-    Mul, "mul", "({a} * {b})", Numeric, |a, b| a * b, int |a, b| a.wrapping_mul(b));
+    Mul, "mul", "({a} * {b})", Numeric, |a, b| a * b, int |a, b| a.wrapping_mul(b);
+    grad |a, b, y, g| Ok((g.mul(b)?, g.mul(a)?)));
 binary!(/// true division (integers are promoted to f32 first, as PyTorch)
-    Div, "div", "({a} / {b})", Float, |a, b| a / b);
+    Div, "div", "({a} / {b})", Float, |a, b| a / b;
+    grad |a, b, y, g| Ok((g.div(b)?, g.mul(y)?.div(b)?.neg()?)));
 binary!(/// `a ^ b`
-    Pow, "pow", "pow_({a}, {b})", Float, |a, b| a.powf(b));
+    Pow, "pow", "pow_({a}, {b})", Float, |a, b| a.powf(b);
+    grad |a, b, y, g| Ok((g.mul(b)?.mul(&a.pow(&b.sub(1.0)?)?)?, a.gt(0.0)?.where_cond(&g.mul(y)?.mul(&a.log()?)?, 0.0)?)));
 binary!(/// remainder with the sign of the divisor (PyTorch `remainder`, Python `%`);
     /// integer division by zero gives 0 instead of raising
     Rem, "remainder", "rem_f32({a}, {b})" | "rem_{T}({a}, {b})", Numeric,
     |a, b| { let r = a % b; if r != 0.0 && ((r < 0.0) != (b < 0.0)) { r + b } else { r } },
-    int |a, b| int_rem(a, b));
+    int |a, b| int_rem(a, b);
+    grad |a, b, y, g| Ok((g.clone(), g.mul(&a.div(b)?.floor()?)?.neg()?)));
 binary!(/// elementwise maximum; NaN wins, as in PyTorch
     Maximum, "maximum", "select({b}, {a}, {a} > {b} || isnan_({a}))" | "max({a}, {b})", Numeric,
-    |a, b| if a > b || a != a { a } else { b }, int |a, b| if a > b { a } else { b });
+    |a, b| if a > b || a != a { a } else { b }, int |a, b| if a > b { a } else { b };
+    grad |a, b, y, g| split_ties(g, &a.gt(b)?, &a.eq(b)?, &b.gt(a)?));
 binary!(/// elementwise minimum; NaN wins, as in PyTorch
     Minimum, "minimum", "select({b}, {a}, {a} < {b} || isnan_({a}))" | "min({a}, {b})", Numeric,
-    |a, b| if a < b || a != a { a } else { b }, int |a, b| if a < b { a } else { b });
+    |a, b| if a < b || a != a { a } else { b }, int |a, b| if a < b { a } else { b };
+    grad |a, b, y, g| split_ties(g, &a.lt(b)?, &a.eq(b)?, &b.lt(a)?));
 binary!(/// logical and
-    And, "logical_and", "({a} && {b})", Bool, |a, _b| a, bool |a, b| a & b);
+    And, "logical_and", "({a} && {b})", Bool, |a, _b| a, bool |a, b| a & b;
+    grad |a, b, y, g| Ok((g.zeros_like()?, g.zeros_like()?)));
 binary!(/// logical or
-    Or, "logical_or", "({a} || {b})", Bool, |a, _b| a, bool |a, b| a | b);
+    Or, "logical_or", "({a} || {b})", Bool, |a, _b| a, bool |a, b| a | b;
+    grad |a, b, y, g| Ok((g.zeros_like()?, g.zeros_like()?)));
+
+/// Maximum/minimum gradients: the winner takes the gradient, ties split it evenly (as PyTorch).
+fn split_ties(g: &Tensor, a_wins: &Tensor, tie: &Tensor, b_wins: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dt = g.dtype();
+    let half = tie.to_dtype(dt)?.mul(0.5)?;
+    Ok((g.mul(&a_wins.to_dtype(dt)?.add(&half)?)?, g.mul(&b_wins.to_dtype(dt)?.add(&half)?)?))
+}
 
 /// Python-style integer remainder for i32 and u32 with no panics.
 trait IntRem: Copy {
@@ -510,6 +561,20 @@ macro_rules! with_binary {
 }
 pub(crate) use with_binary;
 pub(crate) use with_unary;
+
+impl UnaryOp {
+    /// The op's gradient (see [`UnaryKernel::grad`]).
+    pub(crate) fn grad(self, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Tensor> {
+        with_unary!(self, K => K::grad(x, y, g))
+    }
+}
+
+impl BinaryOp {
+    /// The op's gradients (see [`BinaryKernel::grad`]).
+    pub(crate) fn grad(self, a: &Tensor, b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+        with_binary!(self, K => K::grad(a, b, y, g))
+    }
+}
 
 /// Comparisons; each gives a bool tensor. NaN compares as IEEE says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -29,11 +29,13 @@ use std::sync::Arc;
 pub struct Tensor {
     pub(crate) node: Arc<Node>,
     pub(crate) layout: Layout,
+    /// Where this tensor sits in the graph of differentiation, if anywhere.
+    pub(crate) grad: Option<Arc<crate::autograd::GradNode>>,
 }
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({:?}, {}, {}, node {})", self.dims(), self.dtype(), self.device(), self.node.id)
+        write!(f, "Tensor({:?}, {}, {}, node {}{})", self.dims(), self.dtype(), self.device(), self.node.id, if self.grad.is_some() { ", tracked" } else { "" })
     }
 }
 
@@ -43,6 +45,7 @@ impl Tensor {
     /// A tensor over a new pending node. Realizes it at once if the pending
     /// graph below grew past [`MAX_PENDING_DEPTH`].
     pub(crate) fn from_op(op: Op, dtype: DType, device: Device, dims: Vec<usize>) -> Result<Tensor> {
+        let op = op.detach_inputs();
         let depth = 1 + op
             .inputs()
             .iter()
@@ -51,7 +54,7 @@ impl Tensor {
             .unwrap_or(0);
         let layout = Layout::contiguous(&dims);
         let node = Node::new(State::Pending(op), dtype, device, dims, depth);
-        let t = Tensor { node, layout };
+        let t = Tensor { node, layout, grad: None };
         if depth > MAX_PENDING_DEPTH {
             t.realize()?;
         }
@@ -66,12 +69,13 @@ impl Tensor {
             Device::Gpu(i) => Buffer::Gpu(Arc::new(crate::gpu::transfer::upload(&crate::gpu::context(i)?, &storage)?)),
         };
         let node = Node::new(State::Realized(buf), dtype, device, dims.to_vec(), 0);
-        Ok(Tensor { node, layout: Layout::contiguous(dims) })
+        Ok(Tensor { node, layout: Layout::contiguous(dims), grad: None })
     }
 
-    /// A view of the same node with another layout.
+    /// A view of the same node with another layout (not tracked: each view
+    /// op records its own gradient).
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
-        Tensor { node: self.node.clone(), layout }
+        Tensor { node: self.node.clone(), layout, grad: None }
     }
 
     // ---- creation ----
@@ -359,7 +363,8 @@ impl Tensor {
         }
         device.check_available("to_device")?;
         let host = self.read_host(|s, l| crate::storage::map_storage!(s, v => StorageElem::wrap(gather_layout(v, l))))?;
-        Tensor::from_storage(host, self.dims(), device)
+        let from = self.device();
+        Ok(Tensor::from_storage(host, self.dims(), device)?.track(&[self], move |g, _| Ok(vec![Some(g.to_device(from)?)])))
     }
 }
 

@@ -106,6 +106,28 @@ impl Op {
         }
     }
 
+    /// The input tensors, mutably.
+    fn inputs_mut(&mut self) -> Vec<&mut Tensor> {
+        match self {
+            Op::Const(_) => vec![],
+            Op::Unary(_, a) | Op::Cast(a) | Op::Copy(a) | Op::Reduce(_, a, _) | Op::Cumsum(_, a) => vec![a],
+            Op::Unfold(a, _, _) => vec![a],
+            Op::Binary(_, a, b) | Op::Cmp(_, a, b) | Op::Matmul(a, b) => vec![a, b],
+            Op::Gather(_, a, b) | Op::IndexSelect(_, a, b) => vec![a, b],
+            Op::Where(a, b, c) | Op::ScatterAdd(_, a, b, c) => vec![a, b, c],
+            Op::Cat(_, v) => v.iter_mut().collect(),
+        }
+    }
+
+    /// Drop the inputs' autograd records: the graph of values needs none,
+    /// and keeping them would tie value nodes and gradient nodes together.
+    pub(crate) fn detach_inputs(mut self) -> Op {
+        for t in self.inputs_mut() {
+            t.grad = None;
+        }
+        self
+    }
+
     /// Ops whose element `i` depends only on element `i` of each input; the
     /// scheduler fuses chains of them.
     pub(crate) fn is_elementwise(&self) -> bool {

@@ -99,7 +99,12 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        Tensor::from_op(Op::Cast(self.clone()), dtype, self.device(), self.dims().to_vec())
+        let out = Tensor::from_op(Op::Cast(self.clone()), dtype, self.device(), self.dims().to_vec())?;
+        if !dtype.is_float() {
+            return Ok(out);
+        }
+        let from = self.dtype();
+        Ok(out.track(&[self], move |g, _| Ok(vec![Some(g.to_dtype(from)?)])))
     }
 
     /// Apply a unary primitive, promoting the input as the op's domain asks.
@@ -121,7 +126,12 @@ impl Tensor {
             }
         };
         let dt = x.dtype();
-        Tensor::from_op(Op::Unary(op, x), dt, self.device(), self.dims().to_vec())
+        let out = Tensor::from_op(Op::Unary(op, x.clone()), dt, self.device(), self.dims().to_vec())?;
+        if !dt.is_float() {
+            return Ok(out);
+        }
+        let (xd, yd) = (x.detach(), out.detach());
+        Ok(out.track(&[&x], move |g, _| Ok(vec![Some(op.grad(&xd, &yd, g)?)])))
     }
 
     /// Apply a binary primitive with broadcasting and dtype promotion.
@@ -138,7 +148,15 @@ impl Tensor {
         };
         let a = self.to_dtype(dt)?.broadcast_to(&dims)?;
         let b = rhs.to_dtype(dt)?.broadcast_to(&dims)?;
-        Tensor::from_op(Op::Binary(op, a, b), dt, self.device(), dims)
+        let out = Tensor::from_op(Op::Binary(op, a.clone(), b.clone()), dt, self.device(), dims)?;
+        if !dt.is_float() {
+            return Ok(out);
+        }
+        let (ad, bd, yd) = (a.detach(), b.detach(), out.detach());
+        Ok(out.track(&[&a, &b], move |g, _| {
+            let (ga, gb) = op.grad(&ad, &bd, &yd, g)?;
+            Ok(vec![Some(ga), Some(gb)])
+        }))
     }
 
     /// Compare elementwise with broadcasting, giving bool.
@@ -165,7 +183,9 @@ impl Tensor {
         let c = cond.broadcast_to(&dims)?;
         let a = a.to_dtype(dt)?.broadcast_to(&dims)?;
         let b = b.to_dtype(dt)?.broadcast_to(&dims)?;
-        Tensor::from_op(Op::Where(c, a, b), dt, self.device(), dims)
+        let out = Tensor::from_op(Op::Where(c.clone(), a.clone(), b.clone()), dt, self.device(), dims)?;
+        let c = c.detach();
+        Ok(out.track(&[&a, &b], move |g, _| Ok(vec![Some(c.where_cond(g, 0.0)?), Some(c.where_cond(0.0, g)?)])))
     }
 
     /// Fill positions where `mask` is true with `value` (PyTorch `masked_fill`).

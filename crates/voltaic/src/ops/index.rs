@@ -39,7 +39,9 @@ impl Tensor {
         if self.rank() == 0 {
             return self.reshape_dims(&[1])?.gather(0, &index.reshape_dims(&[1])?)?.reshape_dims(&[]);
         }
-        Tensor::from_op(Op::Gather(d, self.clone(), index.clone()), self.dtype(), self.device(), index.dims().to_vec())
+        let out = Tensor::from_op(Op::Gather(d, self.clone(), index.clone()), self.dtype(), self.device(), index.dims().to_vec())?;
+        let (idx, dims) = (index.detach(), self.dims().to_vec());
+        Ok(out.track(&[self], move |g, _| Ok(vec![Some(Tensor::zeros(&dims, g.dtype(), g.device())?.scatter_add(d as isize, &idx, g)?)])))
     }
 
     /// A copy of `self` with `src[p]` added at `p` with `p[dim] = index[p]`
@@ -76,12 +78,20 @@ impl Tensor {
             return one(self)?.scatter_add(0, &one(index)?, &one(src)?)?.reshape_dims(&[]);
         }
         let src = src.to_dtype(self.dtype())?;
-        Tensor::from_op(
-            Op::ScatterAdd(d, self.clone(), index.clone(), src),
+        let out = Tensor::from_op(
+            Op::ScatterAdd(d, self.clone(), index.clone(), src.clone()),
             self.dtype(),
             self.device(),
             self.dims().to_vec(),
-        )
+        )?;
+        if !self.dtype().is_float() {
+            return Ok(out);
+        }
+        let idx = index.detach();
+        Ok(out.track(&[self, &src], move |g, needs| {
+            let gs = if needs[1] { Some(g.gather(d as isize, &idx)?) } else { None };
+            Ok(vec![Some(g.clone()), gs])
+        }))
     }
 
     /// The entries of `self` along `dim` at the positions in the 1-D `index`.
@@ -98,7 +108,15 @@ impl Tensor {
         let d = norm_axis("index_select", dim, self.rank())?;
         let mut dims = self.dims().to_vec();
         dims[d] = index.numel();
-        Tensor::from_op(Op::IndexSelect(d, self.clone(), index), self.dtype(), self.device(), dims)
+        let out = Tensor::from_op(Op::IndexSelect(d, self.clone(), index.clone()), self.dtype(), self.device(), dims)?;
+        let (idx, src) = (index.detach(), self.dims().to_vec());
+        Ok(out.track(&[self], move |g, _| {
+            // Scatter the rows back: the 1-D index, expanded along every other dim.
+            let mut shape = vec![1usize; g.rank()];
+            shape[d] = idx.numel();
+            let full = idx.reshape_dims(&shape)?.broadcast_to(g.dims())?;
+            Ok(vec![Some(Tensor::zeros(&src, g.dtype(), g.device())?.scatter_add(d as isize, &full, g)?)])
+        }))
     }
 
     /// Embedding lookup: rows of the `[num, dim]` table `self` for each index,

@@ -38,7 +38,17 @@ impl Tensor {
         let mut dims = first.dims().to_vec();
         dims[d] = tensors.iter().map(|t| t.dims()[d]).sum();
         let parts = tensors.iter().map(|t| t.to_dtype(dt)).collect::<Result<Vec<_>>>()?;
-        Tensor::from_op(Op::Cat(d, parts), dt, first.device(), dims)
+        let sizes: Vec<usize> = parts.iter().map(|t| t.dims()[d]).collect();
+        let out = Tensor::from_op(Op::Cat(d, parts.clone()), dt, first.device(), dims)?;
+        Ok(out.track(&parts.iter().collect::<Vec<_>>(), move |g, _| {
+            let mut at = 0;
+            let mut grads = Vec::with_capacity(sizes.len());
+            for &n in &sizes {
+                grads.push(Some(g.narrow(d as isize, at, n)?));
+                at += n;
+            }
+            Ok(grads)
+        }))
     }
 
     /// Stack along a new dim `dim`; all tensors must have the same shape.

@@ -51,7 +51,17 @@ impl Tensor {
         let (a, b) = (a.broadcast_to(&da)?, b.broadcast_to(&db)?);
         let mut dims = batch.clone();
         dims.extend([m, n]);
-        let out = Tensor::from_op(Op::Matmul(a, b), dt, self.device(), dims.clone())?;
+        let out = Tensor::from_op(Op::Matmul(a.clone(), b.clone()), dt, self.device(), dims.clone())?;
+        let out = if dt.is_float() {
+            let (ad, bd) = (a.detach(), b.detach());
+            out.track(&[&a, &b], move |g, needs| {
+                let ga = if needs[0] { Some(g.matmul(&bd.transpose(-1, -2)?)?) } else { None };
+                let gb = if needs[1] { Some(ad.transpose(-1, -2)?.matmul(g)?) } else { None };
+                Ok(vec![ga, gb])
+            })
+        } else {
+            out
+        };
         // Drop the dims that 1-D operands added.
         let mut final_dims = batch;
         if ra > 1 {

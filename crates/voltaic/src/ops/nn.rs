@@ -37,6 +37,31 @@ pub enum Reduction {
     None,
 }
 
+/// The adjoint of unfold (col2im): add each patch entry of `g`
+/// `[N, C, kh, kw, oh, ow]` back at the input position it was read from.
+fn fold(g: &Tensor, p: &UnfoldParams, h: usize, w: usize) -> Result<Tensor> {
+    let d = g.dims();
+    let (n, c, kh, kw, oh, ow) = (d[0], d[1], d[2], d[3], d[4], d[5]);
+    let k = kh * kw * oh * ow;
+    // Flat input position of every patch entry; padding reads go to a spare slot h * w.
+    let mut idx = Vec::with_capacity(k);
+    for ki in 0..kh {
+        for kj in 0..kw {
+            for y in 0..oh {
+                for x in 0..ow {
+                    let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                    let ix = (x * p.stride[1] + kj * p.dilation[1]) as isize - p.padding[1] as isize;
+                    let inside = iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w;
+                    idx.push(if inside { (iy as usize * w + ix as usize) as u32 } else { (h * w) as u32 });
+                }
+            }
+        }
+    }
+    let idx = Tensor::from_vec(idx, &[1, 1, k], g.device())?.broadcast_to(&[n, c, k])?;
+    let flat = Tensor::zeros(&[n, c, h * w + 1], g.dtype(), g.device())?.scatter_add(2, &idx, &g.reshape_dims(&[n, c, k])?)?;
+    flat.narrow(2, 0, h * w)?.reshape_dims(&[n, c, h, w])
+}
+
 impl Tensor {
     fn unfold(&self, op: &'static str, p: UnfoldParams, pad: f64) -> Result<Tensor> {
         if self.rank() != 4 {
@@ -70,7 +95,12 @@ impl Tensor {
         for i in 0..2 {
             p.stride[i] = p.stride[i].min(d[2 + i] + 2 * p.padding[i]);
         }
-        Tensor::from_op(Op::Unfold(self.clone(), p, pad), self.dtype(), self.device(), dims)
+        let out = Tensor::from_op(Op::Unfold(self.clone(), p, pad), self.dtype(), self.device(), dims)?;
+        if !self.dtype().is_float() {
+            return Ok(out);
+        }
+        let [h, w] = [d[2], d[3]];
+        Ok(out.track(&[self], move |g, _| Ok(vec![Some(fold(g, &p, h, w)?)])))
     }
 
     /// 2-D convolution (really cross-correlation, as PyTorch) of `[N, Cin, H, W]`

@@ -27,7 +27,28 @@ impl Tensor {
         for &a in &axes {
             out_dims[a] = 1;
         }
-        let t = Tensor::from_op(Op::Reduce(op, x, axes.clone()), dt, self.device(), out_dims)?;
+        let t = Tensor::from_op(Op::Reduce(op, x.clone(), axes.clone()), dt, self.device(), out_dims)?;
+        let t = if op.is_arg() || !dt.is_float() {
+            t
+        } else {
+            let (xd, yd) = (x.detach(), t.detach());
+            let axes: Vec<isize> = axes.iter().map(|&a| a as isize).collect();
+            t.track(&[&x], move |g, _| {
+                let full = xd.dims();
+                let g = g.broadcast_to(full)?;
+                Ok(vec![Some(match op {
+                    ReduceOp::Sum => g,
+                    // Zeros in the input give NaN here, where PyTorch special-cases them.
+                    ReduceOp::Prod => g.mul(&yd.broadcast_to(full)?)?.div(&xd)?,
+                    // Max and min: ties share the gradient evenly.
+                    _ => {
+                        let hit = xd.eq(&yd.broadcast_to(full)?)?.to_dtype(g.dtype())?;
+                        let count = hit.sum(&axes, true)?;
+                        g.mul(&hit)?.div(&count.broadcast_to(full)?)?
+                    }
+                })])
+            })
+        };
         if keepdim {
             return Ok(t);
         }
@@ -119,7 +140,7 @@ impl Tensor {
             // The log of an empty sum: -inf (PyTorch), where max would have no identity.
             return x.sum(axes, keepdim)?.log();
         }
-        let m = x.max(axes, true)?;
+        let m = x.max(axes, true)?.detach();
         // An all -inf slice has max -inf; shift by 0 there so the result is -inf, not NaN.
         let m = m.abs()?.eq(f64::INFINITY)?.where_cond(&m.zeros_like()?, &m)?;
         let s = x.sub(&m)?.exp()?.sum(axes, true)?.log()?.add(&m)?;
@@ -143,7 +164,8 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        let m = x.max(&[d], true)?;
+        // The shift cancels out of the result, so no gradient flows through it.
+        let m = x.max(&[d], true)?.detach();
         let s = x.sub(&m)?.exp()?.sum(&[d], true)?;
         x.sub(&m)?.exp()?.div(&s)
     }
@@ -158,7 +180,7 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        let m = x.max(&[d], true)?;
+        let m = x.max(&[d], true)?.detach();
         let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;
         x.sub(&m)?.sub(&lse)
     }
@@ -171,6 +193,12 @@ impl Tensor {
         let d = norm_axis("cumsum", dim, self.rank())?;
         let x = if self.dtype() == DType::Bool { self.to_dtype(DType::I32)? } else { self.clone() };
         let dt = x.dtype();
-        Tensor::from_op(Op::Cumsum(d, x), dt, self.device(), self.dims().to_vec())
+        let out = Tensor::from_op(Op::Cumsum(d, x.clone()), dt, self.device(), self.dims().to_vec())?;
+        if !dt.is_float() {
+            return Ok(out);
+        }
+        // d/dx_i of sum_{j>=i}: the reversed cumulative sum, as total - cumsum + g.
+        let di = d as isize;
+        Ok(out.track(&[&x], move |g, _| Ok(vec![Some(g.sum(&[di], true)?.sub(&g.cumsum(di)?)?.add(g)?)])))
     }
 }

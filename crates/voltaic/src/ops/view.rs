@@ -14,7 +14,8 @@ impl Tensor {
         if self.layout.is_contiguous() {
             return Ok(self.clone());
         }
-        Tensor::from_op(Op::Copy(self.clone()), self.dtype(), self.device(), self.dims().to_vec())
+        let out = Tensor::from_op(Op::Copy(self.clone()), self.dtype(), self.device(), self.dims().to_vec())?;
+        Ok(out.track(&[self], |g, _| Ok(vec![Some(g.clone())])))
     }
 
     /// The same elements in a new shape; one dimension may be -1 (inferred).
@@ -57,13 +58,15 @@ impl Tensor {
                 self.numel()
             );
         }
-        match self.layout.reshape(dims) {
-            Some(l) => Ok(self.with_layout(l)),
+        let (src, l) = match self.layout.reshape(dims) {
+            Some(l) => (self.clone(), l),
             None => {
                 let c = self.contiguous()?;
-                Ok(c.with_layout(c.layout.reshape(dims).expect("contiguous layouts reshape")))
+                let l = c.layout.reshape(dims).expect("contiguous layouts reshape");
+                (c, l)
             }
-        }
+        };
+        Ok(src.with_layout(l).track(&[&src], reshape_back(src.dims())))
     }
 
     /// Reshape to another tensor's shape.
@@ -85,7 +88,11 @@ impl Tensor {
             }
             perm.push(a);
         }
-        Ok(self.with_layout(self.layout.permute(&perm)))
+        let mut inverse = vec![0isize; r];
+        for (i, &p) in perm.iter().enumerate() {
+            inverse[p] = i as isize;
+        }
+        Ok(self.with_layout(self.layout.permute(&perm)).track(&[self], move |g, _| Ok(vec![Some(g.permute(&inverse)?)])))
     }
 
     /// Swap two dimensions.
@@ -94,7 +101,8 @@ impl Tensor {
         let (a, b) = (norm_axis("transpose", d0, r)?, norm_axis("transpose", d1, r)?);
         let mut perm: Vec<usize> = (0..r).collect();
         perm.swap(a, b);
-        Ok(self.with_layout(self.layout.permute(&perm)))
+        let (a, b) = (a as isize, b as isize);
+        Ok(self.with_layout(self.layout.permute(&perm)).track(&[self], move |g, _| Ok(vec![Some(g.transpose(a, b)?)])))
     }
 
     /// Transpose of a matrix; 0-d and 1-d tensors are returned as they are (PyTorch `t`).
@@ -112,7 +120,8 @@ impl Tensor {
             return Ok(self.clone());
         }
         checked_numel("broadcast_to", dims)?;
-        Ok(self.with_layout(self.layout.broadcast_to("broadcast_to", dims)?))
+        let src = self.dims().to_vec();
+        Ok(self.with_layout(self.layout.broadcast_to("broadcast_to", dims)?).track(&[self], move |g, _| Ok(vec![Some(g.sum_to(&src)?)])))
     }
 
     /// PyTorch `expand`: like `broadcast_to`, with -1 keeping a dimension.
@@ -145,7 +154,7 @@ impl Tensor {
         if start.checked_add(len).is_none_or(|e| e > size) {
             bail!(Index, "narrow", "range {start}..{} is out of bounds for dim {d} of size {size}", start.saturating_add(len));
         }
-        Ok(self.with_layout(self.layout.slice(d, start, len, 1)))
+        Ok(self.with_layout(self.layout.slice(d, start, len, 1)).track(&[self], move |g, _| Ok(vec![Some(g.embed(d, start, 1, size)?)])))
     }
 
     /// Python slicing `x[start:end:step]` along `dim`: negative start and end
@@ -161,7 +170,8 @@ impl Tensor {
         let len = if e > s { ((e - s) as usize).div_ceil(step) } else { 0 };
         // With at most one element the step is never taken; a huge one would overflow the stride.
         let step = if len <= 1 { 1 } else { step };
-        Ok(self.with_layout(self.layout.slice(d, s as usize, len, step)))
+        let size = size as usize;
+        Ok(self.with_layout(self.layout.slice(d, s as usize, len, step)).track(&[self], move |g, _| Ok(vec![Some(g.embed(d, s as usize, step, size)?)])))
     }
 
     /// Remove dimension `dim` if it has size 1 (otherwise unchanged, as PyTorch).
@@ -170,7 +180,7 @@ impl Tensor {
         if self.dims()[d] != 1 {
             return Ok(self.clone());
         }
-        Ok(self.with_layout(self.layout.squeeze(d)))
+        Ok(self.with_layout(self.layout.squeeze(d)).track(&[self], reshape_back(self.dims())))
     }
 
     /// Remove every dimension of size 1.
@@ -181,13 +191,13 @@ impl Tensor {
                 l = l.squeeze(d);
             }
         }
-        Ok(self.with_layout(l))
+        Ok(self.with_layout(l).track(&[self], reshape_back(self.dims())))
     }
 
     /// Insert a dimension of size 1 at `dim` (in `-rank-1..=rank`).
     pub fn unsqueeze(&self, dim: isize) -> Result<Tensor> {
         let d = norm_axis("unsqueeze", dim, self.rank() + 1)?;
-        Ok(self.with_layout(self.layout.unsqueeze(d)))
+        Ok(self.with_layout(self.layout.unsqueeze(d)).track(&[self], reshape_back(self.dims())))
     }
 
     /// Merge dims `start..=end` into one.
@@ -208,5 +218,52 @@ impl Tensor {
     /// Flatten to one dimension.
     pub fn flatten_all(&self) -> Result<Tensor> {
         self.reshape_dims(&[self.numel()])
+    }
+}
+
+/// The gradient of a view that only changes the shape: reshape it back.
+fn reshape_back(dims: &[usize]) -> impl Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static {
+    let dims = dims.to_vec();
+    move |g, _| Ok(vec![Some(g.reshape_dims(&dims)?)])
+}
+
+impl Tensor {
+    /// The gradient of a slice: `self` placed at `start, start + step, ...`
+    /// along `dim` of a zero tensor whose `dim` has `size` entries.
+    pub(crate) fn embed(&self, dim: usize, start: usize, step: usize, size: usize) -> Result<Tensor> {
+        let len = self.dims()[dim];
+        let zeros = |n: usize, like: &Tensor| {
+            let mut d = like.dims().to_vec();
+            d[dim] = n;
+            Tensor::zeros(&d, like.dtype(), like.device())
+        };
+        if len == 0 {
+            return zeros(size, self);
+        }
+        // Spread the entries `step` apart: [.., len, ..] -> [.., len, step, ..] -> [.., len * step, ..].
+        let spread = if step == 1 {
+            self.clone()
+        } else {
+            let x = self.unsqueeze(dim as isize + 1)?;
+            let mut pd = x.dims().to_vec();
+            pd[dim + 1] = step - 1;
+            let pad = Tensor::zeros(&pd, x.dtype(), x.device())?;
+            let wide = Tensor::cat(&[&x, &pad], dim as isize + 1)?;
+            let mut d = self.dims().to_vec();
+            d[dim] = len * step;
+            wide.reshape_dims(&d)?.narrow(dim as isize, 0, (len - 1) * step + 1)?
+        };
+        let used = spread.dims()[dim];
+        let mut parts = vec![];
+        let before = zeros(start, self)?;
+        let after = zeros(size - start - used, self)?;
+        if start > 0 {
+            parts.push(&before);
+        }
+        parts.push(&spread);
+        if size - start - used > 0 {
+            parts.push(&after);
+        }
+        Tensor::cat(&parts, dim as isize)
     }
 }
