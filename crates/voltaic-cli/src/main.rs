@@ -1,8 +1,10 @@
-//! The `voltaic` command: devices, demo, bench (train, embed and generate come with later issues).
+//! The `voltaic` command: devices, demo, train, bench (embed and generate come with later issues).
 
 mod bench;
 mod demo;
 mod devices;
+mod plot;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +30,8 @@ enum Command {
         #[arg(long)]
         device: Option<String>,
     },
+    /// Train a classifier on Fashion-MNIST (the main job).
+    Train(train::TrainArgs),
     /// Benchmark Voltaic against a peer library measured in the same run.
     Bench(bench::BenchArgs),
 }
@@ -37,6 +41,7 @@ fn main() {
     let res = match cli.command {
         Command::Devices { json } => devices::run(json),
         Command::Demo { device } => demo::run(device.as_deref()),
+        Command::Train(args) => train::run(args),
         Command::Bench(args) => bench::run(args),
     };
     if let Err(e) = res {

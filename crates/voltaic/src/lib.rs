@@ -19,14 +19,19 @@
 
 mod autograd;
 pub mod cpu;
+pub mod data;
 mod device;
 mod display;
 mod dtype;
 mod error;
 pub mod gpu;
 mod graph;
+pub mod io;
+pub mod models;
+pub mod nn;
 mod layout;
 pub mod op;
+pub mod optim;
 pub mod ops;
 mod rng;
 mod shape;

@@ -3,6 +3,7 @@
 
 mod cpu;
 mod gpu;
+mod train;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -12,10 +13,12 @@ use std::time::Instant;
 /// Arguments of `voltaic bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Which suite to run: cpu (against numpy) or gpu (against PyTorch on the same GPU).
+    /// Which suite to run: cpu (against numpy), gpu (against PyTorch on the same GPU)
+    /// or train (training steps against PyTorch on the same device).
     #[arg(long, default_value = "cpu")]
     suite: String,
-    /// GPU for the gpu suite (default: the best hardware GPU; `gpu:N` picks one, a software adapter included).
+    /// Device: for the gpu suite the best hardware GPU by default (`gpu:N` picks
+    /// one, a software adapter included); for train the best device.
     #[arg(long)]
     device: Option<String>,
     /// Print one JSON object per row instead of a table.
@@ -57,15 +60,23 @@ pub fn median_ms(warmup: usize, runs: usize, mut f: impl FnMut() -> anyhow::Resu
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let gpu_suite = match args.suite.as_str() {
-        "cpu" => false,
-        "gpu" => true,
-        s => bail!("unknown suite {s:?}: expected cpu or gpu (train and embed come with later issues)"),
+    let (gpu_suite, train_suite) = match args.suite.as_str() {
+        "cpu" => (false, false),
+        "gpu" => (true, false),
+        "train" => (false, true),
+        s => bail!("unknown suite {s:?}: expected cpu, gpu or train (embed comes with a later issue)"),
     };
-    let all = if gpu_suite { gpu::CASES } else { cpu::CASES };
+    let all = if train_suite {
+        train::CASES
+    } else if gpu_suite {
+        gpu::CASES
+    } else {
+        cpu::CASES
+    };
     let cases: Vec<&str> = all.iter().copied().filter(|c| args.filter.as_deref().is_none_or(|f| c.contains(f))).collect();
     let device = match (&args.device, gpu_suite) {
         (Some(d), _) => voltaic::Device::parse(d)?,
+        (None, false) if train_suite => voltaic::Device::best(),
         (None, false) => voltaic::Device::Cpu,
         (None, true) => match voltaic::Device::best() {
             d @ voltaic::Device::Gpu(_) => d,
@@ -88,9 +99,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         meta.insert("threads".into(), json!(rayon::current_num_threads()));
     }
+    if train_suite {
+        meta.insert("unit".into(), json!("ms per Adam step"));
+    }
     if !args.no_peer {
-        pb.set_message(if gpu_suite { "PyTorch peer" } else { "numpy peer" });
-        if gpu_suite {
+        pb.set_message(if gpu_suite || train_suite { "PyTorch peer" } else { "numpy peer" });
+        if train_suite {
+            let (name, times) = train::torch_peer(&cases, args.runs, device).context("running the PyTorch peer")?;
+            peer_name = name;
+            peer_ms = times;
+        } else if gpu_suite {
             let p = gpu::torch_peer(&cases, args.runs).context("running the PyTorch peer")?;
             peer_name = p.name;
             peer_ms = p.times;
@@ -108,8 +126,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut rows = vec![];
     for c in &cases {
         pb.set_message(format!("voltaic {c}"));
-        let (ms, note) = if gpu_suite { gpu::run_case(c, device, args.runs) } else { cpu::run_case(c, args.runs) }
-            .with_context(|| format!("benchmark {c}"))?;
+        let (ms, note) = if train_suite {
+            train::run_case(c, device, args.runs)
+        } else if gpu_suite {
+            gpu::run_case(c, device, args.runs)
+        } else {
+            cpu::run_case(c, args.runs)
+        }
+        .with_context(|| format!("benchmark {c}"))?;
         rows.push(Row { name: c.to_string(), voltaic_ms: ms, peer: peer_name.clone(), peer_ms: peer_ms.get(*c).copied(), note });
         pb.inc(1);
     }

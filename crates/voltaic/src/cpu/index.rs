@@ -248,3 +248,56 @@ pub(crate) fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStora
     let dims = [nb, c, h, w, kh, kw, oh, ow];
     map_storage!(input(inp, inputs), s => go(s, l, &st, dims, p, pad))
 }
+
+/// col2im: add each patch entry `[N, C, kh, kw, oh, ow]` back at the input
+/// position it was read from, into `[N, C, H, W]` (padding reads are dropped).
+/// Each (n, c) plane is one parallel task, so no two tasks write one element.
+pub(crate) fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) -> CpuStorage {
+    use rayon::prelude::*;
+    let l = &inp.layout;
+    let d = l.dims().to_vec();
+    let (nb, c, kh, kw, oh, ow) = (d[0], d[1], d[2], d[3], d[4], d[5]);
+    let [h, w] = hw;
+    let st = l.strides().to_vec();
+    fn go<T: StorageElem + AddElem + Default>(s: &[T], l: &Layout, st: &[usize], d: [usize; 8], p: &UnfoldParams) -> CpuStorage {
+        let [nb, c, kh, kw, oh, ow, h, w] = d;
+        let mut out = vec![T::default(); nb * c * h * w];
+        if h * w == 0 {
+            return T::wrap(out);
+        }
+        out.par_chunks_mut(h * w).enumerate().for_each(|(nc, plane)| {
+            let (n, ci) = (nc / c, nc % c);
+            let base = l.offset + n * st[0] + ci * st[1];
+            for ki in 0..kh {
+                for kj in 0..kw {
+                    for y in 0..oh {
+                        let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                        if iy < 0 || iy as usize >= h {
+                            continue;
+                        }
+                        for x in 0..ow {
+                            let ix = (x * p.stride[1] + kj * p.dilation[1]) as isize - p.padding[1] as isize;
+                            if ix < 0 || ix as usize >= w {
+                                continue;
+                            }
+                            let v = s[base + ki * st[2] + kj * st[3] + y * st[4] + x * st[5]];
+                            let o = &mut plane[iy as usize * w + ix as usize];
+                            *o = o.add(v);
+                        }
+                    }
+                }
+            }
+        });
+        T::wrap(out)
+    }
+    let dims = [nb, c, kh, kw, oh, ow, h, w];
+    match input(inp, inputs) {
+        CpuStorage::F32(v) => go(v, l, &st, dims, p),
+        CpuStorage::F64(v) => go(v, l, &st, dims, p),
+        CpuStorage::F16(v) => go(v, l, &st, dims, p),
+        CpuStorage::BF16(v) => go(v, l, &st, dims, p),
+        CpuStorage::I32(v) => go(v, l, &st, dims, p),
+        CpuStorage::U32(v) => go(v, l, &st, dims, p),
+        CpuStorage::Bool(v) => go(v, l, &st, dims, p),
+    }
+}

@@ -35,6 +35,7 @@ pub(crate) fn run_kernel(k: &Kernel, bufs: &[Option<Buffer>]) -> Result<Buffer> 
         KernelKind::Cumsum { dim, input } => index::cumsum(*dim, input, &inputs),
         KernelKind::Cat { dim, parts } => index::cat(*dim, parts, &inputs, k.dtype, k.numel),
         KernelKind::Unfold { input, params, pad } => index::unfold(input, params, *pad, &inputs),
+        KernelKind::Fold { input, params, hw } => index::fold(input, params, *hw, &inputs),
     };
     debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
     Ok(Buffer::Cpu(Arc::new(pool::HostBuf::new(out))))

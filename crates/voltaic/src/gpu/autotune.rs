@@ -14,7 +14,6 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::graph::kernel::{Kernel, KernelKind};
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -90,21 +89,6 @@ pub(crate) fn device_tag(info: &wgpu::AdapterInfo) -> String {
     raw.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect()
 }
 
-/// Write `bytes` to `path` through a temporary file and a rename, so a crash
-/// never leaves half a file.
-pub(crate) fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)
-}
-
 impl Tuner {
     pub(crate) fn new(info: &wgpu::AdapterInfo) -> Tuner {
         let software = info.device_type == wgpu::DeviceType::Cpu;
@@ -128,7 +112,7 @@ impl Tuner {
         if let Some(f) = &self.file {
             let text: String = plans.iter().map(|(k, p)| format!("{} {}\n", k.line(), plan_text(p))).collect();
             // A cache that cannot be written only costs a re-tune next time.
-            let _ = write_atomic(f, text.as_bytes());
+            let _ = crate::io::write_atomic(f, text.as_bytes());
         }
     }
 }

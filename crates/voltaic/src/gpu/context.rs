@@ -12,8 +12,6 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct Caps {
     /// `SHADER_F16`: f16 storage and arithmetic in shaders.
     pub f16: bool,
-    /// `SUBGROUP`: subgroup operations (reductions use them where present).
-    pub subgroup: bool,
     /// `TIMESTAMP_QUERY`: per-kernel GPU times for `VOLTAIC_PROFILE`.
     pub timestamps: bool,
     /// Largest byte range one storage binding may cover.
@@ -110,7 +108,6 @@ impl GpuContext {
         }));
         let caps = Caps {
             f16: features.contains(wgpu::Features::SHADER_F16),
-            subgroup: features.contains(wgpu::Features::SUBGROUP),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
             max_buffer: limits.max_buffer_size,
@@ -241,7 +238,7 @@ impl GpuContext {
         *last = Some(std::time::Instant::now());
         if let Some(data) = cache.get_data() {
             // A cache that cannot be written only costs compile time later.
-            let _ = super::autotune::write_atomic(file, &data);
+            let _ = crate::io::write_atomic(file, &data);
         }
     }
 

@@ -57,6 +57,7 @@ pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], plan: 
             }
         }
         KernelKind::Unfold { input, params, pad } => p.dispatches.push(g.unfold(input, params, *pad)),
+        KernelKind::Fold { input, params, hw } => p.dispatches.push(g.fold(input, params, *hw)),
     }
     Ok(p)
 }
@@ -411,6 +412,62 @@ impl Gen<'_> {
             s3 = st[3],
         );
         sh.finish("unfold".into(), WG, groups(n, WG), &b)
+    }
+}
+
+impl Gen<'_> {
+    /// col2im: one thread per image element, summing the patch entries that
+    /// read it (a deterministic gather, where a scatter would need atomics).
+    fn fold(&self, input: &View, p: &UnfoldParams, hw: [usize; 2]) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input]);
+        self.bind_out(&mut sh);
+        let l = &input.layout;
+        let dd = l.dims();
+        let (kh, kw, oh, ow) = (dd[2], dd[3], dd[4], dd[5]);
+        let [h, w] = hw;
+        let n: usize = dd[0] * dd[1] * h * w;
+        let dt = self.out.0;
+        let st = l.strides();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", &[dd[0], dd[1], h, w]);
+        let _ = writeln!(
+            b,
+            "    let base = {off}u + {n0} * {s0}u + {c0} * {s1}u;
+    var acc = {zero};
+    for (var ki = 0u; ki < {kh}u; ki = ki + 1u) {{
+        let ty = i32({iy}) + {py} - i32(ki * {dy}u);
+        if (ty < 0 || ty % {sy} != 0 || ty / {sy} >= {oh}) {{ continue; }}
+        for (var kj = 0u; kj < {kw}u; kj = kj + 1u) {{
+            let tx = i32({ix}) + {px} - i32(kj * {dx}u);
+            if (tx < 0 || tx % {sx} != 0 || tx / {sx} >= {ow}) {{ continue; }}
+            acc = {sum};
+        }}
+    }}
+    st_out(i, acc);",
+            off = l.offset(),
+            n0 = d[0],
+            c0 = d[1],
+            iy = d[2],
+            ix = d[3],
+            s0 = st[0],
+            s1 = st[1],
+            py = p.padding[0],
+            px = p.padding[1],
+            dy = p.dilation[0],
+            dx = p.dilation[1],
+            sy = p.stride[0],
+            sx = p.stride[1],
+            zero = literal(0.0, dt),
+            sum = super::codegen::round_to(
+                dt,
+                &format!(
+                    "acc + ld_in{}(base + ki * {}u + kj * {}u + u32(ty / {}) * {}u + u32(tx / {}) * {}u)",
+                    input.input, st[2], st[3], p.stride[0], st[4], p.stride[1], st[5]
+                )
+            ),
+        );
+        sh.finish("fold".into(), WG, groups(n, WG), &b)
     }
 }
 

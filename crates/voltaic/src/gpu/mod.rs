@@ -71,13 +71,23 @@ struct Registry {
 fn registry() -> &'static Registry {
     static REG: OnceLock<Registry> = OnceLock::new();
     REG.get_or_init(|| {
-        // WGPU_BACKEND (e.g. `vulkan`) narrows the search, as in every wgpu program.
-        let backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all());
-        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-        desc.backends = backends;
-        desc.flags = wgpu::InstanceFlags::empty().with_env();
-        let instance = wgpu::Instance::new(desc);
-        let mut adapters = pollster::block_on(instance.enumerate_adapters(backends));
+        // WGPU_BACKEND (e.g. `vulkan`) narrows the search, as in every wgpu
+        // program. Otherwise the native APIs first; GL only where they find
+        // nothing (probing EGL is slow and noisy on headless machines).
+        let find = |backends: wgpu::Backends| {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+            desc.backends = backends;
+            desc.flags = wgpu::InstanceFlags::empty().with_env();
+            let instance = wgpu::Instance::new(desc);
+            pollster::block_on(instance.enumerate_adapters(backends))
+        };
+        let mut adapters = match wgpu::Backends::from_env() {
+            Some(b) => find(b),
+            None => {
+                let primary = find(wgpu::Backends::PRIMARY);
+                if primary.is_empty() { find(wgpu::Backends::GL) } else { primary }
+            }
+        };
         // Real GPUs first, then the native APIs before GL: gpu:0 is the best.
         let rank = |a: &wgpu::Adapter| {
             let i = a.get_info();

@@ -90,6 +90,7 @@ pub(crate) enum KernelKind {
     Cumsum { dim: usize, input: View },
     Cat { dim: usize, parts: Vec<View> },
     Unfold { input: View, params: UnfoldParams, pad: f64 },
+    Fold { input: View, params: UnfoldParams, hw: [usize; 2] },
 }
 
 /// One kernel of a plan.
@@ -117,6 +118,7 @@ impl std::hash::Hash for KernelKind {
             KernelKind::Cumsum { dim, input } => (dim, input).hash(h),
             KernelKind::Cat { dim, parts } => (dim, parts).hash(h),
             KernelKind::Unfold { input, params, pad } => (input, params, pad.to_bits()).hash(h),
+            KernelKind::Fold { input, params, hw } => (input, params, hw).hash(h),
         }
     }
 }
@@ -134,6 +136,7 @@ impl KernelKind {
             KernelKind::Cumsum { .. } => "cumsum",
             KernelKind::Cat { .. } => "cat",
             KernelKind::Unfold { .. } => "unfold",
+            KernelKind::Fold { .. } => "fold",
         }
     }
 }

@@ -90,6 +90,9 @@ pub(crate) enum Op {
     Cat(usize, Vec<Tensor>),
     /// im2col of an `[N, C, H, W]` input into `[N, C, kh, kw, oh, ow]`, padding with a value.
     Unfold(Tensor, UnfoldParams, f64),
+    /// col2im, the adjoint of unfold: patches `[N, C, kh, kw, oh, ow]` added
+    /// back into an `[N, C, H, W]` image of size `[H, W]`.
+    Fold(Tensor, UnfoldParams, [usize; 2]),
 }
 
 impl Op {
@@ -98,7 +101,7 @@ impl Op {
         match self {
             Op::Const(_) => vec![],
             Op::Unary(_, a) | Op::Cast(a) | Op::Copy(a) | Op::Reduce(_, a, _) | Op::Cumsum(_, a) => vec![a],
-            Op::Unfold(a, _, _) => vec![a],
+            Op::Unfold(a, _, _) | Op::Fold(a, _, _) => vec![a],
             Op::Binary(_, a, b) | Op::Cmp(_, a, b) | Op::Matmul(a, b) => vec![a, b],
             Op::Gather(_, a, b) | Op::IndexSelect(_, a, b) => vec![a, b],
             Op::Where(a, b, c) | Op::ScatterAdd(_, a, b, c) => vec![a, b, c],
@@ -111,7 +114,7 @@ impl Op {
         match self {
             Op::Const(_) => vec![],
             Op::Unary(_, a) | Op::Cast(a) | Op::Copy(a) | Op::Reduce(_, a, _) | Op::Cumsum(_, a) => vec![a],
-            Op::Unfold(a, _, _) => vec![a],
+            Op::Unfold(a, _, _) | Op::Fold(a, _, _) => vec![a],
             Op::Binary(_, a, b) | Op::Cmp(_, a, b) | Op::Matmul(a, b) => vec![a, b],
             Op::Gather(_, a, b) | Op::IndexSelect(_, a, b) => vec![a, b],
             Op::Where(a, b, c) | Op::ScatterAdd(_, a, b, c) => vec![a, b, c],
@@ -155,6 +158,7 @@ impl Op {
             Op::Cumsum(..) => "cumsum",
             Op::Cat(..) => "cat",
             Op::Unfold(..) => "unfold",
+            Op::Fold(..) => "fold",
         }
     }
 }

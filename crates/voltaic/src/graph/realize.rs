@@ -48,8 +48,14 @@ fn run_cpu(plan: &Plan) -> Result<Vec<Option<Buffer>>> {
         .collect();
     let mut store: Vec<Option<Buffer>> = vec![None; plan.slots.len()];
     let keep: std::collections::HashSet<usize> = plan.store.iter().map(|(s, _)| *s).collect();
+    let profile = crate::gpu::transfer::profiling();
+    let mut times = vec![];
     for (k, kernel) in plan.kernels.iter().enumerate() {
+        let t0 = std::time::Instant::now();
         let out = crate::cpu::run_kernel(kernel, &bufs)?;
+        if profile {
+            times.push((t0.elapsed().as_secs_f64() * 1e6, kernel.numel, format!("{} ({})", kernel.kind.name(), kernel.ops.join(" "))));
+        }
         if keep.contains(&kernel.out) {
             store[kernel.out] = Some(out.clone());
         }
@@ -61,6 +67,12 @@ fn run_cpu(plan: &Plan) -> Result<Vec<Option<Buffer>>> {
     for (s, _) in &plan.store {
         if store[*s].is_none() {
             store[*s] = bufs[*s].clone();
+        }
+    }
+    if profile && !times.is_empty() {
+        eprintln!("voltaic profile (cpu):");
+        for (us, n, label) in &times {
+            eprintln!("  {us:>10.1} us  {n:>12} elements  {label}");
         }
     }
     Ok(store)

@@ -132,11 +132,24 @@ pub(crate) fn schedule(targets: &[&Tensor]) -> Plan {
     let n = g.nodes.len();
     let fuses_inputs = |op: &Option<Op>| matches!(op, Some(o) if o.is_elementwise() || matches!(o, Op::Reduce(..)));
     // Decide which pending nodes are inlined into their consumer.
+    // A consumer that reads a node through a broadcast (a stride 0 over a dim
+    // larger than 1) would recompute each of its elements many times if it
+    // were inlined; such nodes get a buffer unless they are constants.
+    let read_broadcast = |i: usize| {
+        g.consumers[i].iter().any(|&c| {
+            g.ops[c].as_ref().is_some_and(|op| {
+                op.inputs().iter().any(|t| {
+                    t.node.id == g.nodes[i].id && t.layout.dims().iter().zip(t.layout.strides()).any(|(&d, &s)| d > 1 && s == 0)
+                })
+            })
+        })
+    };
     let inline: Vec<bool> = (0..n)
         .map(|i| match &g.ops[i] {
+            Some(Op::Const(_)) if !g.target[i] => g.consumers[i].iter().all(|&c| fuses_inputs(&g.ops[c])),
             Some(op) if op.is_elementwise() && !g.target[i] => {
                 let all_fuse = g.consumers[i].iter().all(|&c| fuses_inputs(&g.ops[c]));
-                all_fuse && (matches!(op, Op::Const(_)) || g.consumers[i].len() == 1)
+                all_fuse && g.consumers[i].len() == 1 && !read_broadcast(i)
             }
             _ => false,
         })
@@ -385,8 +398,8 @@ fn build_kernel(
     let kind = match op {
         _ if op.is_elementwise() => {
             b.node_root(i);
-            let shape = node.dims.clone();
-            let (shape, expr) = coalesce_expr(b.expr.clone(), &shape, &[shape.len()]);
+            let (shape, expr) = refine_expr(b.expr.clone(), &node.dims);
+            let (shape, expr) = coalesce_expr(expr, &shape, &[shape.len()]);
             b.expr = expr;
             KernelKind::Elementwise { expr: b.expr.clone(), shape }
         }
@@ -438,6 +451,10 @@ fn build_kernel(
             b.ops.push("unfold");
             KernelKind::Unfold { input: b.view(x), params: *p, pad: *pad }
         }
+        Op::Fold(x, p, hw) => {
+            b.ops.push("fold");
+            KernelKind::Fold { input: b.view(x), params: *p, hw: *hw }
+        }
         _ => unreachable!(),
     };
     Kernel { kind, inputs: b.inputs, out: 0, dtype: node.dtype, numel: node.numel(), ops: b.ops }
@@ -448,6 +465,110 @@ impl Builder<'_> {
     fn node_root(&mut self, i: usize) {
         self.node(i, vec![]);
     }
+}
+
+/// The finest shape whose dims split both `a` and `b` (same element count),
+/// if one exists: the union of their suffix-product breakpoints must form a
+/// divisibility chain. `[14, 14]` and `[7, 2, 7, 2]` give `[7, 2, 7, 2]`.
+fn common_refinement(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let points = |d: &[usize]| -> Vec<usize> {
+        let mut p = vec![1usize];
+        for &x in d.iter().rev() {
+            if x != 1 {
+                p.push(p[p.len() - 1].saturating_mul(x));
+            }
+        }
+        p
+    };
+    let (pa, pb) = (points(a), points(b));
+    if pa.last() != pb.last() {
+        return None;
+    }
+    let mut all: Vec<usize> = pa.into_iter().chain(pb).collect();
+    all.sort_unstable();
+    all.dedup();
+    let mut dims = Vec::with_capacity(all.len());
+    for w in all.windows(2) {
+        if w[1] % w[0] != 0 {
+            return None;
+        }
+        dims.push(w[1] / w[0]);
+    }
+    dims.reverse();
+    Some(dims)
+}
+
+/// `l` (over `l.dims()`) as a layout over the finer shape `fine`, each of
+/// its dims split into the consecutive dims of `fine` that multiply to it.
+fn split_layout(l: &Layout, fine: &[usize]) -> Option<Layout> {
+    let mut strides = Vec::with_capacity(fine.len());
+    let mut j = 0;
+    for (&d, &s) in l.dims().iter().zip(l.strides()) {
+        if d == 1 {
+            continue;
+        }
+        let start = j;
+        let mut prod = 1;
+        while prod < d {
+            prod *= *fine.get(j)?;
+            j += 1;
+        }
+        if prod != d {
+            return None;
+        }
+        let mut st = s;
+        let mut part = vec![0; j - start];
+        for k in (start..j).rev() {
+            part[k - start] = st;
+            st *= fine[k];
+        }
+        strides.extend(part);
+    }
+    if j != fine.len() {
+        return None;
+    }
+    Some(Layout { shape: crate::shape::Shape(fine.to_vec()), strides, offset: l.offset })
+}
+
+/// Iterate an elementwise kernel over a finer shape when that lets a load
+/// whose views could not be composed (a reshape that splits dims, as in
+/// pooling windows) read through one strided layout: no per-element index
+/// arithmetic. Other loads are split the same way.
+fn refine_expr(mut expr: Expr, dims: &[usize]) -> (Vec<usize>, Expr) {
+    let mut shape = dims.to_vec();
+    for _ in 0..4 {
+        let target = expr.loads.iter().find_map(|l| {
+            let (a, b) = (l.path.first()?, l.path.get(1)?);
+            (a.is_contiguous() && a.offset == 0 && a.numel() == b.numel()).then(|| b.dims().to_vec())
+        });
+        let Some(target) = target else { break };
+        let Some(fine) = common_refinement(&shape, &target) else { break };
+        let mut ok = true;
+        let mut loads = expr.loads.clone();
+        for l in loads.iter_mut() {
+            let Some(first) = l.path[0].reshape(&shape).and_then(|f| split_layout(&f, &fine)) else {
+                ok = false;
+                break;
+            };
+            l.path[0] = first;
+            if l.path.len() >= 2 && l.path[0].is_contiguous() && l.path[0].offset == 0 && l.path[1].numel() == l.path[0].numel() {
+                if let Some(second) = split_layout(&l.path[1], &fine) {
+                    l.path.remove(0);
+                    l.path[0] = second;
+                }
+            }
+            simplify(&mut l.path);
+            if l.path.is_empty() {
+                l.path.push(Layout::contiguous(&fine));
+            }
+        }
+        if !ok {
+            break;
+        }
+        expr.loads = loads;
+        shape = fine;
+    }
+    (shape, expr)
 }
 
 /// Merge iteration dims that every load's first layout can walk with one

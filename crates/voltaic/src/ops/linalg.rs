@@ -48,15 +48,20 @@ impl Tensor {
         da.extend([m, ka]);
         let mut db = batch.clone();
         db.extend([ka, n]);
-        let (a, b) = (a.broadcast_to(&da)?, b.broadcast_to(&db)?);
+        let (a0, b0) = (a, b);
+        let (a, b) = (a0.broadcast_to(&da)?, b0.broadcast_to(&db)?);
         let mut dims = batch.clone();
         dims.extend([m, n]);
         let out = Tensor::from_op(Op::Matmul(a.clone(), b.clone()), dt, self.device(), dims.clone())?;
         let out = if dt.is_float() {
+            // Gradients for the operands as given (before broadcasting), so a
+            // matrix shared across the batch gets its gradient from one large
+            // matmul over the batch instead of a batch of products then a sum.
             let (ad, bd) = (a.detach(), b.detach());
-            out.track(&[&a, &b], move |g, needs| {
-                let ga = if needs[0] { Some(g.matmul(&bd.transpose(-1, -2)?)?) } else { None };
-                let gb = if needs[1] { Some(ad.transpose(-1, -2)?.matmul(g)?) } else { None };
+            let (a_dims, b_dims) = (a0.dims().to_vec(), b0.dims().to_vec());
+            out.track(&[&a0, &b0], move |g, needs| {
+                let ga = if needs[0] { Some(matmul_grad_lhs(g, &bd, &a_dims)?) } else { None };
+                let gb = if needs[1] { Some(matmul_grad_rhs(&ad, g, &b_dims)?) } else { None };
                 Ok(vec![ga, gb])
             })
         } else {
@@ -75,4 +80,38 @@ impl Tensor {
         }
         Ok(out)
     }
+}
+
+/// `[batch..., r, c]` to `[r, batch * c]`: the batch folded into the columns.
+fn fold_batch_into_cols(t: &Tensor) -> Result<Tensor> {
+    let r = t.rank();
+    let batch: usize = t.dims()[..r - 2].iter().product();
+    let (rows, cols) = (t.dims()[r - 2], t.dims()[r - 1]);
+    let mut perm: Vec<isize> = vec![(r - 2) as isize];
+    perm.extend((0..r - 2).map(|d| d as isize));
+    perm.push((r - 1) as isize);
+    t.permute(&perm)?.reshape_dims(&[rows, batch * cols])
+}
+
+/// Gradient of `a @ b` for `a` of shape `a_dims` (broadcast to `g`'s batch):
+/// `g @ b^T`, summed over the batch dims that `a` was broadcast along.
+fn matmul_grad_lhs(g: &Tensor, b: &Tensor, a_dims: &[usize]) -> Result<Tensor> {
+    if g.rank() > 2 && a_dims[..a_dims.len() - 2].iter().all(|&d| d == 1) {
+        // sum_z g_z @ b_z^T = [m, batch*n] @ [k, batch*n]^T
+        return fold_batch_into_cols(g)?.matmul(&fold_batch_into_cols(b)?.t()?)?.reshape_dims(a_dims);
+    }
+    g.matmul(&b.transpose(-1, -2)?)?.sum_to(a_dims)
+}
+
+/// Gradient of `a @ b` for `b` of shape `b_dims`: `a^T @ g`, summed over the
+/// batch dims that `b` was broadcast along.
+fn matmul_grad_rhs(a: &Tensor, g: &Tensor, b_dims: &[usize]) -> Result<Tensor> {
+    if g.rank() > 2 && b_dims[..b_dims.len() - 2].iter().all(|&d| d == 1) {
+        // sum_z a_z^T @ g_z = [batch*m, k]^T @ [batch*m, n]
+        let r = g.rank();
+        let rows: usize = g.dims()[..r - 1].iter().product();
+        let k = a.dims()[r - 1];
+        return a.reshape_dims(&[rows, k])?.t()?.matmul(&g.reshape_dims(&[rows, g.dims()[r - 1]])?)?.reshape_dims(b_dims);
+    }
+    a.transpose(-1, -2)?.matmul(g)?.sum_to(b_dims)
 }

@@ -41,25 +41,7 @@ pub enum Reduction {
 /// `[N, C, kh, kw, oh, ow]` back at the input position it was read from.
 fn fold(g: &Tensor, p: &UnfoldParams, h: usize, w: usize) -> Result<Tensor> {
     let d = g.dims();
-    let (n, c, kh, kw, oh, ow) = (d[0], d[1], d[2], d[3], d[4], d[5]);
-    let k = kh * kw * oh * ow;
-    // Flat input position of every patch entry; padding reads go to a spare slot h * w.
-    let mut idx = Vec::with_capacity(k);
-    for ki in 0..kh {
-        for kj in 0..kw {
-            for y in 0..oh {
-                for x in 0..ow {
-                    let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
-                    let ix = (x * p.stride[1] + kj * p.dilation[1]) as isize - p.padding[1] as isize;
-                    let inside = iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w;
-                    idx.push(if inside { (iy as usize * w + ix as usize) as u32 } else { (h * w) as u32 });
-                }
-            }
-        }
-    }
-    let idx = Tensor::from_vec(idx, &[1, 1, k], g.device())?.broadcast_to(&[n, c, k])?;
-    let flat = Tensor::zeros(&[n, c, h * w + 1], g.dtype(), g.device())?.scatter_add(2, &idx, &g.reshape_dims(&[n, c, k])?)?;
-    flat.narrow(2, 0, h * w)?.reshape_dims(&[n, c, h, w])
+    Tensor::from_op(Op::Fold(g.clone(), *p, [h, w]), g.dtype(), g.device(), vec![d[0], d[1], h, w])
 }
 
 impl Tensor {
@@ -140,6 +122,21 @@ impl Tensor {
         }
     }
 
+    /// Non-overlapping, unpadded windows that tile the input exactly, as the
+    /// view `[N, C, H/kh, kh, W/kw, kw]`: pooling then needs no unfold copy.
+    fn tiled_windows(&self, p: &UnfoldParams) -> Result<Option<Tensor>> {
+        // Anything unusual (including invalid sizes, reported by unfold) takes the general path.
+        if self.rank() != 4 || p.stride != p.kernel || p.padding != [0, 0] || p.dilation != [1, 1] || p.kernel.contains(&0) {
+            return Ok(None);
+        }
+        let d = self.dims();
+        let [kh, kw] = p.kernel;
+        if d[2] % kh != 0 || d[3] % kw != 0 || d[2] == 0 || d[3] == 0 {
+            return Ok(None);
+        }
+        Ok(Some(self.reshape_dims(&[d[0], d[1], d[2] / kh, kh, d[3] / kw, kw])?))
+    }
+
     fn pool_params(op: &'static str, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<UnfoldParams> {
         for i in 0..2 {
             if padding[i] > kernel[i] / 2 {
@@ -153,6 +150,9 @@ impl Tensor {
     /// Padding is with -inf, as PyTorch.
     pub fn max_pool2d(&self, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<Tensor> {
         let p = Tensor::pool_params("max_pool2d", kernel, stride, padding)?;
+        if let Some(w) = self.tiled_windows(&p)? {
+            return w.max(&[3, 5], false);
+        }
         let u = self.unfold("max_pool2d", p, f64::NEG_INFINITY)?;
         let d = u.dims().to_vec();
         u.reshape_dims(&[d[0], d[1], d[2] * d[3], d[4], d[5]])?.max(&[2], false)
@@ -161,6 +161,9 @@ impl Tensor {
     /// Average pooling over `[N, C, H, W]` (zero padding counted, as PyTorch's default).
     pub fn avg_pool2d(&self, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<Tensor> {
         let p = Tensor::pool_params("avg_pool2d", kernel, stride, padding)?;
+        if let Some(w) = self.tiled_windows(&p)? {
+            return w.to_dtype(w.dtype().to_float())?.mean(&[3, 5], false);
+        }
         let u = self.to_dtype(self.dtype().to_float())?.unfold("avg_pool2d", p, 0.0)?;
         let d = u.dims().to_vec();
         u.reshape_dims(&[d[0], d[1], d[2] * d[3], d[4], d[5]])?.mean(&[2], false)

@@ -4,7 +4,7 @@
 use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::graph::Op;
-use crate::op::ReduceOp;
+use crate::op::{BinaryOp, ReduceOp};
 use crate::shape::{norm_axes, norm_axis};
 use crate::tensor::Tensor;
 
@@ -27,7 +27,12 @@ impl Tensor {
         for &a in &axes {
             out_dims[a] = 1;
         }
-        let t = Tensor::from_op(Op::Reduce(op, x.clone(), axes.clone()), dt, self.device(), out_dims)?;
+        // The value: a reduction kernel, or for a few elements per output an
+        // elementwise chain; the gradient is recorded here either way.
+        let t = match crate::autograd::no_grad(|| x.detach().reduce_unrolled(op, &axes, reduced))? {
+            Some(t) => t,
+            None => Tensor::from_op(Op::Reduce(op, x.clone(), axes.clone()), dt, self.device(), out_dims)?,
+        };
         let t = if op.is_arg() || !dt.is_float() {
             t
         } else {
@@ -54,6 +59,39 @@ impl Tensor {
         }
         let dims: Vec<usize> = (0..self.rank()).filter(|d| !axes.contains(d)).map(|d| self.dims()[d]).collect();
         t.reshape_dims(&dims)
+    }
+
+    /// A reduction over at most 8 elements per output as a chain of binary ops
+    /// on views (the reduced dims kept with size 1): an elementwise kernel
+    /// that fuses with its neighbours, where a reduction kernel over tiny
+    /// strided segments (pooling windows) would be slow on every device.
+    /// Half types keep the reduction kernel, which rounds once at the end.
+    fn reduce_unrolled(&self, op: ReduceOp, axes: &[usize], reduced: usize) -> Result<Option<Tensor>> {
+        let bin = match op {
+            ReduceOp::Sum => BinaryOp::Add,
+            ReduceOp::Prod => BinaryOp::Mul,
+            ReduceOp::Max => BinaryOp::Maximum,
+            ReduceOp::Min => BinaryOp::Minimum,
+            _ => return Ok(None),
+        };
+        if !(2..=8).contains(&reduced) || !matches!(self.dtype(), DType::F32 | DType::F64 | DType::I32 | DType::U32) {
+            return Ok(None);
+        }
+        let sizes: Vec<usize> = axes.iter().map(|&a| self.dims()[a]).collect();
+        let mut acc: Option<Tensor> = None;
+        for combo in 0..reduced {
+            let mut rest = combo;
+            let mut v = self.clone();
+            for (k, &a) in axes.iter().enumerate().rev() {
+                v = v.narrow(a as isize, rest % sizes[k], 1)?;
+                rest /= sizes[k];
+            }
+            acc = Some(match acc {
+                None => v,
+                Some(prev) => prev.binary(bin, &v)?,
+            });
+        }
+        Ok(acc)
     }
 
     /// Sum over `axes` (bool sums count as i32; integers wrap).

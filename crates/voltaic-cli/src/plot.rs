@@ -1,0 +1,92 @@
+//! Small PNG charts (plotters, with an embedded DejaVu font so no system
+//! font is needed).
+
+use anyhow::{anyhow, Context};
+use plotters::prelude::*;
+use std::path::Path;
+use std::sync::Once;
+
+/// A named line.
+pub struct Series {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One panel of a figure.
+pub struct Panel {
+    pub title: String,
+    pub x_label: String,
+    pub y_label: String,
+    pub series: Vec<Series>,
+}
+
+const COLORS: [RGBColor; 4] = [RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44), RGBColor(214, 39, 40)];
+
+fn fonts() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
+    });
+}
+
+fn range(vals: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
+    let lo = vals.clone().fold(f64::INFINITY, f64::min);
+    let hi = vals.fold(f64::NEG_INFINITY, f64::max);
+    if !lo.is_finite() || !hi.is_finite() {
+        return (0.0, 1.0);
+    }
+    let pad = if hi - lo < 1e-12 { (lo.abs() * 0.05).max(0.5) } else { (hi - lo) * 0.05 };
+    (lo - pad, hi + pad)
+}
+
+/// Draw `panels` side by side into a PNG at `path`.
+pub fn save_png(path: &Path, panels: &[Panel]) -> anyhow::Result<()> {
+    fonts();
+    let width = 560 * panels.len().max(1) as u32;
+    let root = BitMapBackend::new(path, (width, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let areas = root.split_evenly((1, panels.len().max(1)));
+    for (area, p) in areas.iter().zip(panels) {
+        let xs = p.series.iter().flat_map(|s| s.points.iter().map(|q| q.0));
+        let ys = p.series.iter().flat_map(|s| s.points.iter().map(|q| q.1));
+        let (x0, x1) = range(xs.clone());
+        let (y0, y1) = range(ys.clone());
+        let mut chart = ChartBuilder::on(area)
+            .caption(&p.title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(56)
+            .build_cartesian_2d(x0..x1, y0..y1)
+            .map_err(|e| anyhow!("{e}"))?;
+        chart
+            .configure_mesh()
+            .x_desc(&p.x_label)
+            .y_desc(&p.y_label)
+            .label_style(("sans-serif", 13))
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
+        for (i, s) in p.series.iter().enumerate() {
+            let c = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(s.points.iter().copied(), c.stroke_width(2)))
+                .map_err(|e| anyhow!("{e}"))?
+                .label(&s.name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+            // Markers, so that short series (one epoch) still show.
+            if s.points.len() <= 50 {
+                chart
+                    .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, c.filled())))
+                    .map_err(|e| anyhow!("{e}"))?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 13))
+            .draw()
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

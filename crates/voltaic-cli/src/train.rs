@@ -1,0 +1,327 @@
+//! `voltaic train`: train a classifier on Fashion-MNIST, evaluate every
+//! epoch, and write a checkpoint, a CSV of metrics and a PNG of the curves.
+
+use crate::plot::{save_png, Panel, Series};
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use voltaic::data::{fashion_mnist, DataLoader, Dataset, LoaderOpts, FASHION_MNIST_DIR};
+use voltaic::nn::{Module, Sequential};
+use voltaic::optim::{Adam, CosineLr, LrSchedule, Optimizer, Sgd};
+use voltaic::{DType, Device, Reduction, Tensor};
+
+/// Arguments of `voltaic train`.
+#[derive(clap::Args, Clone)]
+pub struct TrainArgs {
+    /// Dataset to train on.
+    #[arg(long, default_value = "fashion-mnist", value_parser = ["fashion-mnist"])]
+    pub dataset: String,
+    /// Model: mlp (784-256-128-10) or cnn (two conv+pool blocks and a linear head).
+    #[arg(long, default_value = "mlp", value_parser = ["mlp", "cnn"])]
+    pub model: String,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 5)]
+    pub epochs: usize,
+    /// Examples per step.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Learning rate (default: 1e-3 for adam, 0.05 for sgd).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Optimizer: adam, adamw or sgd (momentum 0.9, Nesterov).
+    #[arg(long, default_value = "adam", value_parser = ["adam", "adamw", "sgd"])]
+    pub optimizer: String,
+    /// Learning-rate schedule: cosine (annealed to zero over the run) or constant.
+    #[arg(long, default_value = "cosine", value_parser = ["cosine", "constant"])]
+    pub schedule: String,
+    /// Device: cpu, gpu or gpu:N (default: the best available).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Directory for the checkpoint, metrics.csv and curves.png.
+    #[arg(long, default_value = "runs/fashion-mnist")]
+    pub out: PathBuf,
+    /// Directory with the four Fashion-MNIST IDX files (default: the Debian package's).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Seed of initialisation, shuffling and dropout.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Train on the first N examples only (quick runs).
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// End with one JSON line of results.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// What one epoch measured.
+#[derive(Clone, Debug)]
+pub struct EpochStats {
+    pub epoch: usize,
+    pub train_loss: f64,
+    pub train_acc: f64,
+    pub test_loss: f64,
+    pub test_acc: f64,
+    pub train_seconds: f64,
+    pub samples_per_second: f64,
+}
+
+/// Find Fashion-MNIST: `--data`, else the Debian package's directory,
+/// installing the package when it is missing and apt can.
+pub fn locate_data(arg: Option<&Path>, quiet: bool) -> anyhow::Result<PathBuf> {
+    if let Some(d) = arg {
+        return Ok(d.to_path_buf());
+    }
+    let dir = PathBuf::from(FASHION_MNIST_DIR);
+    if dir.join("train-images-idx3-ubyte.gz").exists() {
+        return Ok(dir);
+    }
+    let root = std::process::Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0")).unwrap_or(false);
+    let has_apt = Path::new("/usr/bin/apt-get").exists();
+    if root && has_apt {
+        if !quiet {
+            eprintln!("Fashion-MNIST is missing: installing the Debian package dataset-fashion-mnist (apt-get)...");
+        }
+        let install = || std::process::Command::new("apt-get").args(["install", "-y", "-qq", "dataset-fashion-mnist"]).status();
+        let mut ok = install().map(|s| s.success()).unwrap_or(false);
+        if !ok {
+            let _ = std::process::Command::new("apt-get").args(["update", "-qq"]).status();
+            ok = install().map(|s| s.success()).unwrap_or(false);
+        }
+        if ok && dir.join("train-images-idx3-ubyte.gz").exists() {
+            return Ok(dir);
+        }
+    }
+    bail!(
+        "Fashion-MNIST not found in {FASHION_MNIST_DIR}. Install it with `sudo apt-get install dataset-fashion-mnist`, \
+         or pass --data DIR with train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz \
+         and t10k-labels-idx1-ubyte.gz"
+    )
+}
+
+/// Fashion-MNIST's mean and standard deviation of the pixel values in [0, 1].
+pub const MEAN: f64 = 0.2860;
+/// See [`MEAN`].
+pub const STD: f64 = 0.3530;
+
+pub fn build_model(name: &str, device: Device) -> anyhow::Result<Sequential> {
+    Ok(match name {
+        "mlp" => voltaic::models::classifier::mlp(device)?,
+        "cnn" => voltaic::models::classifier::cnn(device)?,
+        m => bail!("unknown model {m:?}: expected mlp or cnn"),
+    })
+}
+
+pub fn build_optimizer(args: &TrainArgs, model: &Sequential) -> Box<dyn Optimizer> {
+    match args.optimizer.as_str() {
+        "sgd" => Box::new(Sgd::new(model.parameters(), args.lr.unwrap_or(0.05)).with_momentum(0.9, true)),
+        "adamw" => Box::new(Adam::adamw(model.parameters(), args.lr.unwrap_or(1e-3))),
+        _ => Box::new(Adam::new(model.parameters(), args.lr.unwrap_or(1e-3))),
+    }
+}
+
+/// Loss sum and correct count over a test set, without gradients.
+pub fn evaluate(model: &Sequential, data: &Arc<Dataset>, device: Device) -> anyhow::Result<(f64, f64)> {
+    model.eval();
+    let _g = voltaic::NoGradGuard::new();
+    let opts = LoaderOpts { batch_size: 1000, shuffle: false, seed: 0, mean: MEAN, std: STD, drop_last: false, device };
+    let mut loss_sum = Tensor::zeros(&[], DType::F32, device)?;
+    let mut correct = Tensor::zeros(&[], DType::I32, device)?;
+    for b in DataLoader::new(data.clone(), &opts, 0)? {
+        let b = b?;
+        let logits = model.forward(&b.x)?;
+        loss_sum = loss_sum.add(&logits.cross_entropy(&b.y, 0.0, Reduction::Sum)?)?;
+        correct = correct.add(&logits.argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
+        Tensor::realize_all(&[&loss_sum, &correct])?;
+    }
+    let n = data.len() as f64;
+    Ok((loss_sum.item::<f32>()? as f64 / n, correct.item::<i32>()? as f64 / n))
+}
+
+/// Train for `args.epochs`, calling `on_epoch` after each; returns the per-step
+/// losses read along the way (every `log_every` steps).
+pub fn train_loop(
+    args: &TrainArgs,
+    device: Device,
+    model: &Sequential,
+    opt: &mut dyn Optimizer,
+    train: &Arc<Dataset>,
+    test: Option<&Arc<Dataset>>,
+    mut on_epoch: impl FnMut(&EpochStats) -> anyhow::Result<()>,
+) -> anyhow::Result<(Vec<EpochStats>, Vec<(f64, f64)>)> {
+    let opts = LoaderOpts { batch_size: args.batch_size, shuffle: true, seed: args.seed, mean: MEAN, std: STD, drop_last: false, device };
+    let steps_per_epoch = train.len().div_ceil(args.batch_size);
+    let total_steps = steps_per_epoch * args.epochs;
+    let schedule = CosineLr { t_max: total_steps, min_lr: 0.0 };
+    let base_lr = opt.lr();
+    let mut history = vec![];
+    let mut step_losses = vec![];
+    let mut step = 0usize;
+    let log_every = 50;
+    for epoch in 1..=args.epochs {
+        model.train();
+        let pb = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(steps_per_epoch as u64) };
+        pb.set_style(
+            ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed} / {eta} left)")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        pb.set_prefix(format!("{epoch}/{}", args.epochs));
+        let t0 = Instant::now();
+        let mut loss_sum = Tensor::zeros(&[], DType::F32, device)?;
+        let mut correct = Tensor::zeros(&[], DType::I32, device)?;
+        let (mut seen, mut window_seen) = (0usize, 0usize);
+        let mut window = Tensor::zeros(&[], DType::F32, device)?;
+        for b in DataLoader::new(train.clone(), &opts, epoch as u64)? {
+            let b = b?;
+            let bs = b.y.numel();
+            if args.schedule == "cosine" {
+                opt.set_lr(schedule.lr(base_lr, step));
+            }
+            let logits = model.forward(&b.x)?;
+            let loss = logits.cross_entropy(&b.y, 0.0, Reduction::Mean)?;
+            opt.zero_grad();
+            loss.backward()?;
+            opt.step()?;
+            model.realize_state()?;
+            let l = loss.detach().mul(bs as f64)?;
+            loss_sum = loss_sum.add(&l)?;
+            window = window.add(&l)?;
+            correct = correct.add(&logits.detach().argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
+            Tensor::realize_all(&[&loss_sum, &correct, &window])?;
+            seen += bs;
+            window_seen += bs;
+            step += 1;
+            pb.inc(1);
+            if step % log_every == 0 {
+                let avg = window.item::<f32>()? as f64 / window_seen as f64;
+                step_losses.push((step as f64 / steps_per_epoch as f64, avg));
+                let rate = seen as f64 / t0.elapsed().as_secs_f64();
+                let acc = correct.item::<i32>()? as f64 / seen as f64;
+                pb.set_message(format!("loss {avg:.4} acc {:.2}% {rate:.0} samples/s", 100.0 * acc));
+                window = Tensor::zeros(&[], DType::F32, device)?;
+                window_seen = 0;
+            }
+        }
+        let train_loss = loss_sum.item::<f32>()? as f64 / seen as f64;
+        let train_acc = correct.item::<i32>()? as f64 / seen as f64;
+        let secs = t0.elapsed().as_secs_f64();
+        pb.finish_and_clear();
+        let (test_loss, test_acc) = match test {
+            Some(t) => evaluate(model, t, device)?,
+            None => (f64::NAN, f64::NAN),
+        };
+        let stats = EpochStats { epoch, train_loss, train_acc, test_loss, test_acc, train_seconds: secs, samples_per_second: seen as f64 / secs };
+        on_epoch(&stats)?;
+        history.push(stats);
+    }
+    Ok((history, step_losses))
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let device = crate::parse_device(args.device.as_deref())?;
+    let dir = locate_data(args.data.as_deref(), args.quiet)?;
+    let (mut train, test) = fashion_mnist(&dir).with_context(|| format!("loading Fashion-MNIST from {}", dir.display()))?;
+    if let Some(n) = args.limit {
+        train = train.take(n);
+    }
+    let (train, test) = (Arc::new(train), Arc::new(test));
+    voltaic::manual_seed(args.seed);
+    let model = build_model(&args.model, device)?;
+    let mut opt = build_optimizer(&args, &model);
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    if !args.quiet {
+        let params: usize = model.parameters().iter().map(|p| p.value().numel()).sum();
+        eprintln!(
+            "Training {} ({params} parameters) on {} Fashion-MNIST images on {device}, {} epochs, batch {}, {} lr {}",
+            args.model,
+            train.len(),
+            args.epochs,
+            args.batch_size,
+            args.optimizer,
+            opt.lr()
+        );
+    }
+    let csv_path = args.out.join("metrics.csv");
+    let mut csv = String::from("epoch,train_loss,train_acc,test_loss,test_acc,train_seconds,samples_per_second\n");
+    let out = args.out.clone();
+    let quiet = args.quiet;
+    let (history, steps) = train_loop(&args, device, &model, opt.as_mut(), &train, Some(&test), |s| {
+        if !quiet {
+            eprintln!(
+                "epoch {:>2}: train loss {:.4} acc {:.2}% | test loss {:.4} acc {:.2}% | {:.1} s, {:.0} samples/s",
+                s.epoch,
+                s.train_loss,
+                100.0 * s.train_acc,
+                s.test_loss,
+                100.0 * s.test_acc,
+                s.train_seconds,
+                s.samples_per_second
+            );
+        }
+        csv.push_str(&format!(
+            "{},{:.6},{:.6},{:.6},{:.6},{:.3},{:.1}\n",
+            s.epoch, s.train_loss, s.train_acc, s.test_loss, s.test_acc, s.train_seconds, s.samples_per_second
+        ));
+        voltaic::io::write_atomic(&csv_path, csv.as_bytes())?;
+        voltaic::nn::save(&model, out.join("model.safetensors"))?;
+        Ok(())
+    })?;
+    voltaic::io::safetensors::save(args.out.join("optimizer.safetensors"), &opt.state())?;
+    let epochs: Vec<f64> = history.iter().map(|s| s.epoch as f64).collect();
+    let pts = |f: &dyn Fn(&EpochStats) -> f64| epochs.iter().copied().zip(history.iter().map(f)).collect::<Vec<_>>();
+    save_png(
+        &args.out.join("curves.png"),
+        &[
+            Panel {
+                title: format!("{} on Fashion-MNIST: loss", args.model),
+                x_label: "epoch".into(),
+                y_label: "cross entropy".into(),
+                series: vec![
+                    Series { name: "train (every 50 steps)".into(), points: steps },
+                    Series { name: "test".into(), points: pts(&|s| s.test_loss) },
+                ],
+            },
+            Panel {
+                title: "accuracy".into(),
+                x_label: "epoch".into(),
+                y_label: "accuracy".into(),
+                series: vec![
+                    Series { name: "train".into(), points: pts(&|s| s.train_acc) },
+                    Series { name: "test".into(), points: pts(&|s| s.test_acc) },
+                ],
+            },
+        ],
+    )?;
+    let last = history.last().context("no epochs were run")?;
+    let train_seconds: f64 = history.iter().map(|s| s.train_seconds).sum();
+    let samples: f64 = history.iter().map(|s| s.samples_per_second * s.train_seconds).sum();
+    if !args.quiet {
+        eprintln!(
+            "Test accuracy {:.2}%. Wrote {}/model.safetensors, optimizer.safetensors, metrics.csv and curves.png",
+            100.0 * last.test_acc,
+            args.out.display()
+        );
+    }
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "dataset": args.dataset, "model": args.model, "device": device.to_string(), "epochs": args.epochs,
+                "test_accuracy": (last.test_acc * 1e4).round() / 1e4,
+                "train_seconds": (train_seconds * 100.0).round() / 100.0,
+                "samples_per_second": (samples / train_seconds).round(),
+            })
+        );
+    }
+    std::io::stdout().flush()?;
+    voltaic::gpu::save_caches();
+    Ok(())
+}

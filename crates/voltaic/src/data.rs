@@ -1,0 +1,198 @@
+//! Datasets in memory and a data loader that shuffles (seeded), batches,
+//! normalises and moves each batch to the device on a background thread
+//! while the device computes the previous one.
+
+use crate::error::{bail, Error, Result};
+use crate::io::idx::{self, IdxData};
+use crate::rng::Generator;
+use crate::storage::CpuStorage;
+use crate::tensor::Tensor;
+use crate::Device;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+
+/// Labelled 8-bit images (or any fixed-size u8 items) held in memory.
+#[derive(Clone, Debug)]
+pub struct Dataset {
+    /// All items, `len * item_numel` bytes.
+    pub pixels: Vec<u8>,
+    /// Class of each item.
+    pub labels: Vec<i32>,
+    /// Shape of one item (e.g. `[1, 28, 28]`).
+    pub item_dims: Vec<usize>,
+}
+
+impl Dataset {
+    /// Items from an IDX image file (u8, `[n, ...]`) and an IDX label file (u8, `[n]`).
+    pub fn from_idx(images: &Path, labels: &Path) -> Result<Dataset> {
+        let im = idx::read(images)?;
+        let lb = idx::read(labels)?;
+        let (IdxData::U8(pixels), IdxData::U8(lab)) = (im.data, lb.data) else {
+            bail!(Value, "dataset", "{} and {} must hold u8 data", images.display(), labels.display());
+        };
+        if lb.dims.len() != 1 || im.dims.is_empty() || im.dims[0] != lb.dims[0] {
+            bail!(Shape, "dataset", "{} has dims {:?} but {} has {:?}: expected [n, ...] images and [n] labels", images.display(), im.dims, labels.display(), lb.dims);
+        }
+        let mut item_dims = im.dims[1..].to_vec();
+        if item_dims.len() == 2 {
+            item_dims.insert(0, 1); // one channel
+        }
+        Ok(Dataset { pixels, labels: lab.into_iter().map(|l| l as i32).collect(), item_dims })
+    }
+
+    /// Number of items.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    /// No items?
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Elements of one item.
+    pub fn item_numel(&self) -> usize {
+        self.item_dims.iter().product()
+    }
+
+    /// The first `n` items (for quick runs and tests).
+    pub fn take(&self, n: usize) -> Dataset {
+        let n = n.min(self.len());
+        Dataset { pixels: self.pixels[..n * self.item_numel()].to_vec(), labels: self.labels[..n].to_vec(), item_dims: self.item_dims.clone() }
+    }
+}
+
+/// Where Debian's `dataset-fashion-mnist` package puts the files.
+pub const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
+
+/// Fashion-MNIST's training and test sets from `dir` (the four gzipped IDX
+/// files of the Debian package `dataset-fashion-mnist`).
+pub fn fashion_mnist(dir: impl AsRef<Path>) -> Result<(Dataset, Dataset)> {
+    let dir = dir.as_ref();
+    let f = |n: &str| -> PathBuf {
+        let gz = dir.join(format!("{n}.gz"));
+        if gz.exists() { gz } else { dir.join(n) }
+    };
+    for n in ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"] {
+        if !f(n).exists() {
+            return Err(Error::Io(format!(
+                "Fashion-MNIST file {n}(.gz) not found in {}: install the Debian package `dataset-fashion-mnist` \
+                 (apt-get install dataset-fashion-mnist) or point --data at a directory holding the four IDX files",
+                dir.display()
+            )));
+        }
+    }
+    let train = Dataset::from_idx(&f("train-images-idx3-ubyte"), &f("train-labels-idx1-ubyte"))?;
+    let test = Dataset::from_idx(&f("t10k-images-idx3-ubyte"), &f("t10k-labels-idx1-ubyte"))?;
+    Ok((train, test))
+}
+
+/// One batch: inputs `[B, ...item_dims]` (f32, normalised) and labels `[B]` (i32).
+#[derive(Clone, Debug)]
+pub struct Batch {
+    /// Inputs.
+    pub x: Tensor,
+    /// Class indices.
+    pub y: Tensor,
+}
+
+/// How a [`DataLoader`] walks a dataset.
+#[derive(Clone, Debug)]
+pub struct LoaderOpts {
+    /// Items per batch.
+    pub batch_size: usize,
+    /// Shuffle every epoch (seeded by `seed` and the epoch).
+    pub shuffle: bool,
+    /// Seed of the shuffle.
+    pub seed: u64,
+    /// `x = (pixel / 255 - mean) / std`.
+    pub mean: f64,
+    /// See `mean`.
+    pub std: f64,
+    /// Drop a last batch smaller than `batch_size`.
+    pub drop_last: bool,
+    /// Where the batches go.
+    pub device: Device,
+}
+
+/// Batches of one epoch, prepared two ahead on a background thread.
+pub struct DataLoader {
+    rx: Receiver<Result<Batch>>,
+    batches: usize,
+}
+
+/// The order of the items of `epoch`: a seeded Fisher-Yates shuffle, or 0..n.
+pub fn epoch_order(n: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if shuffle && n > 1 {
+        let mut g = Generator::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(epoch));
+        let u = g.uniform53(n);
+        for i in (1..n).rev() {
+            let j = ((u[i] * (i + 1) as f64) as usize).min(i);
+            order.swap(i, j);
+        }
+    }
+    order
+}
+
+impl DataLoader {
+    /// Start preparing the batches of `epoch`.
+    pub fn new(data: Arc<Dataset>, opts: &LoaderOpts, epoch: u64) -> Result<DataLoader> {
+        if opts.batch_size == 0 {
+            bail!(Value, "DataLoader", "batch_size must be positive");
+        }
+        if opts.std == 0.0 {
+            bail!(Value, "DataLoader", "std must be nonzero");
+        }
+        let n = data.len();
+        let batches = if opts.drop_last { n / opts.batch_size } else { n.div_ceil(opts.batch_size) };
+        let order = epoch_order(n, opts.shuffle, opts.seed, epoch);
+        let (tx, rx) = sync_channel(2);
+        let opts = opts.clone();
+        std::thread::Builder::new()
+            .name("voltaic-loader".into())
+            .spawn(move || {
+                let k = data.item_numel();
+                let (scale, shift) = (1.0 / (255.0 * opts.std) as f32, (opts.mean / opts.std) as f32);
+                for b in 0..batches {
+                    let idx = &order[b * opts.batch_size..((b + 1) * opts.batch_size).min(n)];
+                    let mut x = Vec::with_capacity(idx.len() * k);
+                    for &i in idx {
+                        x.extend(data.pixels[i * k..(i + 1) * k].iter().map(|&p| p as f32 * scale - shift));
+                    }
+                    let y: Vec<i32> = idx.iter().map(|&i| data.labels[i]).collect();
+                    let mut dims = vec![idx.len()];
+                    dims.extend_from_slice(&data.item_dims);
+                    let batch = (|| {
+                        Ok(Batch {
+                            x: Tensor::from_storage(CpuStorage::F32(x), &dims, opts.device)?,
+                            y: Tensor::from_storage(CpuStorage::I32(y), &[idx.len()], opts.device)?,
+                        })
+                    })();
+                    if tx.send(batch).is_err() {
+                        return; // the loader was dropped
+                    }
+                }
+            })
+            .map_err(|e| Error::Io(format!("starting the data loader thread: {e}")))?;
+        Ok(DataLoader { rx, batches })
+    }
+
+    /// Batches in this epoch.
+    pub fn len(&self) -> usize {
+        self.batches
+    }
+
+    /// No batches?
+    pub fn is_empty(&self) -> bool {
+        self.batches == 0
+    }
+}
+
+impl Iterator for DataLoader {
+    type Item = Result<Batch>;
+    fn next(&mut self) -> Option<Result<Batch>> {
+        self.rx.recv().ok()
+    }
+}

@@ -1,0 +1,3 @@
+//! Reference models built from the `nn` blocks.
+
+pub mod classifier;

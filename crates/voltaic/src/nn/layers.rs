@@ -1,0 +1,304 @@
+//! Layers with PyTorch's parameter names, shapes and default initialisation.
+
+use super::{init, Module, Parameter};
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::ops::nn::Conv2dOpts;
+use crate::tensor::Tensor;
+use crate::Device;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// `y = x @ weight^T + bias`, weight `[out, in]` (PyTorch `nn.Linear`).
+pub struct Linear {
+    /// `[out_features, in_features]`.
+    pub weight: Parameter,
+    /// `[out_features]`.
+    pub bias: Option<Parameter>,
+}
+
+impl Linear {
+    /// PyTorch's default initialisation: weight and bias uniform in `±1/sqrt(in)`.
+    pub fn new(in_features: usize, out_features: usize, bias: bool, device: Device) -> Result<Linear> {
+        let bound = 1.0 / (in_features.max(1) as f64).sqrt();
+        Ok(Linear {
+            weight: Parameter::new(init::kaiming_uniform(&[out_features, in_features], 5f64.sqrt(), device)?)?,
+            bias: if bias { Some(Parameter::new(init::uniform(&[out_features], -bound, bound, device)?)?) } else { None },
+        })
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.weight.value();
+        if x.rank() == 0 || x.dims()[x.rank() - 1] != w.dims()[1] {
+            bail!(Shape, "Linear", "expected input [..., {}], got {:?}", w.dims()[1], x.dims());
+        }
+        let y = x.matmul(&w.t()?)?;
+        match &self.bias {
+            Some(b) => y.add(&b.value()),
+            None => Ok(y),
+        }
+    }
+    fn named_tensors(&self) -> Vec<(String, Parameter)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".into(), b.clone()));
+        }
+        v
+    }
+}
+
+/// 2-D convolution over `[N, C, H, W]` (PyTorch `nn.Conv2d`).
+pub struct Conv2d {
+    /// `[out, in / groups, kh, kw]`.
+    pub weight: Parameter,
+    /// `[out]`.
+    pub bias: Option<Parameter>,
+    /// Stride, padding, dilation and groups.
+    pub opts: Conv2dOpts,
+}
+
+impl Conv2d {
+    /// PyTorch's default initialisation (uniform in `±1/sqrt(fan_in)`).
+    pub fn new(in_channels: usize, out_channels: usize, kernel: [usize; 2], opts: Conv2dOpts, bias: bool, device: Device) -> Result<Conv2d> {
+        if opts.groups == 0 || in_channels % opts.groups != 0 || out_channels % opts.groups != 0 {
+            bail!(Value, "Conv2d", "channels {in_channels} -> {out_channels} must be divisible by groups {}", opts.groups);
+        }
+        let fan_in = in_channels / opts.groups * kernel[0] * kernel[1];
+        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+        Ok(Conv2d {
+            weight: Parameter::new(init::kaiming_uniform(&[out_channels, in_channels / opts.groups, kernel[0], kernel[1]], 5f64.sqrt(), device)?)?,
+            bias: if bias { Some(Parameter::new(init::uniform(&[out_channels], -bound, bound, device)?)?) } else { None },
+            opts,
+        })
+    }
+}
+
+impl Module for Conv2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let b = self.bias.as_ref().map(|b| b.value());
+        x.conv2d(&self.weight.value(), b.as_ref(), self.opts)
+    }
+    fn named_tensors(&self) -> Vec<(String, Parameter)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".into(), b.clone()));
+        }
+        v
+    }
+}
+
+/// Max pooling (PyTorch `nn.MaxPool2d`).
+#[derive(Clone, Copy, Debug)]
+pub struct MaxPool2d {
+    /// Window size.
+    pub kernel: [usize; 2],
+    /// Step (defaults to the window).
+    pub stride: Option<[usize; 2]>,
+    /// Padding with -inf.
+    pub padding: [usize; 2],
+}
+
+impl MaxPool2d {
+    /// Non-overlapping windows of `k` x `k`.
+    pub fn new(k: usize) -> MaxPool2d {
+        MaxPool2d { kernel: [k, k], stride: None, padding: [0, 0] }
+    }
+}
+
+impl Module for MaxPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.max_pool2d(self.kernel, self.stride, self.padding)
+    }
+}
+
+/// Average pooling (PyTorch `nn.AvgPool2d`).
+#[derive(Clone, Copy, Debug)]
+pub struct AvgPool2d {
+    /// Window size.
+    pub kernel: [usize; 2],
+    /// Step (defaults to the window).
+    pub stride: Option<[usize; 2]>,
+    /// Zero padding (counted in the average).
+    pub padding: [usize; 2],
+}
+
+impl AvgPool2d {
+    /// Non-overlapping windows of `k` x `k`.
+    pub fn new(k: usize) -> AvgPool2d {
+        AvgPool2d { kernel: [k, k], stride: None, padding: [0, 0] }
+    }
+}
+
+impl Module for AvgPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.avg_pool2d(self.kernel, self.stride, self.padding)
+    }
+}
+
+/// Flatten dims `1..` into one (PyTorch `nn.Flatten()`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Flatten;
+
+impl Module for Flatten {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.rank() < 2 {
+            return Ok(x.clone());
+        }
+        x.flatten(1, -1)
+    }
+}
+
+/// Batch normalisation over the channel dim 1 of `[N, C]` or `[N, C, ...]`
+/// (PyTorch `nn.BatchNorm1d`/`nn.BatchNorm2d`): batch statistics in
+/// training, running statistics (momentum 0.1, unbiased variance) in eval.
+pub struct BatchNorm {
+    /// Scale `[C]`, initialised to ones.
+    pub weight: Parameter,
+    /// Shift `[C]`, initialised to zeros.
+    pub bias: Parameter,
+    running_mean: Parameter,
+    running_var: Parameter,
+    num_batches_tracked: Parameter,
+    eps: f64,
+    momentum: f64,
+    training: AtomicBool,
+}
+
+impl BatchNorm {
+    /// For `channels` features (BatchNorm1d) or channels (BatchNorm2d).
+    pub fn new(channels: usize, device: Device) -> Result<BatchNorm> {
+        Ok(BatchNorm {
+            weight: Parameter::new(Tensor::ones(&[channels], DType::F32, device)?.contiguous()?)?,
+            bias: Parameter::new(Tensor::zeros(&[channels], DType::F32, device)?.contiguous()?)?,
+            running_mean: Parameter::buffer(Tensor::zeros(&[channels], DType::F32, device)?.contiguous()?),
+            running_var: Parameter::buffer(Tensor::ones(&[channels], DType::F32, device)?.contiguous()?),
+            num_batches_tracked: Parameter::buffer(Tensor::zeros(&[], DType::I32, device)?.contiguous()?),
+            eps: 1e-5,
+            momentum: 0.1,
+            training: AtomicBool::new(true),
+        })
+    }
+}
+
+impl Module for BatchNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let c = self.weight.value().numel();
+        if x.rank() < 2 || x.dims()[1] != c {
+            bail!(Shape, "BatchNorm", "expected input [N, {c}, ...], got {:?}", x.dims());
+        }
+        let mut shape = vec![1usize; x.rank()];
+        shape[1] = c;
+        let axes: Vec<isize> = (0..x.rank() as isize).filter(|&a| a != 1).collect();
+        let (mean, var) = if self.training.load(Ordering::Relaxed) {
+            let n = x.numel() / c;
+            if n < 2 {
+                bail!(Shape, "BatchNorm", "training needs more than one value per channel, got input {:?}", x.dims());
+            }
+            let mean = x.mean(&axes, true)?;
+            let var = x.sub(&mean)?.sqr()?.mean(&axes, true)?;
+            let m = self.momentum;
+            let batch_mean = mean.detach().reshape_dims(&[c])?;
+            let batch_var = var.detach().reshape_dims(&[c])?.mul(n as f64 / (n as f64 - 1.0))?;
+            self.running_mean.set(self.running_mean.value().mul(1.0 - m)?.add(&batch_mean.mul(m)?)?)?;
+            self.running_var.set(self.running_var.value().mul(1.0 - m)?.add(&batch_var.mul(m)?)?)?;
+            self.num_batches_tracked.set(self.num_batches_tracked.value().add(1)?)?;
+            (mean, var)
+        } else {
+            (self.running_mean.value().reshape_dims(&shape)?, self.running_var.value().reshape_dims(&shape)?)
+        };
+        let y = x.sub(&mean)?.mul(&var.add(self.eps)?.rsqrt()?)?;
+        y.mul(&self.weight.value().reshape_dims(&shape)?)?.add(&self.bias.value().reshape_dims(&shape)?)
+    }
+    fn named_tensors(&self) -> Vec<(String, Parameter)> {
+        vec![
+            ("weight".into(), self.weight.clone()),
+            ("bias".into(), self.bias.clone()),
+            ("running_mean".into(), self.running_mean.clone()),
+            ("running_var".into(), self.running_var.clone()),
+            ("num_batches_tracked".into(), self.num_batches_tracked.clone()),
+        ]
+    }
+    fn set_training(&self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+    }
+}
+
+/// Layer normalisation over the trailing dims (PyTorch `nn.LayerNorm`).
+pub struct LayerNorm {
+    /// Scale, initialised to ones.
+    pub weight: Parameter,
+    /// Shift, initialised to zeros.
+    pub bias: Parameter,
+    shape: Vec<usize>,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// Normalise over trailing dims of `shape`.
+    pub fn new(shape: &[usize], eps: f64, device: Device) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            weight: Parameter::new(Tensor::ones(shape, DType::F32, device)?.contiguous()?)?,
+            bias: Parameter::new(Tensor::zeros(shape, DType::F32, device)?.contiguous()?)?,
+            shape: shape.to_vec(),
+            eps,
+        })
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.layer_norm(&self.shape, Some(&self.weight.value()), Some(&self.bias.value()), self.eps)
+    }
+    fn named_tensors(&self) -> Vec<(String, Parameter)> {
+        vec![("weight".into(), self.weight.clone()), ("bias".into(), self.bias.clone())]
+    }
+}
+
+/// A lookup table of `num` vectors of size `dim` (PyTorch `nn.Embedding`,
+/// initialised standard normal).
+pub struct Embedding {
+    /// `[num, dim]`.
+    pub weight: Parameter,
+}
+
+impl Embedding {
+    /// `num` embeddings of size `dim`.
+    pub fn new(num: usize, dim: usize, device: Device) -> Result<Embedding> {
+        Ok(Embedding { weight: Parameter::new(init::normal(&[num, dim], 0.0, 1.0, device)?)? })
+    }
+}
+
+impl Module for Embedding {
+    fn forward(&self, index: &Tensor) -> Result<Tensor> {
+        self.weight.value().embedding(index)
+    }
+    fn named_tensors(&self) -> Vec<(String, Parameter)> {
+        vec![("weight".into(), self.weight.clone())]
+    }
+}
+
+/// Dropout with probability `p` in training mode, identity in eval mode.
+pub struct Dropout {
+    p: f64,
+    training: AtomicBool,
+}
+
+impl Dropout {
+    /// Zero each element with probability `p` while training.
+    pub fn new(p: f64) -> Result<Dropout> {
+        if !(0.0..=1.0).contains(&p) {
+            bail!(Value, "Dropout", "probability must be in [0, 1], got {p}");
+        }
+        Ok(Dropout { p, training: AtomicBool::new(true) })
+    }
+}
+
+impl Module for Dropout {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.dropout(self.p, self.training.load(Ordering::Relaxed))
+    }
+    fn set_training(&self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+    }
+}

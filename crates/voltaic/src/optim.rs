@@ -1,0 +1,326 @@
+//! Optimizers, learning-rate schedules and gradient clipping, as `torch.optim`.
+//!
+//! A step is a few tensor ops per parameter (lazy, fused by the scheduler);
+//! the new parameters and the optimizer state are realized together, so on
+//! a GPU a whole step is one submission and nothing returns to the host.
+//!
+//! ```
+//! use voltaic::nn::{Linear, Module};
+//! use voltaic::optim::{Adam, Optimizer};
+//! use voltaic::{DType, Device, Tensor};
+//! voltaic::manual_seed(1);
+//! let layer = Linear::new(3, 1, true, Device::Cpu)?;
+//! let mut opt = Adam::new(layer.parameters(), 0.1);
+//! let x = Tensor::randn(&[8, 3], DType::F32, Device::Cpu)?;
+//! let first = layer.forward(&x)?.sqr()?.mean(&[], false)?.item::<f32>()?;
+//! for _ in 0..20 {
+//!     opt.zero_grad();
+//!     layer.forward(&x)?.sqr()?.mean(&[], false)?.backward()?;
+//!     opt.step()?;
+//! }
+//! assert!(layer.forward(&x)?.sqr()?.mean(&[], false)?.item::<f32>()? < first);
+//! # Ok::<(), voltaic::Error>(())
+//! ```
+
+use crate::error::{bail, Result};
+use crate::nn::Parameter;
+use crate::tensor::Tensor;
+
+/// What every optimizer offers.
+pub trait Optimizer {
+    /// Update every parameter that has a gradient.
+    fn step(&mut self) -> Result<()>;
+    /// The parameters it updates.
+    fn params(&self) -> &[Parameter];
+    /// Current learning rate.
+    fn lr(&self) -> f64;
+    /// Set the learning rate (schedules call this).
+    fn set_lr(&mut self, lr: f64);
+    /// The state tensors by name (`"{i}.{name}"` for parameter `i`), to checkpoint.
+    fn state(&self) -> Vec<(String, Tensor)>;
+    /// Restore state saved by [`Optimizer::state`].
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+    /// Forget every parameter's gradient.
+    fn zero_grad(&self) {
+        for p in self.params() {
+            p.zero_grad();
+        }
+    }
+}
+
+fn realize(params: &[Parameter], state: &[&Tensor]) -> Result<()> {
+    let vals: Vec<Tensor> = params.iter().map(|p| p.value()).collect();
+    let mut all: Vec<&Tensor> = vals.iter().collect();
+    all.extend_from_slice(state);
+    Tensor::realize_all(&all)
+}
+
+fn lookup(state: &[(String, Tensor)], name: &str, like: &Tensor) -> Result<Option<Tensor>> {
+    match state.iter().find(|(n, _)| n == name) {
+        None => Ok(None),
+        Some((_, t)) if t.dims() == like.dims() => Ok(Some(t.to_device(like.device())?.to_dtype(like.dtype())?)),
+        Some((_, t)) => bail!(Shape, "load_state", "optimizer state {name} has shape {:?}, the parameter has {:?}", t.dims(), like.dims()),
+    }
+}
+
+/// Stochastic gradient descent with momentum, dampening, Nesterov momentum
+/// and weight decay (PyTorch's formulation).
+pub struct Sgd {
+    params: Vec<Parameter>,
+    lr: f64,
+    /// Momentum factor (0 disables).
+    pub momentum: f64,
+    /// Dampening of the momentum.
+    pub dampening: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f64,
+    bufs: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    /// Plain SGD at learning rate `lr`; set the public fields for more.
+    pub fn new(params: Vec<Parameter>, lr: f64) -> Sgd {
+        let n = params.len();
+        Sgd { params, lr, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0, bufs: vec![None; n] }
+    }
+
+    /// With momentum (and optionally Nesterov).
+    pub fn with_momentum(mut self, momentum: f64, nesterov: bool) -> Sgd {
+        self.momentum = momentum;
+        self.nesterov = nesterov;
+        self
+    }
+
+    /// With L2 weight decay.
+    pub fn with_weight_decay(mut self, wd: f64) -> Sgd {
+        self.weight_decay = wd;
+        self
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        let _g = crate::NoGradGuard::new();
+        for (p, buf) in self.params.iter().zip(self.bufs.iter_mut()) {
+            let Some(mut g) = p.grad() else { continue };
+            let w = p.value().detach();
+            if self.weight_decay != 0.0 {
+                g = g.add(&w.mul(self.weight_decay)?)?;
+            }
+            if self.momentum != 0.0 {
+                let b = match buf.take() {
+                    Some(b) => b.mul(self.momentum)?.add(&g.mul(1.0 - self.dampening)?)?,
+                    None => g.clone(),
+                };
+                g = if self.nesterov { g.add(&b.mul(self.momentum)?)? } else { b.clone() };
+                *buf = Some(b);
+            }
+            p.set(w.sub(&g.mul(self.lr)?)?)?;
+        }
+        let state: Vec<&Tensor> = self.bufs.iter().flatten().collect();
+        realize(&self.params, &state)
+    }
+    fn params(&self) -> &[Parameter] {
+        &self.params
+    }
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+    fn state(&self) -> Vec<(String, Tensor)> {
+        self.bufs.iter().enumerate().filter_map(|(i, b)| Some((format!("{i}.momentum_buffer"), b.clone()?))).collect()
+    }
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        for (i, p) in self.params.iter().enumerate() {
+            self.bufs[i] = lookup(state, &format!("{i}.momentum_buffer"), &p.value())?;
+        }
+        Ok(())
+    }
+}
+
+/// Adam, and AdamW when the weight decay is decoupled (PyTorch's formulas,
+/// bias-corrected).
+pub struct Adam {
+    params: Vec<Parameter>,
+    lr: f64,
+    /// Decay rates of the first and second moments.
+    pub betas: (f64, f64),
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Weight decay: L2 in the gradient (Adam) or decoupled (AdamW).
+    pub weight_decay: f64,
+    /// AdamW: apply weight decay to the weights directly.
+    pub decoupled: bool,
+    t: u64,
+    m: Vec<Option<Tensor>>,
+    v: Vec<Option<Tensor>>,
+}
+
+impl Adam {
+    /// Adam with PyTorch's defaults (betas 0.9/0.999, eps 1e-8, no weight decay).
+    pub fn new(params: Vec<Parameter>, lr: f64) -> Adam {
+        let n = params.len();
+        Adam { params, lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled: false, t: 0, m: vec![None; n], v: vec![None; n] }
+    }
+
+    /// AdamW with PyTorch's defaults (weight decay 0.01).
+    pub fn adamw(params: Vec<Parameter>, lr: f64) -> Adam {
+        Adam { weight_decay: 0.01, decoupled: true, ..Adam::new(params, lr) }
+    }
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self) -> Result<()> {
+        let _g = crate::NoGradGuard::new();
+        self.t += 1;
+        let (b1, b2) = self.betas;
+        let bc1 = 1.0 - b1.powi(self.t as i32);
+        let bc2 = 1.0 - b2.powi(self.t as i32);
+        for i in 0..self.params.len() {
+            let p = &self.params[i];
+            let Some(mut g) = p.grad() else { continue };
+            let mut w = p.value().detach();
+            if self.weight_decay != 0.0 {
+                if self.decoupled {
+                    w = w.mul(1.0 - self.lr * self.weight_decay)?;
+                } else {
+                    g = g.add(&w.mul(self.weight_decay)?)?;
+                }
+            }
+            let m = match self.m[i].take() {
+                Some(m) => m.mul(b1)?.add(&g.mul(1.0 - b1)?)?,
+                None => g.mul(1.0 - b1)?,
+            };
+            let v = match self.v[i].take() {
+                Some(v) => v.mul(b2)?.add(&g.sqr()?.mul(1.0 - b2)?)?,
+                None => g.sqr()?.mul(1.0 - b2)?,
+            };
+            let denom = v.div(bc2)?.sqrt()?.add(self.eps)?;
+            p.set(w.sub(&m.div(&denom)?.mul(self.lr / bc1)?)?)?;
+            self.m[i] = Some(m);
+            self.v[i] = Some(v);
+        }
+        let state: Vec<&Tensor> = self.m.iter().chain(&self.v).flatten().collect();
+        realize(&self.params, &state)
+    }
+    fn params(&self) -> &[Parameter] {
+        &self.params
+    }
+    fn lr(&self) -> f64 {
+        self.lr
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+    fn state(&self) -> Vec<(String, Tensor)> {
+        let mut s = vec![];
+        for i in 0..self.params.len() {
+            if let (Some(m), Some(v)) = (&self.m[i], &self.v[i]) {
+                s.push((format!("{i}.exp_avg"), m.clone()));
+                s.push((format!("{i}.exp_avg_sq"), v.clone()));
+            }
+        }
+        if let Some(p) = self.params.first() {
+            if let Ok(t) = Tensor::full(&[], self.t as f64, crate::DType::F32, p.value().device()) {
+                s.push(("step".into(), t));
+            }
+        }
+        s
+    }
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        for (i, p) in self.params.iter().enumerate() {
+            self.m[i] = lookup(state, &format!("{i}.exp_avg"), &p.value())?;
+            self.v[i] = lookup(state, &format!("{i}.exp_avg_sq"), &p.value())?;
+        }
+        if let Some((_, t)) = state.iter().find(|(n, _)| n == "step") {
+            self.t = t.to_dtype(crate::DType::F64)?.item::<f64>()? as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Scale the gradients so that their global L2 norm is at most `max_norm`
+/// (PyTorch `clip_grad_norm_`); returns the norm before clipping, as a lazy
+/// 0-d tensor (the scaling happens on the device, without reading it).
+pub fn clip_grad_norm(params: &[Parameter], max_norm: f64) -> Result<Option<Tensor>> {
+    let _g = crate::NoGradGuard::new();
+    let grads: Vec<(usize, Tensor)> = params.iter().enumerate().filter_map(|(i, p)| Some((i, p.grad()?))).collect();
+    let Some((_, first)) = grads.first() else { return Ok(None) };
+    let mut total = first.to_dtype(crate::DType::F32)?.sqr()?.sum_all()?;
+    for (_, g) in &grads[1..] {
+        total = total.add(&g.to_dtype(crate::DType::F32)?.sqr()?.sum_all()?)?;
+    }
+    let norm = total.sqrt()?;
+    let scale = norm.add(1e-6)?.recip()?.mul(max_norm)?.clamp(None, Some(1.0))?;
+    for (i, g) in grads {
+        params[i].value().set_grad(Some(g.mul(&scale.to_dtype(g.dtype())?)?))?;
+    }
+    Ok(Some(norm))
+}
+
+/// A learning rate as a function of the step (or epoch) count.
+pub trait LrSchedule {
+    /// The learning rate at `step`, given the base rate.
+    fn lr(&self, base: f64, step: usize) -> f64;
+}
+
+/// Multiply by `gamma` every `step_size` steps (PyTorch `StepLR`).
+pub struct StepLr {
+    /// Steps between decays.
+    pub step_size: usize,
+    /// Decay factor.
+    pub gamma: f64,
+}
+
+impl LrSchedule for StepLr {
+    fn lr(&self, base: f64, step: usize) -> f64 {
+        base * self.gamma.powi((step / self.step_size.max(1)) as i32)
+    }
+}
+
+/// Cosine annealing from the base rate to `min_lr` over `t_max` steps
+/// (PyTorch `CosineAnnealingLR`, without restarts).
+pub struct CosineLr {
+    /// Steps of one half cosine.
+    pub t_max: usize,
+    /// Final learning rate.
+    pub min_lr: f64,
+}
+
+impl LrSchedule for CosineLr {
+    fn lr(&self, base: f64, step: usize) -> f64 {
+        let t = (step.min(self.t_max)) as f64 / self.t_max.max(1) as f64;
+        self.min_lr + (base - self.min_lr) * (1.0 + (std::f64::consts::PI * t).cos()) / 2.0
+    }
+}
+
+/// Linear warm-up over `warmup` steps, then `after` (counted from the end of warm-up).
+pub struct WarmupLr<S: LrSchedule> {
+    /// Warm-up steps.
+    pub warmup: usize,
+    /// The schedule after warm-up.
+    pub after: S,
+}
+
+impl<S: LrSchedule> LrSchedule for WarmupLr<S> {
+    fn lr(&self, base: f64, step: usize) -> f64 {
+        if step < self.warmup {
+            base * (step + 1) as f64 / self.warmup as f64
+        } else {
+            self.after.lr(base, step - self.warmup)
+        }
+    }
+}
+
+/// The same rate at every step.
+pub struct ConstantLr;
+
+impl LrSchedule for ConstantLr {
+    fn lr(&self, base: f64, _step: usize) -> f64 {
+        base
+    }
+}
