@@ -71,6 +71,16 @@ fn fused_chain_is_one_dispatch_and_a_realization_one_submission() {
     Tensor::realize_all(&[&s, &a]).unwrap();
     let (subs, _, compiled) = delta(&before, &stats(i).unwrap());
     assert_eq!((subs, compiled), (1, 0), "pipelines are cached by kernel");
+    // Kernels that differ only in their constants (a learning rate that
+    // changes every step) share one pipeline.
+    let step = |lr: f64| x.mul(lr).unwrap().add(lr * 2.0).unwrap().sum(&[1], false).unwrap().realize().map(|_| ()).unwrap();
+    step(0.1);
+    let before = stats(i).unwrap();
+    for k in 0..5 {
+        step(0.01 * k as f64 + 0.3);
+    }
+    let (_, _, compiled) = delta(&before, &stats(i).unwrap());
+    assert_eq!(compiled, 0, "new constants compiled new kernels");
 }
 
 #[test]

@@ -174,7 +174,7 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     let mut best = (f64::INFINITY, default);
     for plan in candidates(ctx, key, default) {
         let compiled = super::exec::compile(ctx, k, inputs, Some(plan))?;
-        let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw())?;
+        let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw(), &[])?;
         let run = |reps: usize| -> Result<f64> {
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             {

@@ -27,6 +27,8 @@ pub(crate) enum Src {
     Scratch(usize),
     /// The device's index-error flags.
     IndexError,
+    /// The kernel's constants (see `exec::split_consts`).
+    Consts,
 }
 
 /// One binding: a byte range (chunk) of a buffer.
@@ -168,11 +170,12 @@ pub(crate) struct Shader<'c> {
     binds: Vec<Bind>,
     f16: bool,
     tmp: usize,
+    consts: bool,
 }
 
 impl<'c> Shader<'c> {
     pub(crate) fn new(caps: &'c Caps) -> Shader<'c> {
-        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0 }
+        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0, consts: false }
     }
 
     /// A fresh temporary name.
@@ -223,6 +226,16 @@ impl<'c> Shader<'c> {
                 let _ = write!(d, "    {name}_{c}[j] = {}; return;", to_storage(dt, "v"));
             });
             let _ = writeln!(d, "\n}}");
+        }
+    }
+
+    /// Bind the kernel's constants as `kconst` (32-bit words), once.
+    fn use_consts(&mut self) {
+        if !self.consts {
+            self.consts = true;
+            let b = self.binds.len();
+            let _ = writeln!(self.decls, "@group(0) @binding({b}) var<storage, read> kconst: array<u32>;");
+            self.binds.push(Bind { src: Src::Consts, chunk: 0, chunk_bytes: self.caps.chunk_bytes(), read_only: true });
         }
     }
 
@@ -385,7 +398,19 @@ pub(crate) fn emit_expr(out: &mut String, sh: &mut Shader, ix: &mut Indexer, exp
                 let off = ix.offset(out, sh, &load.path);
                 format!("ld_in{}({off})", load.input)
             }
-            Instr::Const(c) => literal(*c, *dt),
+            // Constants are read from a small buffer, their slot number stored
+            // in the instruction: kernels that differ only in constants (a
+            // learning rate that changes every step) share one pipeline.
+            Instr::Const(c) => {
+                sh.use_consts();
+                let k = *c as usize;
+                match ty {
+                    "f32" => format!("bitcast<f32>(kconst[{k}])"),
+                    "i32" => format!("bitcast<i32>(kconst[{k}])"),
+                    "u32" => format!("kconst[{k}]"),
+                    _ => format!("(kconst[{k}] != 0u)"),
+                }
+            }
             Instr::Unary(op, a) => {
                 let t = if ty == "f32" { op.wgsl() } else { op.wgsl_int() };
                 round_to(*dt, &t.replace("{T}", ty).replace("{x}", &names[*a]))

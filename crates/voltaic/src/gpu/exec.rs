@@ -81,6 +81,40 @@ pub(crate) fn compile(
     Ok(c)
 }
 
+/// The constants of a kernel's expression, in instruction order, replaced
+/// by their slot numbers: the kernel's structure, which is what compiles.
+pub(crate) fn split_consts(kind: &crate::graph::kernel::KernelKind) -> (crate::graph::kernel::KernelKind, Vec<(f64, crate::dtype::DType)>) {
+    use crate::graph::kernel::{Instr, KernelKind};
+    let mut kind = kind.clone();
+    let mut values = vec![];
+    if let KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } = &mut kind {
+        for (ins, dt) in expr.instrs.iter_mut() {
+            if let Instr::Const(c) = ins {
+                values.push((*c, *dt));
+                *c = (values.len() - 1) as f64;
+            }
+        }
+    }
+    (kind, values)
+}
+
+/// Constants as the 32-bit words kernels read them as.
+pub(crate) fn const_words(values: &[(f64, crate::dtype::DType)]) -> Vec<u8> {
+    use super::codegen::compute_ty;
+    values
+        .iter()
+        .flat_map(|&(v, dt)| {
+            let w: u32 = match compute_ty(dt) {
+                "f32" => (v as f32).to_bits(),
+                "i32" => v as i32 as u32,
+                "u32" => v as u32,
+                _ => (v != 0.0) as u32,
+            };
+            w.to_le_bytes()
+        })
+        .collect()
+}
+
 /// One dispatch with its buffers bound, waiting for the pass.
 pub(crate) struct Encoded {
     pipeline: Arc<wgpu::ComputePipeline>,
@@ -97,9 +131,20 @@ pub(crate) fn bind<'b>(
     c: &Compiled,
     input: &dyn Fn(usize) -> &'b wgpu::Buffer,
     out: &'b wgpu::Buffer,
+    consts: &[(f64, crate::dtype::DType)],
 ) -> Result<Vec<Encoded>> {
-    let scratch: Arc<Vec<GpuBuf>> =
-        Arc::new(c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?);
+    let mut scratch: Vec<GpuBuf> = c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
+    // The constants travel in their own small buffer, written before the submit.
+    let consts_buf = if consts.is_empty() {
+        None
+    } else {
+        let words = const_words(consts);
+        let b = alloc(ctx, crate::dtype::DType::U32, consts.len(), words.len() as u64)?;
+        ctx.queue.write_buffer(b.raw(), 0, &words);
+        scratch.push(b);
+        Some(scratch.len() - 1)
+    };
+    let scratch = Arc::new(scratch);
     let mut encoded = Vec::with_capacity(c.dispatches.len());
     for d in &c.dispatches {
         let buffer_of = |b: &Bind| -> &wgpu::Buffer {
@@ -108,6 +153,7 @@ pub(crate) fn bind<'b>(
                 Src::Output => out,
                 Src::Scratch(i) => scratch[i].raw(),
                 Src::IndexError => &ctx.index_error,
+                Src::Consts => scratch[consts_buf.expect("a kernel that reads constants has them")].raw(),
             }
         };
         let entries: Vec<wgpu::BindGroupEntry> = d
@@ -180,9 +226,11 @@ fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Bu
             None => alloc(ctx, k.dtype, k.numel, bytes)?,
         });
         let mm_plan = super::autotune::plan_for(ctx, k, &inputs)?;
-        let compiled = compile(ctx, k, &inputs, mm_plan)?;
+        let (structure, consts) = split_consts(&k.kind);
+        let structural = crate::graph::kernel::Kernel { kind: structure, ..k.clone() };
+        let compiled = compile(ctx, &structural, &inputs, mm_plan)?;
         let input_buf = |i: usize| bufs[k.inputs[i]].as_ref().expect("inputs are live").raw();
-        for e in bind(ctx, &compiled, &input_buf, out.raw())? {
+        for e in bind(ctx, &compiled, &input_buf, out.raw(), &consts)? {
             encoded.push((e, ki));
         }
         labels.push(compiled.label().unwrap_or(k.kind.name()).to_string());
