@@ -224,6 +224,11 @@ impl Module for BatchNorm {
     }
 }
 
+/// PyTorch `nn.BatchNorm1d` (input `[N, C]` or `[N, C, L]`).
+pub type BatchNorm1d = BatchNorm;
+/// PyTorch `nn.BatchNorm2d` (input `[N, C, H, W]`).
+pub type BatchNorm2d = BatchNorm;
+
 /// Layer normalisation over the trailing dims (PyTorch `nn.LayerNorm`).
 pub struct LayerNorm {
     /// Scale, initialised to ones.

@@ -20,7 +20,7 @@ pub mod init;
 mod layers;
 mod loss;
 
-pub use layers::{AvgPool2d, BatchNorm, Conv2d, Dropout, Embedding, Flatten, LayerNorm, Linear, MaxPool2d};
+pub use layers::{AvgPool2d, BatchNorm, BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, LayerNorm, Linear, MaxPool2d};
 pub use loss::{binary_cross_entropy_with_logits, nll_loss};
 
 use crate::error::{bail, Result};
