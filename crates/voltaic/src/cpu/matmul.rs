@@ -114,7 +114,8 @@ fn naive<T: Copy>(a: &View, b: &View, sa: &[T], sb: &[T], m: usize, k: usize, n:
 pub(crate) fn run(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let (x, y) = (input(a, inputs), input(b, inputs));
     let nb = batch_offsets(a).len();
-    let mut out = super::pool::take_zeroed(dtype, nb * m * n);
+    // gemm overwrites every element unless the inner dim is empty.
+    let mut out = if k > 0 { super::pool::take(dtype, nb * m * n) } else { super::pool::take_zeroed(dtype, nb * m * n) };
     match (x, y, &mut out) {
         (CpuStorage::F32(sa), CpuStorage::F32(sb), CpuStorage::F32(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0),
         (CpuStorage::F64(sa), CpuStorage::F64(sb), CpuStorage::F64(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0),
