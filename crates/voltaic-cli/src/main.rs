@@ -1,8 +1,9 @@
-//! The `voltaic` command: devices, demo, train, bench (embed and generate come with later issues).
+//! The `voltaic` command: devices, demo, train, embed, similarity, bench.
 
 mod bench;
 mod demo;
 mod devices;
+mod embed;
 mod plot;
 mod train;
 
@@ -32,6 +33,10 @@ enum Command {
     },
     /// Train a classifier on Fashion-MNIST (the main job).
     Train(train::TrainArgs),
+    /// Print sentence embeddings (all-MiniLM-L6-v2 by default).
+    Embed(embed::EmbedArgs),
+    /// Print the cosine similarity of two sentences.
+    Similarity(embed::SimilarityArgs),
     /// Benchmark Voltaic against a peer library measured in the same run.
     Bench(bench::BenchArgs),
 }
@@ -42,6 +47,8 @@ fn main() {
         Command::Devices { json } => devices::run(json),
         Command::Demo { device } => demo::run(device.as_deref()),
         Command::Train(args) => train::run(args),
+        Command::Embed(args) => embed::run(args),
+        Command::Similarity(args) => embed::similarity(args),
         Command::Bench(args) => bench::run(args),
     };
     if let Err(e) = res {

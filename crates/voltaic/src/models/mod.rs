@@ -1,3 +1,4 @@
 //! Reference models built from the `nn` blocks.
 
+pub mod bert;
 pub mod classifier;

