@@ -2,6 +2,7 @@
 //! run on the same machine. Times are medians of several runs after warm-up.
 
 mod cpu;
+mod embed;
 mod gpu;
 mod train;
 
@@ -14,7 +15,8 @@ use std::time::Instant;
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Which suite to run: cpu (against numpy), gpu (against PyTorch on the same GPU)
-    /// or train (training steps against PyTorch on the same device).
+    /// train (training steps) or embed (MiniLM sentence embeddings), both against
+    /// PyTorch on the same device.
     #[arg(long, default_value = "cpu")]
     suite: String,
     /// Device: for the gpu suite the best hardware GPU by default (`gpu:N` picks
@@ -60,13 +62,16 @@ pub fn median_ms(warmup: usize, runs: usize, mut f: impl FnMut() -> anyhow::Resu
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let embed_suite = args.suite == "embed";
     let (gpu_suite, train_suite) = match args.suite.as_str() {
         "cpu" => (false, false),
         "gpu" => (true, false),
-        "train" => (false, true),
-        s => bail!("unknown suite {s:?}: expected cpu, gpu or train (embed comes with a later issue)"),
+        "train" | "embed" => (false, true),
+        s => bail!("unknown suite {s:?}: expected cpu, gpu, train or embed"),
     };
-    let all = if train_suite {
+    let all = if embed_suite {
+        embed::CASES
+    } else if train_suite {
         train::CASES
     } else if gpu_suite {
         gpu::CASES
@@ -99,12 +104,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         meta.insert("threads".into(), json!(rayon::current_num_threads()));
     }
-    if train_suite {
+    if embed_suite {
+        meta.insert("unit".into(), json!("ms per batch of sequence length 128"));
+    } else if train_suite {
         meta.insert("unit".into(), json!("ms per Adam step"));
     }
     if !args.no_peer {
         pb.set_message(if gpu_suite || train_suite { "PyTorch peer" } else { "numpy peer" });
-        if train_suite {
+        if embed_suite {
+            let (name, times) = embed::torch_peer(&cases, args.runs, device).context("running the PyTorch peer")?;
+            peer_name = name;
+            peer_ms = times;
+        } else if train_suite {
             let (name, times) = train::torch_peer(&cases, args.runs, device).context("running the PyTorch peer")?;
             peer_name = name;
             peer_ms = times;
@@ -126,7 +137,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut rows = vec![];
     for c in &cases {
         pb.set_message(format!("voltaic {c}"));
-        let (ms, note) = if train_suite {
+        let (ms, note) = if embed_suite {
+            embed::run_case(c, device, args.runs)
+        } else if train_suite {
             train::run_case(c, device, args.runs)
         } else if gpu_suite {
             gpu::run_case(c, device, args.runs)

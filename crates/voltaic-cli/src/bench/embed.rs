@@ -1,0 +1,91 @@
+//! The embedding suite: all-MiniLM-L6-v2 forward passes (encoder, mean
+//! pooling, normalisation) in sentences per second, against a plain PyTorch
+//! forward of the same weights on the same device.
+
+use super::gpu::gpu_median_ms;
+use anyhow::{bail, Context};
+use std::collections::HashMap;
+use std::process::Command;
+use voltaic::models::bert::{mean_pool_normalize, SentenceEmbedder};
+use voltaic::{Device, Tensor};
+
+pub const CASES: &[&str] = &["embed_b1_s128", "embed_b64_s128"];
+
+const TORCH_PEER: &str = include_str!("embed_peer.py");
+
+fn shape(name: &str) -> anyhow::Result<(usize, usize)> {
+    let b = name.split("_b").nth(1).and_then(|s| s.split('_').next()).and_then(|s| s.parse().ok());
+    let s = name.split("_s").nth(1).and_then(|s| s.parse().ok());
+    b.zip(s).context("case names look like embed_bB_sS")
+}
+
+/// Token ids `[B, S]` like the peer's: random ids between [CLS] and [SEP].
+fn ids(batch: usize, seq: usize) -> Vec<Vec<u32>> {
+    let mut g = voltaic::Generator::new(0);
+    let u = g.uniform(batch * seq);
+    (0..batch)
+        .map(|b| {
+            (0..seq)
+                .map(|s| match s {
+                    0 => 101,
+                    _ if s == seq - 1 => 102,
+                    _ => 1000 + (u[b * seq + s] * 29000.0) as u32,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+pub fn torch_peer(cases: &[&str], runs: usize, device: Device) -> anyhow::Result<(String, HashMap<String, f64>)> {
+    let Some(py) = super::train::python_with_torch() else {
+        bail!("no Python with PyTorch found (on Debian: apt-get install python3-torch), or pass --no-peer");
+    };
+    let dir = crate::embed::model_dir(None)?;
+    let out = Command::new(&py)
+        .arg("-c")
+        .arg(TORCH_PEER)
+        .arg(cases.join(","))
+        .arg(runs.to_string())
+        .arg(device.to_string())
+        .arg(&dir)
+        .arg(rayon::current_num_threads().to_string())
+        .output()
+        .with_context(|| format!("starting {py}"))?;
+    if !out.status.success() {
+        bail!("the PyTorch peer failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let mut name = "torch".to_string();
+    let mut times = HashMap::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        if let Some(p) = v.get("peer").and_then(|p| p.as_str()) {
+            name = p.to_string();
+        } else if let (Some(n), Some(ms)) = (v["name"].as_str(), v["ms"].as_f64()) {
+            times.insert(n.to_string(), ms);
+        }
+    }
+    Ok((name, times))
+}
+
+/// Time one case; returns (median ms per batch, note).
+pub fn run_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
+    let (batch, seq) = shape(name)?;
+    let e = SentenceEmbedder::from_dir(crate::embed::model_dir(None)?, device)?;
+    let (ids, mask) = e.batch(&ids(batch, seq))?;
+    let _g = voltaic::NoGradGuard::new();
+    let run = || -> voltaic::Result<Tensor> { mean_pool_normalize(&e.model.forward(&ids, &mask)?, &mask) };
+    // Unit vectors, and the batch path agrees with one sentence alone.
+    let all = run()?;
+    let norms = all.sqr()?.sum(&[-1], false)?.to_vec::<f32>()?;
+    anyhow::ensure!(norms.iter().all(|n| (n - 1.0).abs() < 1e-4), "{name}: embeddings are not unit vectors");
+    let (one_ids, one_mask) = (ids.narrow(0, 0, 1)?, mask.narrow(0, 0, 1)?);
+    let one = mean_pool_normalize(&e.model.forward(&one_ids, &one_mask)?, &one_mask)?.to_vec::<f32>()?;
+    let first = all.narrow(0, 0, 1)?.to_vec::<f32>()?;
+    let diff = one.iter().zip(&first).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    anyhow::ensure!(diff < 1e-4, "{name}: batched and single embeddings differ by {diff}");
+    let ms = gpu_median_ms(device, runs, false, || {
+        run()?.realize()?;
+        Ok(())
+    })?;
+    Ok((ms, format!("{:.0} sentences/s", batch as f64 / (ms / 1e3))))
+}
