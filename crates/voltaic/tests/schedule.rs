@@ -101,3 +101,46 @@ fn long_pending_chains_neither_overflow_nor_lose_values() -> voltaic::Result<()>
     assert_eq!(t.to_vec::<f32>()?, vec![5001.0; 4]);
     Ok(())
 }
+
+#[test]
+fn bias_and_activation_run_in_the_matmul_kernel() -> voltaic::Result<()> {
+    voltaic::manual_seed(4);
+    let x = Tensor::randn(&[5, 7], DType::F32, Device::Cpu)?;
+    let w = Tensor::randn(&[3, 7], DType::F32, Device::Cpu)?;
+    let b = Tensor::randn(&[3], DType::F32, Device::Cpu)?;
+    let y = x.matmul(&w.t()?)?.add(&b)?.relu()?;
+    let plan = inspect(&[&y]);
+    assert_eq!(plan.len(), 1, "{plan:?}");
+    assert_eq!(plan[0].kind, "matmul");
+    assert_eq!(plan[0].ops, ["matmul", "relu", "add"], "{plan:?}");
+    drop(y);
+    // (While `y` is held its product must be kept, so nothing could fold into it.)
+    let g = x.matmul(&w.t()?)?.add(&b)?.relu()?.gelu()?.mul(2.0)?;
+    assert_eq!(inspect(&[&g]).len(), 1, "GELU chains fuse too: {:?}", inspect(&[&g]));
+    // The product is kept when someone else holds it: no fusion then.
+    let p = x.matmul(&w.t()?)?;
+    let q = p.relu()?;
+    assert_eq!(inspect(&[&p, &q]).len(), 2);
+    // Values against a naive loop.
+    let (xv, wv, bv) = (x.to_vec::<f32>()?, w.to_vec::<f32>()?, b.to_vec::<f32>()?);
+    let got = g.to_vec::<f32>()?;
+    for i in 0..5 {
+        for j in 0..3 {
+            let s: f64 = (0..7).map(|k| xv[i * 7 + k] as f64 * wv[j * 7 + k] as f64).sum::<f64>() + bv[j] as f64;
+            let r = s.max(0.0);
+            let want = 2.0 * 0.5 * r * (1.0 + common_erf(r / std::f64::consts::SQRT_2));
+            assert!((got[i * 3 + j] as f64 - want).abs() < 1e-5 * (1.0 + want.abs()), "({i},{j}): {} vs {want}", got[i * 3 + j]);
+        }
+    }
+    Ok(())
+}
+
+/// erf by its series (|x| small) or continued fraction, independent of the library.
+fn common_erf(x: f64) -> f64 {
+    let t = 1.0 / (1.0 + 0.5 * x.abs());
+    let y = 1.0
+        - t * (-x * x - 1.26551223
+            + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+            .exp();
+    if x >= 0.0 { y } else { -y }
+}

@@ -28,7 +28,18 @@ pub(crate) fn run_kernel(k: &Kernel, bufs: &[Option<Buffer>]) -> Result<Buffer> 
         KernelKind::Reduce { op, expr, shape, outer, inner } => {
             reduce::run(*op, expr, shape, *outer, *inner, &inputs, k.dtype)
         }
-        KernelKind::Matmul { a, b, batch: _, m, k: kk, n } => matmul::run(a, b, *m, *kk, *n, &inputs, k.dtype),
+        KernelKind::Matmul { a, b, batch: _, m, k: kk, n, epilogue } => match epilogue {
+            None => matmul::run(a, b, *m, *kk, *n, &inputs, k.dtype),
+            Some(e) => {
+                // The product first, then the epilogue with it as one more input.
+                let product = matmul::run(a, b, *m, *kk, *n, &inputs, e.acc_dtype);
+                let mut expr = e.expr.clone();
+                expr.loads[e.acc].input = inputs.len();
+                let mut all = inputs.clone();
+                all.push(&product);
+                elementwise::run(&expr, &e.shape, &all, k.dtype)
+            }
+        },
         KernelKind::Gather { dim, input, index } => index::gather(*dim, input, index, &inputs)?,
         KernelKind::ScatterAdd { dim, input, index, src } => index::scatter_add(*dim, input, index, src, &inputs)?,
         KernelKind::IndexSelect { dim, input, index } => index::index_select(*dim, input, index, &inputs)?,

@@ -58,7 +58,7 @@ fn parse_line(line: &str) -> Option<(Key, Plan)> {
 
 /// The key of a matmul kernel, and whether its `b` walks n fastest.
 pub(crate) fn key_of(k: &Kernel) -> Option<Key> {
-    let KernelKind::Matmul { a, b, batch, m, k: kk, n } = &k.kind else { return None };
+    let KernelKind::Matmul { a, b, batch, m, k: kk, n, .. } = &k.kind else { return None };
     let r = a.layout.dims().len();
     let (sam, sak) = (a.layout.strides()[r - 2], a.layout.strides()[r - 1]);
     let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);

@@ -387,12 +387,19 @@ pub(crate) fn strided(digits: &[String], l: &Layout) -> String {
 /// WGSL name of its value (in the compute type of `expr.dtype()`). Loads
 /// read `ld_in{k}` for kernel input `k`.
 pub(crate) fn emit_expr(out: &mut String, sh: &mut Shader, ix: &mut Indexer, expr: &Expr) -> Result<String> {
+    emit_expr_with(out, sh, ix, expr, &[])
+}
+
+/// [`emit_expr`] with some loads replaced by given WGSL values (a matmul
+/// epilogue's product).
+pub(crate) fn emit_expr_with(out: &mut String, sh: &mut Shader, ix: &mut Indexer, expr: &Expr, values: &[(usize, String)]) -> Result<String> {
     let mut names: Vec<String> = Vec::with_capacity(expr.instrs.len());
     for (i, (ins, dt)) in expr.instrs.iter().enumerate() {
         let name = format!("v{i}");
         let ty = compute_ty(*dt);
         let operand_dt = |a: usize| expr.instrs[a].1;
         let val = match ins {
+            Instr::Load(l) if values.iter().any(|(i, _)| i == l) => values.iter().find(|(i, _)| i == l).map(|(_, v)| v.clone()).expect("found"),
             Instr::Load(l) => {
                 let load = &expr.loads[*l];
                 let off = ix.offset(out, sh, &load.path);

@@ -87,7 +87,12 @@ pub(crate) fn split_consts(kind: &crate::graph::kernel::KernelKind) -> (crate::g
     use crate::graph::kernel::{Instr, KernelKind};
     let mut kind = kind.clone();
     let mut values = vec![];
-    if let KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } = &mut kind {
+    let expr = match &mut kind {
+        KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => Some(expr),
+        KernelKind::Matmul { epilogue: Some(e), .. } => Some(&mut e.expr),
+        _ => None,
+    };
+    if let Some(expr) = expr {
         for (ins, dt) in expr.instrs.iter_mut() {
             if let Instr::Const(c) = ins {
                 values.push((*c, *dt));

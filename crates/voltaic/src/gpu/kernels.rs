@@ -31,11 +31,11 @@ pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], plan: 
     match &k.kind {
         KernelKind::Elementwise { expr, shape } => p.dispatches.push(g.elementwise(expr, shape)?),
         KernelKind::Reduce { op, expr, shape, outer, inner } => g.reduce(&mut p, *op, expr, shape, *outer, *inner)?,
-        KernelKind::Matmul { a, b, batch, m, k: kk, n } => {
+        KernelKind::Matmul { a, b, batch, m, k: kk, n, epilogue } => {
             let r = b.layout.dims().len();
             let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
             let plan = plan.unwrap_or_else(|| super::matmul::default_plan(*batch, *m, *kk, *n, sbn == 1 || sbk != 1));
-            g.matmul(&mut p, a, b, *m, *kk, *n, plan)
+            g.matmul(&mut p, a, b, *m, *kk, *n, plan, epilogue.as_ref())?
         }
         KernelKind::Gather { dim, input, index } => p.dispatches.push(g.gather(*dim, input, index)),
         KernelKind::IndexSelect { dim, input, index } => p.dispatches.push(g.index_select(*dim, input, index)),

@@ -2,7 +2,9 @@
 //! shape (or by the autotuner), and a split-K column kernel for products with
 //! very few rows (gemv), which the tiled kernel would leave mostly idle.
 
-use super::codegen::{compute_ty, literal, round_to, strided, unravel, Dispatch, Program, Shader, Src};
+use super::codegen::{cast, compute_ty, emit_expr_with, literal, round_to, strided, unravel, Dispatch, Indexer, Program, Shader, Src};
+use crate::error::Result;
+use crate::graph::kernel::Epilogue;
 use super::kernels::Gen;
 use crate::dtype::DType;
 use crate::graph::kernel::View;
@@ -76,17 +78,44 @@ fn batch_offset(digits: &[String], l: &Layout) -> String {
 
 impl Gen<'_> {
     /// The program for `a @ b` with `a` `[..., m, k]` and `b` `[..., k, n]`.
-    pub(crate) fn matmul(&self, p: &mut Program, a: &View, b: &View, m: usize, k: usize, n: usize, plan: Plan) {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul(&self, p: &mut Program, a: &View, b: &View, m: usize, k: usize, n: usize, plan: Plan, epi: Option<&Epilogue>) -> Result<()> {
         match plan {
-            Plan::Tiled(t) => p.dispatches.push(self.matmul_tiled(a, b, m, k, n, t)),
-            Plan::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits),
+            Plan::Tiled(t) => p.dispatches.push(self.matmul_tiled(a, b, m, k, n, t, epi)?),
+            Plan::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
         }
+        Ok(())
     }
 
-    fn matmul_tiled(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, t: Tile) -> Dispatch {
+    /// Bind what the epilogue reads and define `fn epi(lin, acc)`, which gives
+    /// the value to store for the product `acc` at linear index `lin`.
+    /// Without an epilogue, `epi` only rounds to the output dtype.
+    fn epilogue(&self, sh: &mut Shader, epi: Option<&Epilogue>) -> Result<()> {
+        let out_ty = compute_ty(self.out.0);
+        let Some(e) = epi else {
+            // The accumulator is in the output's compute type (exact for integers).
+            sh.decl(&format!("fn epi(lin: u32, acc: {out_ty}) -> {out_ty} {{ return {}; }}", round_to(self.out.0, "acc")));
+            return Ok(());
+        };
+        let used: Vec<usize> = e.expr.loads.iter().enumerate().filter(|&(i, _)| i != e.acc).map(|(_, l)| l.input).collect();
+        let mut used_unique = used.clone();
+        used_unique.sort_unstable();
+        used_unique.dedup();
+        self.bind_inputs(sh, &used_unique);
+        let mut body = String::new();
+        let mut ix = Indexer::new(&e.shape, "lin");
+        let acc = round_to(e.acc_dtype, "acc");
+        let v = emit_expr_with(&mut body, sh, &mut ix, &e.expr, &[(e.acc, acc)])?;
+        sh.decl(&format!("fn epi(lin: u32, acc: f32) -> {out_ty} {{\n{body}    return {};\n}}", cast(e.expr.dtype(), self.out.0, &v)));
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_tiled(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, t: Tile, epi: Option<&Epilogue>) -> Result<Dispatch> {
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
         self.bind_out(&mut sh);
+        self.epilogue(&mut sh, epi)?;
         let ct = compute_ty(self.out.0);
         let zero = literal(0.0, self.out.0);
         let (la, lb) = (&a.layout, &bv.layout);
@@ -198,23 +227,23 @@ impl Gen<'_> {
                     for q in 0..4 {
                         let _ = writeln!(
                             s,
-                            "    {{ let gj = col0 + {}u + tx * 4u; if (gj < {n}u) {{ st_out(z * {}u + gi * {n}u + gj, {}); }} }}",
+                            "    {{ let gj = col0 + {}u + tx * 4u; if (gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {})); }} }}",
                             h * (bn / cg) + q,
                             m * n,
-                            round_to(self.out.0, &format!("c{g}_{rr}_{h}[{q}]"))
+                            format!("c{g}_{rr}_{h}[{q}]")
                         );
                     }
                 }
                 let _ = writeln!(s, "    }}\n    }}");
             }
         }
-        sh.finish(format!("matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}"), threads as u32, total as u64, &s)
+        Ok(sh.finish(format!("matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}"), threads as u32, total as u64, &s))
     }
 
     /// Few rows: a thread per output column, the inner dim cut into `splits`
     /// chunks whose partial sums a second pass adds up.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_columns(&self, p: &mut Program, a: &View, bv: &View, m: usize, k: usize, n: usize, splits: usize) {
+    fn matmul_columns(&self, p: &mut Program, a: &View, bv: &View, m: usize, k: usize, n: usize, splits: usize, epi: Option<&Epilogue>) -> Result<()> {
         let ct = compute_ty(self.out.0);
         let acc_dt = if ct == "f32" { DType::F32 } else { self.out.0 };
         let zero = literal(0.0, self.out.0);
@@ -232,6 +261,7 @@ impl Gen<'_> {
         let direct = splits == 1;
         if direct {
             self.bind_out(&mut sh);
+            self.epilogue(&mut sh, epi)?;
         } else {
             sh.array(Src::Scratch(0), "part", acc_dt, batch * splits * m * n, true);
             p.scratch.push((acc_dt, batch * splits * m * n));
@@ -252,25 +282,27 @@ impl Gen<'_> {
         let _ = writeln!(s, "    }}");
         for i in 0..m {
             if direct {
-                let _ = writeln!(s, "    st_out(z * {}u + {}u + col, {});", m * n, i * n, round_to(self.out.0, &format!("acc{i}")));
+                let _ = writeln!(s, "    {{ let o = z * {}u + {}u + col; st_out(o, epi(o, {})); }}", m * n, i * n, format!("acc{i}"));
             } else {
                 let _ = writeln!(s, "    st_part(((z * {splits}u + ks) * {m}u + {i}u) * {n}u + col, acc{i});");
             }
         }
         p.dispatches.push(sh.finish(format!("matmul_columns {batch}x{m}x{k}x{n} in {splits} splits"), 256, total as u64, &s));
         if direct {
-            return;
+            return Ok(());
         }
         // Second pass: add the partial sums of each output, in split order.
         let mut sh = Shader::new(self.caps);
         sh.array(Src::Scratch(0), "part", acc_dt, batch * splits * m * n, false);
         self.bind_out(&mut sh);
+        self.epilogue(&mut sh, epi)?;
         let outs = batch * m * n;
         let mut s = format!("    let o = group * 256u + lid;\n    if (o >= {outs}u) {{ return; }}\n");
         let _ = writeln!(s, "    let z = o / {}u;\n    let rest = o % {}u;\n    var acc: {ct} = {zero};", m * n, m * n);
         let _ = writeln!(s, "    for (var ks = 0u; ks < {splits}u; ks = ks + 1u) {{ acc = acc + ld_part((z * {splits}u + ks) * {}u + rest); }}", m * n);
-        let _ = writeln!(s, "    st_out(o, {});", round_to(self.out.0, "acc"));
+        let _ = writeln!(s, "    st_out(o, epi(o, acc));");
         p.dispatches.push(sh.finish("matmul_columns_sum".into(), 256, (outs as u64).div_ceil(256), &s));
+        Ok(())
     }
 }
 

@@ -66,6 +66,18 @@ impl Expr {
     }
 }
 
+/// Elementwise work fused after a matmul: `expr` over `shape` (the product's
+/// elements in order), where load `acc` stands for the product itself and
+/// the other loads read the kernel's inputs.
+#[derive(Clone, Debug, PartialEq, Hash)]
+pub(crate) struct Epilogue {
+    pub expr: Expr,
+    pub shape: Vec<usize>,
+    pub acc: usize,
+    /// The product's dtype (the value is rounded to it before the epilogue).
+    pub acc_dtype: DType,
+}
+
 /// A strided read of a whole input buffer by a non-fused kernel.
 #[derive(Clone, Debug, PartialEq, Hash)]
 pub(crate) struct View {
@@ -83,7 +95,9 @@ pub(crate) enum KernelKind {
     /// first, reduced dims last), for each of `outer` outputs.
     Reduce { op: ReduceOp, expr: Expr, shape: Vec<usize>, outer: usize, inner: usize },
     /// `[batch, m, k] @ [batch, k, n]`; layouts are 3-D with the batch flattened.
-    Matmul { a: View, b: View, batch: usize, m: usize, k: usize, n: usize },
+    /// With an epilogue, the elementwise work that consumed the product is
+    /// applied to each result before it is stored.
+    Matmul { a: View, b: View, batch: usize, m: usize, k: usize, n: usize, epilogue: Option<Epilogue> },
     Gather { dim: usize, input: View, index: View },
     ScatterAdd { dim: usize, input: View, index: View, src: View },
     IndexSelect { dim: usize, input: View, index: View },
@@ -112,7 +126,7 @@ impl std::hash::Hash for KernelKind {
         match self {
             KernelKind::Elementwise { expr, shape } => (expr, shape).hash(h),
             KernelKind::Reduce { op, expr, shape, outer, inner } => (op, expr, shape, outer, inner).hash(h),
-            KernelKind::Matmul { a, b, batch, m, k, n } => (a, b, batch, m, k, n).hash(h),
+            KernelKind::Matmul { a, b, batch, m, k, n, epilogue } => (a, b, batch, m, k, n, epilogue).hash(h),
             KernelKind::Gather { dim, input, index } | KernelKind::IndexSelect { dim, input, index } => (dim, input, index).hash(h),
             KernelKind::ScatterAdd { dim, input, index, src } => (dim, input, index, src).hash(h),
             KernelKind::Cumsum { dim, input } => (dim, input).hash(h),

@@ -144,16 +144,27 @@ pub(crate) fn schedule(targets: &[&Tensor]) -> Plan {
             })
         })
     };
-    let inline: Vec<bool> = (0..n)
-        .map(|i| match &g.ops[i] {
-            Some(Op::Const(_)) if !g.target[i] => g.consumers[i].iter().all(|&c| fuses_inputs(&g.ops[c])),
+    // An elementwise node is inlined when every consumer ends up in one and
+    // the same kernel (`root`): there, the builder computes it once however
+    // many consumers read it. Consumers come after producers, so one pass
+    // from the end decides every node.
+    let mut inline = vec![false; n];
+    let mut root: Vec<usize> = (0..n).collect();
+    for i in (0..n).rev() {
+        match &g.ops[i] {
+            Some(Op::Const(_)) if !g.target[i] => inline[i] = g.consumers[i].iter().all(|&c| fuses_inputs(&g.ops[c])),
             Some(op) if op.is_elementwise() && !g.target[i] => {
-                let all_fuse = g.consumers[i].iter().all(|&c| fuses_inputs(&g.ops[c]));
-                all_fuse && g.consumers[i].len() == 1 && !read_broadcast(i)
+                let all_fuse = !g.consumers[i].is_empty() && g.consumers[i].iter().all(|&c| fuses_inputs(&g.ops[c]));
+                let r = g.consumers[i].first().map(|&c| root[c]);
+                let one_kernel = g.consumers[i].iter().all(|&c| Some(root[c]) == r);
+                if all_fuse && one_kernel && !read_broadcast(i) {
+                    inline[i] = true;
+                    root[i] = r.expect("has consumers");
+                }
             }
-            _ => false,
-        })
-        .collect();
+            _ => {}
+        }
+    }
 
     let mut plan = Plan::default();
     let mut slot_of: Vec<Option<Slot>> = vec![None; n];
@@ -186,6 +197,7 @@ pub(crate) fn schedule(targets: &[&Tensor]) -> Plan {
         }
         survives[i] = g.consumers[i].iter().any(|&c| inline[c] && survives[c]);
     }
+    fuse_epilogues(&mut plan, &slot_of, &survives);
 
     // Lifetimes.
     let mut last_use: Vec<Option<usize>> = vec![None; plan.slots.len()];
@@ -425,7 +437,7 @@ fn build_kernel(
             let r = x.rank();
             let (m, k, n) = (x.dims()[r - 2], x.dims()[r - 1], y.dims()[r - 1]);
             let batch = x.dims()[..r - 2].iter().product();
-            KernelKind::Matmul { a, b: bb, batch, m, k, n }
+            KernelKind::Matmul { a, b: bb, batch, m, k, n, epilogue: None }
         }
         Op::Gather(d, x, idx) => {
             b.ops.push("gather");
@@ -467,10 +479,70 @@ impl Builder<'_> {
     }
 }
 
+/// Fold an elementwise kernel into the matmul whose product it reads, when
+/// it is that product's only reader, reads it element for element, and
+/// nobody keeps the product: bias adds and activations after a Linear then
+/// run in the matmul's stores, and the product never touches memory.
+fn fuse_epilogues(plan: &mut Plan, slot_of: &[Option<Slot>], survives: &[bool]) {
+    use super::kernel::Epilogue;
+    let kept_slot = |s: Slot| slot_of.iter().zip(survives).any(|(o, &keep)| *o == Some(s) && keep);
+    let mut k = 0;
+    while k < plan.kernels.len() {
+        let KernelKind::Elementwise { expr, .. } = &plan.kernels[k].kind else {
+            k += 1;
+            continue;
+        };
+        let numel = plan.kernels[k].numel;
+        // The matmul this kernel reads element for element, if any.
+        let found = expr.loads.iter().enumerate().find_map(|(li, l)| {
+            let slot = plan.kernels[k].inputs[l.input];
+            let mi = plan.kernels[..k].iter().position(|m| m.out == slot)?;
+            let m = &plan.kernels[mi];
+            let identity = l.path.len() == 1 && l.path[0].is_contiguous() && l.path[0].offset == 0 && m.numel == numel;
+            let only_load = expr.loads.iter().filter(|o| o.input == l.input).count() == 1;
+            let readers = plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count();
+            let plain = matches!(m.kind, KernelKind::Matmul { epilogue: None, .. }) && m.dtype.is_float();
+            (identity && only_load && readers == 1 && plain && !kept_slot(slot)).then_some((li, mi))
+        });
+        let Some((acc, mi)) = found else {
+            k += 1;
+            continue;
+        };
+        let e = plan.kernels.remove(k);
+        let mut m = plan.kernels.remove(mi);
+        let KernelKind::Elementwise { mut expr, shape } = e.kind else { unreachable!("matched above") };
+        // Epilogue loads read the matmul kernel's inputs, the product's load included
+        // (its input index is never used: `acc` stands for it).
+        let acc_slot = e.inputs[expr.loads[acc].input];
+        for l in expr.loads.iter_mut() {
+            let slot = e.inputs[l.input];
+            l.input = match m.inputs.iter().position(|&s| s == slot) {
+                Some(p) => p,
+                None if slot == acc_slot => 0,
+                None => {
+                    m.inputs.push(slot);
+                    m.inputs.len() - 1
+                }
+            };
+        }
+        if let KernelKind::Matmul { epilogue, .. } = &mut m.kind {
+            *epilogue = Some(Epilogue { expr, shape, acc, acc_dtype: m.dtype });
+        }
+        m.ops.extend(e.ops);
+        m.out = e.out;
+        m.dtype = e.dtype;
+        // At the elementwise kernel's place: every epilogue input exists by then.
+        plan.kernels.insert(k - 1, m);
+    }
+}
+
 /// The finest shape whose dims split both `a` and `b` (same element count),
 /// if one exists: the union of their suffix-product breakpoints must form a
 /// divisibility chain. `[14, 14]` and `[7, 2, 7, 2]` give `[7, 2, 7, 2]`.
 fn common_refinement(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    if a.contains(&0) || b.contains(&0) {
+        return None;
+    }
     let points = |d: &[usize]| -> Vec<usize> {
         let mut p = vec![1usize];
         for &x in d.iter().rev() {
