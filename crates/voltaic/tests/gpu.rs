@@ -447,3 +447,21 @@ fn software_adapters_are_not_the_best_device() {
         None => assert_eq!(Device::best(), Device::Cpu),
     }
 }
+
+#[test]
+fn large_contiguous_elementwise_kernels_match_cpu() {
+    // Big enough for the vec4 path: contiguous loads, aligned and unaligned
+    // offsets, a broadcast scalar, and integer types.
+    let mut rng = Rng::new(10);
+    let n = 70_000;
+    let a = randn(&mut rng, &[n + 8], DType::F32);
+    let b = randn(&mut rng, &[n], DType::F32);
+    let s = randn(&mut rng, &[1], DType::F32);
+    same("vec4 aligned", &[a.clone(), b.clone(), s.clone()], 1e-6, 1e-7, |t| {
+        t[0].narrow(0, 4, n)?.mul(&t[1])?.add(1.5)?.maximum(&t[2].broadcast_to(&[n])?)?.sub(&t[0].narrow(0, 0, n)?)
+    });
+    same("vec4 unaligned falls back", &[a.clone(), b.clone()], 1e-6, 1e-7, |t| t[0].narrow(0, 3, n)?.add(&t[1]));
+    let i = randn(&mut rng, &[n], DType::I32);
+    same("vec4 i32", &[i.clone(), i.clone()], 0.0, 0.0, |t| t[0].mul(&t[1])?.add(7)?.rem(5));
+    same("vec4 cast", &[i], 0.0, 0.0, |t| t[0].to_dtype(DType::F32)?.mul(0.5));
+}

@@ -229,6 +229,15 @@ impl<'c> Shader<'c> {
         }
     }
 
+    /// Bind a whole buffer (one chunk) as `var name: ty` with no accessor,
+    /// for kernels that read it in their own way (vec4 loads).
+    pub(crate) fn bind_raw(&mut self, src: Src, name: &str, ty: &str, writable: bool) {
+        let b = self.binds.len();
+        let mode = if writable { "read_write" } else { "read" };
+        let _ = writeln!(self.decls, "@group(0) @binding({b}) var<storage, {mode}> {name}: {ty};");
+        self.binds.push(Bind { src, chunk: 0, chunk_bytes: self.caps.chunk_bytes(), read_only: !writable });
+    }
+
     /// Bind the kernel's constants as `kconst` (32-bit words), once.
     fn use_consts(&mut self) {
         if !self.consts {

@@ -4,7 +4,7 @@
 //! `codegen`; the others (matmul, gather, scatter_add, index_select, cumsum,
 //! cat, unfold) read their inputs through strided views.
 
-use super::codegen::{cast, compute_ty, emit_expr, literal, strided, unravel, Dispatch, Indexer, Program, Shader, Src};
+use super::codegen::{cast, compute_ty, emit_expr, literal, storage_ty, strided, unravel, Dispatch, Indexer, Program, Shader, Src};
 use super::context::Caps;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -89,7 +89,73 @@ impl Gen<'_> {
         sh.array(Src::Output, "out", self.out.0, self.out.1, true);
     }
 
+    /// Large elementwise kernels over 32-bit types whose loads are contiguous
+    /// (or single broadcast values) move four elements per thread as vec4,
+    /// which reaches the memory bandwidth where scalar accesses fall short.
+    fn elementwise_vec4(&self, expr: &Expr) -> Result<Option<Dispatch>> {
+        let n = self.out.1;
+        let word = |dt: DType| matches!(dt, DType::F32 | DType::I32 | DType::U32);
+        let fits = |numel: usize| (numel as u64) * 4 <= self.caps.chunk_bytes();
+        if n % 4 != 0 || n < 1 << 16 || !word(self.out.0) || !fits(n) {
+            return Ok(None);
+        }
+        enum Src4 {
+            Vec(usize),
+            Scalar(usize),
+        }
+        let mut kinds = Vec::with_capacity(expr.loads.len());
+        for l in &expr.loads {
+            let (dt, numel) = self.inputs[l.input];
+            if !word(dt) || !fits(numel) || l.path.len() != 1 {
+                return Ok(None);
+            }
+            let p = &l.path[0];
+            kinds.push(if p.is_contiguous() && p.offset() % 4 == 0 {
+                Src4::Vec(p.offset() / 4)
+            } else if p.strides().iter().all(|&s| s == 0) {
+                Src4::Scalar(p.offset())
+            } else {
+                return Ok(None);
+            });
+        }
+        let mut sh = self.shader();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {}u) {{ return; }}\n", n / 4);
+        let mut values = vec![];
+        for (li, (l, k)) in expr.loads.iter().zip(&kinds).enumerate() {
+            let ty = storage_ty(self.inputs[l.input].0);
+            match k {
+                Src4::Vec(off) => {
+                    sh.bind_raw(Src::Input(l.input), &format!("vl{li}"), &format!("array<vec4<{ty}>>"), false);
+                    let _ = writeln!(b, "    let x{li} = vl{li}[i + {off}u];");
+                }
+                Src4::Scalar(off) => {
+                    sh.bind_raw(Src::Input(l.input), &format!("sl{li}"), &format!("array<{ty}>"), false);
+                    let _ = writeln!(b, "    let x{li} = sl{li}[{off}u];");
+                }
+            }
+            values.push(li);
+        }
+        let ot = storage_ty(self.out.0);
+        sh.bind_raw(Src::Output, "outv", &format!("array<vec4<{ot}>>"), true);
+        let _ = writeln!(b, "    var r: vec4<{ot}>;");
+        for lane in 0..4 {
+            let overrides: Vec<(usize, String)> = values
+                .iter()
+                .map(|&li| (li, if matches!(kinds[li], Src4::Vec(_)) { format!("x{li}[{lane}]") } else { format!("x{li}") }))
+                .collect();
+            let _ = writeln!(b, "    {{");
+            let mut ix = Indexer::new(&[n], "i");
+            let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, expr, &overrides)?;
+            let _ = writeln!(b, "    r[{lane}] = {};\n    }}", cast(expr.dtype(), self.out.0, &v));
+        }
+        let _ = writeln!(b, "    outv[i] = r;");
+        Ok(Some(sh.finish(format!("elementwise_vec4 [{n}]"), WG, groups(n / 4, WG), &b)))
+    }
+
     fn elementwise(&self, expr: &Expr, shape: &[usize]) -> Result<Dispatch> {
+        if let Some(d) = self.elementwise_vec4(expr)? {
+            return Ok(d);
+        }
         let mut sh = self.shader();
         let used: Vec<usize> = (0..self.inputs.len()).collect();
         self.bind_inputs(&mut sh, &used);
