@@ -90,3 +90,52 @@ pub fn save_png(path: &Path, panels: &[Panel]) -> anyhow::Result<()> {
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
+
+/// Horizontal bars of `speedup` per row (Voltaic against its peer), with
+/// the parity line at 1 and a `target` mark where a row has one.
+pub fn save_speedups(path: &Path, title: &str, rows: &[(String, f64, Option<f64>)]) -> anyhow::Result<()> {
+    fonts();
+    let n = rows.len().max(1);
+    let height = 90 + 34 * n as u32;
+    let root = BitMapBackend::new(path, (900, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let xmax = rows.iter().flat_map(|r| [r.1, r.2.unwrap_or(0.0)]).fold(1.2f64, f64::max) * 1.1;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(250)
+        .build_cartesian_2d(0.0..xmax, (0..n).into_segmented())
+        .map_err(|e| anyhow!("{e}"))?;
+    let names: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .x_desc("speedup (peer time / Voltaic time; > 1: Voltaic faster)")
+        .y_label_formatter(&|y: &SegmentValue<usize>| match y {
+            SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => names.get(*i).cloned().unwrap_or_default(),
+            SegmentValue::Last => String::new(),
+        })
+        .label_style(("sans-serif", 13))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(rows.iter().enumerate().map(|(i, r)| {
+            let c = if r.2.is_some_and(|t| r.1 < t) { COLORS[1] } else { COLORS[0] };
+            let mut bar = Rectangle::new([(0.0, SegmentValue::Exact(i)), (r.1, SegmentValue::Exact(i + 1))], c.filled());
+            bar.set_margin(5, 5, 0, 0);
+            bar
+        }))
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(std::iter::once(PathElement::new(vec![(1.0, SegmentValue::Exact(0)), (1.0, SegmentValue::Last)], BLACK.stroke_width(1))))
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
+            let t = r.2?;
+            Some(PathElement::new(vec![(t, SegmentValue::Exact(i)), (t, SegmentValue::Exact(i + 1))], COLORS[3].stroke_width(3)))
+        }))
+        .map_err(|e| anyhow!("{e}"))?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

@@ -35,6 +35,9 @@ pub struct BenchArgs {
     /// Skip the peer (report Voltaic alone).
     #[arg(long)]
     no_peer: bool,
+    /// Also draw the speedups as a PNG bar chart (red bars miss their target).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 /// One benchmark result.
@@ -151,6 +154,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         pb.inc(1);
     }
     pb.finish_and_clear();
+    if let Some(path) = &args.plot {
+        let bars: Vec<(String, f64, Option<f64>)> =
+            rows.iter().filter_map(|r| Some((r.name.clone(), r.peer_ms? / r.voltaic_ms, target(&args.suite, &r.name)))).collect();
+        let title = format!("Voltaic vs {peer_name} on {device} ({} suite)", args.suite);
+        crate::plot::save_speedups(path, &title, &bars)?;
+    }
     for r in &rows {
         let speedup = r.peer_ms.map(|p| p / r.voltaic_ms);
         if args.json {
@@ -177,6 +186,23 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The speedup an issue asks of a row, if any.
+fn target(suite: &str, name: &str) -> Option<f64> {
+    Some(match name {
+        "matmul_f32_1024" => 0.8,
+        "chain10_f32_16m" if suite == "cpu" => 3.0,
+        "chain10_f32_16m" => 2.5,
+        "softmax_rows_4096" | "sum_f32_64m" => 1.0,
+        "matmul_f32_4096" => 0.85,
+        "matmul_f32_4096x4096x4100" | "bmm_f32_attention" | "linear_f32_b128" | "gemv_f32_4096" => 0.7,
+        "matmul_f16_4096" => 0.3,
+        "add_f32_256m" => 0.9,
+        "sum_f32_256m" | "softmax_rows_8192" | "layernorm_rows_8192" => 0.8,
+        "launch_1000_small" => 2.0,
+        _ => return None,
+    })
 }
 
 fn round3(x: f64) -> f64 {

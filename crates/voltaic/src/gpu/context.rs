@@ -260,7 +260,8 @@ impl GpuContext {
         (out, err.or_else(|| self.take_uncaptured()))
     }
 
-    fn take_uncaptured(&self) -> Option<Error> {
+    /// An error that escaped every error scope since the last call, if any.
+    pub(crate) fn take_uncaptured(&self) -> Option<Error> {
         let mut u = self.uncaptured.lock().unwrap_or_else(|e| e.into_inner());
         if u.is_empty() {
             return None;

@@ -192,8 +192,12 @@ pub(crate) fn bind<'b>(
 /// Run `plan` on `ctx`; returns the buffers of the slots the plan stores.
 pub(crate) fn run_plan(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Buffer>>> {
     ctx.check_alive()?;
-    let (res, err) = ctx.scoped(|| encode_and_submit(ctx, plan));
-    if let Some(e) = err {
+    // Allocation and compilation run in error scopes of their own; a
+    // validation error while binding or encoding (a bug, not bad input)
+    // reaches the uncaptured-error record, checked here. No scopes around the
+    // whole encoding: pushing and popping them costs on every realization.
+    let res = encode_and_submit(ctx, plan);
+    if let Some(e) = ctx.take_uncaptured() {
         return Err(e);
     }
     res
