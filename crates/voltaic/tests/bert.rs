@@ -13,7 +13,9 @@ struct Item {
 }
 
 fn fixture() -> Vec<Item> {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/minilm.json")).unwrap();
+    // The crate's path, or (for a test binary run elsewhere) relative to the repo root.
+    let here = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/minilm.json");
+    let text = std::fs::read_to_string(here).or_else(|_| std::fs::read_to_string("crates/voltaic/tests/fixtures/minilm.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v["items"]
         .as_array()

@@ -40,6 +40,7 @@ fn plan_text(p: &Plan) -> String {
     match p {
         Plan::Tiled(t) => format!("tiled {} {} {} {} {}", t.bm, t.bn, t.bk, t.tm, t.tn),
         Plan::Columns { splits } => format!("columns {splits}"),
+        Plan::Coop => "coop".into(),
     }
 }
 
@@ -51,6 +52,7 @@ fn parse_line(line: &str) -> Option<(Key, Plan)> {
     let plan = match *w.get(7)? {
         "tiled" => Plan::Tiled(Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?)),
         "columns" => Plan::Columns { splits: num(8)? },
+        "coop" => Plan::Coop,
         _ => return None,
     };
     Some((key, plan))
@@ -126,7 +128,8 @@ pub(crate) fn plan_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)]) 
     if let Some(p) = ctx.tuner.plans.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(Some(*p));
     }
-    let default = default_plan(key.batch, key.m, key.k, key.n, key.b_nfast);
+    let coop = key.dtype == DType::F16 && ctx.caps.coop_f16 && key.m >= 64 && key.n >= 64;
+    let default = if coop { Plan::Coop } else { default_plan(key.batch, key.m, key.k, key.n, key.b_nfast) };
     // Too small to matter, or tuning is off: the heuristic.
     let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
     if !ctx.tuner.enabled || flops < 1e7 {
@@ -142,6 +145,9 @@ pub(crate) fn plan_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)]) 
 
 fn candidates(ctx: &GpuContext, key: &Key, default: Plan) -> Vec<Plan> {
     let mut c = vec![default];
+    if key.dtype == DType::F16 && ctx.caps.coop_f16 {
+        c.push(Plan::Coop);
+    }
     for t in TILES {
         let threads = (t.bm / t.tm) * (t.bn / t.tn);
         let shared = t.bk * (t.bm + t.bn + 8) * 4;

@@ -171,11 +171,12 @@ pub(crate) struct Shader<'c> {
     f16: bool,
     tmp: usize,
     consts: bool,
+    enables: Vec<&'static str>,
 }
 
 impl<'c> Shader<'c> {
     pub(crate) fn new(caps: &'c Caps) -> Shader<'c> {
-        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0, consts: false }
+        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0, consts: false, enables: vec![] }
     }
 
     /// A fresh temporary name.
@@ -265,6 +266,13 @@ fn bad_index(op: u32, index: i32, size: u32) {{
         self.binds.push(Bind { src: Src::IndexError, chunk: 0, chunk_bytes: 16, read_only: false });
     }
 
+    /// A WGSL extension the kernel needs (`enable ...;` at the top).
+    pub(crate) fn enable(&mut self, ext: &'static str) {
+        if !self.enables.contains(&ext) {
+            self.enables.push(ext);
+        }
+    }
+
     /// Extra module-scope declarations (workgroup arrays, helper functions).
     pub(crate) fn decl(&mut self, s: &str) {
         self.decls.push_str(s);
@@ -277,6 +285,9 @@ fn bad_index(op: u32, index: i32, size: u32) {{
         let mut src = String::new();
         if self.f16 || body.contains("f16(") {
             src.push_str("enable f16;\n");
+        }
+        for e in &self.enables {
+            src.push_str(&format!("enable {e};\n"));
         }
         src.push_str(&self.decls);
         let main = format!(

@@ -26,6 +26,9 @@ pub(crate) struct Caps {
     pub max_groups: u32,
     /// Workgroup shared memory in bytes.
     pub workgroup_storage: u32,
+    /// Cooperative matrices (tensor cores) of 16x16x16 f16 with f32
+    /// accumulation, on subgroups of 32.
+    pub coop_f16: bool,
 }
 
 impl Caps {
@@ -79,18 +82,35 @@ impl GpuContext {
     pub(crate) fn open(index: usize, adapter: &wgpu::Adapter) -> Result<GpuContext> {
         let info = adapter.get_info();
         let have = adapter.features();
+        // Tensor cores through cooperative matrices, where the adapter offers
+        // 16x16x16 f16 with f32 accumulation on subgroups of 32 (the layout the
+        // kernel assumes). VOLTAIC_COOP=0 turns them off.
+        let coop = have.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+            && std::env::var("VOLTAIC_COOP").map(|v| v != "0").unwrap_or(true)
+            && info.subgroup_min_size == 32
+            && info.subgroup_max_size == 32
+            && adapter.cooperative_matrix_properties().iter().any(|p| {
+                (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+                    && p.ab_type == wgpu::CooperativeScalarType::F16
+                    && p.cr_type == wgpu::CooperativeScalarType::F32
+            });
         let wanted = wgpu::Features::SHADER_F16
             | wgpu::Features::SUBGROUP
             | wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
             | wgpu::Features::PIPELINE_CACHE;
-        let features = have & wanted;
+        let mut features = have & wanted;
+        if coop {
+            features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
         let limits = adapter.limits();
         let desc = wgpu::DeviceDescriptor {
             label: Some("voltaic"),
             required_features: features,
             required_limits: limits.clone(),
-            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            // SAFETY: the experimental feature is only the cooperative matrix
+            // extension, used by one kernel that the tests check on such adapters.
+            experimental_features: if coop { unsafe { wgpu::ExperimentalFeatures::enabled() } } else { wgpu::ExperimentalFeatures::disabled() },
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         };
@@ -115,6 +135,7 @@ impl GpuContext {
             offset_align: limits.min_storage_buffer_offset_alignment.max(4) as u64,
             max_groups: limits.max_compute_workgroups_per_dimension,
             workgroup_storage: limits.max_compute_workgroup_storage_size,
+            coop_f16: coop && features.contains(wgpu::Features::SHADER_F16),
         };
         let pipeline_cache_file = wgpu::util::pipeline_cache_key(&info)
             .and_then(|k| Some(super::autotune::cache_dir()?.join(format!("{k}-{}.bin", super::autotune::device_tag(&info)))));

@@ -48,6 +48,9 @@ pub(crate) enum Plan {
     Tiled(Tile),
     /// Few rows: one thread per output column, the inner dim split `splits` ways.
     Columns { splits: usize },
+    /// f16 on tensor cores: 128x128 tiles, 8 subgroups of 32 each computing
+    /// 64x32 with 16x16x16 cooperative matrices, f32 accumulation.
+    Coop,
 }
 
 /// The kernel for a problem when nothing better is known: big tiles when
@@ -83,8 +86,107 @@ impl Gen<'_> {
         match plan {
             Plan::Tiled(t) => p.dispatches.push(self.matmul_tiled(a, b, m, k, n, t, epi)?),
             Plan::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
+            Plan::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi)?),
         }
         Ok(())
+    }
+
+    /// f16 x f16 -> f32 on cooperative matrices. Tiles of A (128x32) and B
+    /// (32x128) go through shared memory as f16; each of the 8 subgroups owns
+    /// a 64x32 block of C (4x2 matrices of 16x16); results leave through a
+    /// per-subgroup 16x16 f32 staging tile so the epilogue sees single values.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>) -> Result<Dispatch> {
+        let mut sh = Shader::new(self.caps);
+        self.bind_inputs(&mut sh, &[a.input, bv.input]);
+        self.bind_out(&mut sh);
+        self.epilogue(&mut sh, epi)?;
+        let (la, lb) = (&a.layout, &bv.layout);
+        let r = la.dims().len();
+        let bdims = &la.dims()[..r - 2];
+        let batch: usize = bdims.iter().product();
+        let (bm, bn, bk) = (128usize, 128usize, 32usize);
+        let (lda, ldb) = (bk + 8, bn + 8);
+        let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
+        let total = batch * tiles_m * tiles_n;
+        let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
+        let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
+        sh.enable("wgpu_cooperative_matrix");
+        sh.decl(&format!(
+            "var<workgroup> As: array<f16, {}>;\nvar<workgroup> Bs: array<f16, {}>;\nvar<workgroup> Cs: array<f32, {}>;",
+            bm * lda,
+            bk * ldb,
+            8 * 256
+        ));
+        let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
+        let _ = writeln!(s, "    let z = group / {}u;\n    let rest = group % {}u;", tiles_m * tiles_n, tiles_m * tiles_n);
+        let _ = writeln!(s, "    let row0 = (rest / {tiles_n}u) * {bm}u;\n    let col0 = (rest % {tiles_n}u) * {bn}u;");
+        let zd = unravel(&mut s, &mut sh, "z", bdims);
+        let _ = writeln!(s, "    let abase = {};\n    let bbase = {};", batch_offset(&zd, la), batch_offset(&zd, lb));
+        let _ = writeln!(s, "    let warp = lid / 32u;\n    let wr = (warp / 4u) * 64u;\n    let wc = (warp % 4u) * 32u;");
+        for i in 0..4 {
+            for j in 0..2 {
+                let _ = writeln!(s, "    var c{i}{j} = coop_mat16x16<f32, C>();");
+            }
+        }
+        let steps = k.div_ceil(bk);
+        let a_kfast = sak == 1;
+        let b_nfast = sbn == 1 || sbk != 1;
+        let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
+        // 128x32 of A and 32x128 of B: 16 elements of each per thread.
+        for q in 0..16 {
+            let e = format!("(lid + {}u)", q * 256);
+            let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
+            let _ = writeln!(
+                s,
+                "    {{ let ar = {ar}; let ak = {ak}; var x = f16(0.0); if (row0 + ar < {m}u && kt + ak < {k}u) {{ x = f16(ld_in{ai}(abase + (row0 + ar) * {sam}u + (kt + ak) * {sak}u)); }} As[ar * {lda}u + ak] = x; }}",
+                ai = a.input
+            );
+            let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
+            let _ = writeln!(
+                s,
+                "    {{ let bc = {bc}; let bk = {bkk}; var y = f16(0.0); if (kt + bk < {k}u && col0 + bc < {n}u) {{ y = f16(ld_in{bi}(bbase + (kt + bk) * {sbk}u + (col0 + bc) * {sbn}u)); }} Bs[bk * {ldb}u + bc] = y; }}",
+                bi = bv.input
+            );
+        }
+        let _ = writeln!(s, "    workgroupBarrier();");
+        for kk in (0..bk).step_by(16) {
+            for i in 0..4 {
+                // naga wants the offset bound to a name, not written inside coopLoad.
+                let _ = writeln!(s, "    let ao{kk}_{i} = (wr + {}u) * {lda}u + {kk}u;\n    let a{kk}_{i} = coopLoadT<coop_mat16x16<f16, A>>(&As[ao{kk}_{i}], {lda}u);", i * 16);
+            }
+            for j in 0..2 {
+                let _ = writeln!(s, "    let bo{kk}_{j} = {kk}u * {ldb}u + wc + {}u;\n    let b{kk}_{j} = coopLoadT<coop_mat16x16<f16, B>>(&Bs[bo{kk}_{j}], {ldb}u);", j * 16);
+            }
+            for i in 0..4 {
+                for j in 0..2 {
+                    let _ = writeln!(s, "    c{i}{j} = coopMultiplyAdd(a{kk}_{i}, b{kk}_{j}, c{i}{j});");
+                }
+            }
+        }
+        let _ = writeln!(s, "    workgroupBarrier();\n    }}");
+        // Each subgroup stages one 16x16 result at a time and its 32 threads store it.
+        let _ = writeln!(s, "    let lane = lid % 32u;\n    let cbase = warp * 256u;");
+        for i in 0..4 {
+            for j in 0..2 {
+                let _ = writeln!(
+                    s,
+                    "    coopStoreT(c{i}{j}, &Cs[cbase], 16u);
+    workgroupBarrier();
+    for (var q = 0u; q < 8u; q = q + 1u) {{
+        let e = lane + q * 32u;
+        let gi = row0 + wr + {}u + e / 16u;
+        let gj = col0 + wc + {}u + e % 16u;
+        if (gi < {m}u && gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, Cs[cbase + e])); }}
+    }}
+    workgroupBarrier();",
+                    i * 16,
+                    j * 16,
+                    m * n
+                );
+            }
+        }
+        Ok(sh.finish(format!("matmul_coop {batch}x{m}x{k}x{n}"), 256, total as u64, &s))
     }
 
     /// Bind what the epilogue reads and define `fn epi(lin, acc)`, which gives
@@ -354,6 +456,15 @@ mod tests {
             check(Plan::Columns { splits }, &[1, 300], &[300, 517], false, false, DType::F32);
             check(Plan::Columns { splits }, &[4, 2, 3, 70], &[4, 2, 70, 9], true, false, DType::F32);
             check(Plan::Columns { splits }, &[3, 33], &[33, 5], false, false, DType::U32);
+        }
+        // Tensor cores where the adapter has them (not lavapipe).
+        if crate::gpu::context(0).unwrap().caps.coop_f16 {
+            for &(da, db) in shapes {
+                for (ta, tb) in [(false, false), (true, true)] {
+                    check(Plan::Coop, da, db, ta, tb, DType::F16);
+                }
+            }
+            check(Plan::Coop, &[2, 130, 70], &[70, 200], false, true, DType::F16);
         }
     }
 }
