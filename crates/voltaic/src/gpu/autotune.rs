@@ -178,9 +178,11 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     ctx.submit(enc.finish())?;
     let out = alloc(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(k.dtype))?;
     let mut best = (f64::INFINITY, default);
+    // An epilogue (bias, GELU) may read constants: bind the kernel's own.
+    let (_, consts) = super::exec::split_consts(&k.kind);
     for plan in candidates(ctx, key, default) {
         let compiled = super::exec::compile(ctx, k, inputs, Some(plan))?;
-        let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw(), &[])?;
+        let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw(), &consts)?;
         let run = |reps: usize| -> Result<f64> {
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             {

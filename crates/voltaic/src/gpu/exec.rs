@@ -152,13 +152,17 @@ pub(crate) fn bind<'b>(
     let scratch = Arc::new(scratch);
     let mut encoded = Vec::with_capacity(c.dispatches.len());
     for d in &c.dispatches {
+        if consts_buf.is_none() && d.binds.iter().any(|b| matches!(b.src, Src::Consts)) {
+            return Err(Error::Backend(format!("kernel {} reads constants but none were given", d.label)));
+        }
         let buffer_of = |b: &Bind| -> &wgpu::Buffer {
             match b.src {
                 Src::Input(i) => input(i),
                 Src::Output => out,
                 Src::Scratch(i) => scratch[i].raw(),
                 Src::IndexError => &ctx.index_error,
-                Src::Consts => scratch[consts_buf.expect("a kernel that reads constants has them")].raw(),
+                // Checked above: a kernel that reads constants has them.
+                Src::Consts => consts_buf.map(|c| scratch[c].raw()).unwrap_or(&ctx.index_error),
             }
         };
         let entries: Vec<wgpu::BindGroupEntry> = d
