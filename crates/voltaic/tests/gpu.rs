@@ -468,3 +468,51 @@ fn large_contiguous_elementwise_kernels_match_cpu() {
     same("vec4 i32", &[i.clone(), i.clone()], 0.0, 0.0, |t| t[0].mul(&t[1])?.add(7)?.rem(5));
     same("vec4 cast", &[i], 0.0, 0.0, |t| t[0].to_dtype(DType::F32)?.mul(0.5));
 }
+
+#[test]
+fn row_wise_work_runs_in_one_kernel_and_matches_cpu() {
+    let mut rng = Rng::new(21);
+    // A thread per row (short rows), 64- and 256-wide workgroups per row.
+    // (Rows of at most 8 are unrolled into elementwise code instead.)
+    for dims in [[300, 19], [37, 50], [5, 3001]] {
+        let x = randn(&mut rng, &dims, DType::F32).mul(3.0).unwrap();
+        let n = dims[1];
+        let g = randn(&mut rng, &[n], DType::F32);
+        let b = randn(&mut rng, &[n], DType::F32);
+        let on_gpu = x.to_device(gpu()).unwrap();
+        let sm = on_gpu.softmax(-1).unwrap();
+        let plan = voltaic::inspect(&[&sm]);
+        assert_eq!(plan.len(), 1, "softmax {dims:?} on the GPU is one kernel: {plan:?}");
+        assert_eq!(plan[0].kind, "rows");
+        let ln = on_gpu.layer_norm(&[n], Some(&g.to_device(gpu()).unwrap()), Some(&b.to_device(gpu()).unwrap()), 1e-5).unwrap();
+        assert_eq!(voltaic::inspect(&[&ln]).len(), 1, "layer_norm {dims:?}: {:?}", voltaic::inspect(&[&ln]));
+        same(&format!("softmax {dims:?}"), &[x.clone()], 1e-5, 1e-7, |t| t[0].softmax(-1));
+        same(&format!("log_softmax {dims:?}"), &[x.clone()], 1e-5, 1e-5, |t| t[0].log_softmax(-1));
+        same(&format!("logsumexp {dims:?}"), &[x.clone()], 1e-5, 1e-5, |t| t[0].logsumexp(&[-1], true)?.add(&t[0]));
+        same(&format!("layer_norm {dims:?}"), &[x.clone(), g, b], 1e-4, 1e-4, |t| {
+            t[0].layer_norm(&[n], Some(&t[1]), Some(&t[2]), 1e-5)
+        });
+        same(&format!("min and prod rows {dims:?}"), &[x.clone()], 1e-4, 1e-5, |t| {
+            t[0].sub(&t[0].min(&[-1], true)?)?.div(&t[0].abs()?.add(1.0)?.log()?.sum(&[-1], true)?.exp()?)
+        });
+    }
+    // A row holding NaN is NaN throughout, as on the CPU; infinities too.
+    let mut v: Vec<f32> = (0..4 * 40).map(|i| (i as f32 * 0.37).sin()).collect();
+    v[45] = f32::NAN;
+    v[100] = f32::INFINITY;
+    let x = Tensor::from_vec(v, &[4, 40], Device::Cpu).unwrap();
+    same("softmax with NaN and inf", &[x], 1e-5, 1e-7, |t| t[0].softmax(-1));
+    // f16 rows compute in f32.
+    let h = randn(&mut rng, &[33, 70], DType::F32);
+    same("f16 softmax rows", &[h.to_dtype(DType::F16).unwrap()], 1e-2, 1e-3, |t| t[0].softmax(-1));
+    // Results someone keeps are not folded away: the max is asked for too.
+    let x = randn(&mut rng, &[20, 30], DType::F32).to_device(gpu()).unwrap();
+    let m = x.max(&[-1], true).unwrap();
+    let y = x.sub(&m).unwrap().exp().unwrap();
+    let s = y.div(&y.sum(&[-1], true).unwrap()).unwrap();
+    let plan = voltaic::inspect(&[&s, &m]);
+    assert!(plan.len() >= 2, "a kept max keeps its kernel: {plan:?}");
+    voltaic::Tensor::realize_all(&[&s, &m]).unwrap();
+    let want = x.to_device(Device::Cpu).unwrap().softmax(-1).unwrap();
+    assert_close(&s.to_f64_vec().unwrap(), &want.to_f64_vec().unwrap(), 1e-5, 1e-7, "softmax with its max kept");
+}

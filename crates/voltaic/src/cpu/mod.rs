@@ -47,6 +47,8 @@ pub(crate) fn run_kernel(k: &Kernel, bufs: &[Option<Buffer>]) -> Result<Buffer> 
         KernelKind::Cat { dim, parts } => index::cat(*dim, parts, &inputs, k.dtype, k.numel),
         KernelKind::Unfold { input, params, pad } => index::unfold(input, params, *pad, &inputs),
         KernelKind::Fold { input, params, hw } => index::fold(input, params, *hw, &inputs),
+        // The CPU scheduler keeps reductions as their own kernels (rows are in cache anyway).
+        KernelKind::Rows { .. } => crate::error::bail!(Device, "realize", "a row-fused kernel reached the CPU executor"),
     };
     debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
     Ok(Buffer::Cpu(Arc::new(pool::HostBuf::new(out))))

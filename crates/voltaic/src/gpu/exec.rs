@@ -87,12 +87,13 @@ pub(crate) fn split_consts(kind: &crate::graph::kernel::KernelKind) -> (crate::g
     use crate::graph::kernel::{Instr, KernelKind};
     let mut kind = kind.clone();
     let mut values = vec![];
-    let expr = match &mut kind {
-        KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => Some(expr),
-        KernelKind::Matmul { epilogue: Some(e), .. } => Some(&mut e.expr),
-        _ => None,
+    let exprs: Vec<&mut crate::graph::kernel::Expr> = match &mut kind {
+        KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => vec![expr],
+        KernelKind::Matmul { epilogue: Some(e), .. } => vec![&mut e.expr],
+        KernelKind::Rows { stages, out, .. } => stages.iter_mut().chain([out]).map(|s| &mut s.expr).collect(),
+        _ => vec![],
     };
-    if let Some(expr) = expr {
+    for expr in exprs {
         for (ins, dt) in expr.instrs.iter_mut() {
             if let Instr::Const(c) = ins {
                 values.push((*c, *dt));

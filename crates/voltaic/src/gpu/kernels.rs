@@ -8,7 +8,7 @@ use super::codegen::{cast, compute_ty, emit_expr, literal, storage_ty, strided, 
 use super::context::Caps;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::graph::kernel::{Expr, Kernel, KernelKind, View};
+use crate::graph::kernel::{Expr, Kernel, KernelKind, RowStage, View};
 use crate::graph::UnfoldParams;
 use crate::layout::Layout;
 use crate::op::ReduceOp;
@@ -58,6 +58,7 @@ pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], plan: 
         }
         KernelKind::Unfold { input, params, pad } => p.dispatches.push(g.unfold(input, params, *pad)),
         KernelKind::Fold { input, params, hw } => p.dispatches.push(g.fold(input, params, *hw)),
+        KernelKind::Rows { outer, inner, stages, out } => p.dispatches.push(g.rows(*outer, *inner, stages, out)?),
     }
     Ok(p)
 }
@@ -304,6 +305,87 @@ impl Gen<'_> {
         );
         let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
         sh.finish(format!("reduce_partials {}", r.op.name()), WG, groups(outer, WG), &b)
+    }
+
+    /// Row-wise stages in one pass: a thread per row for short rows, else a
+    /// workgroup per row whose threads stride along it and combine each
+    /// reduction in shared memory. Loads of earlier stages read `st{s}`.
+    fn rows(&self, outer: usize, inner: usize, stages: &[RowStage], out: &RowStage) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        let used: Vec<usize> = (0..self.inputs.len()).collect();
+        self.bind_inputs(&mut sh, &used);
+        self.bind_out(&mut sh);
+        let threaded = inner <= 32;
+        let wg: u32 = if threaded || inner > 2048 { WG } else { 64 };
+        let mut b = String::new();
+        if threaded {
+            let _ = writeln!(b, "    let row = group * {wg}u + lid;
+    if (row >= {outer}u) {{ return; }}");
+        } else {
+            // `row` is uniform across the workgroup, so the barriers below are too.
+            let _ = writeln!(b, "    let row = group;
+    if (row >= {outer}u) {{ return; }}");
+            sh.decl(&format!("var<workgroup> sv: array<f32, {wg}>;"));
+        }
+        let (j0, step) = if threaded { ("0u", 1) } else { ("lid", wg) };
+        let values = |st: &RowStage| -> Vec<(usize, String)> { st.from.iter().map(|&(l, s)| (l, format!("st{s}"))).collect() };
+        for (s, st) in stages.iter().enumerate() {
+            let ty = compute_ty(st.dtype);
+            let _ = writeln!(b, "    var st{s}: {ty};
+    {{");
+            let Some(op) = st.op else {
+                let _ = writeln!(b, "    let l = row;");
+                let mut ix = Indexer::new(&st.shape, "l");
+                let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, &st.expr, &values(st))?;
+                let _ = writeln!(b, "    st{s} = {};
+    }}", cast(st.expr.dtype(), st.dtype, &v));
+                continue;
+            };
+            let r = Reduction { op, adt: DType::F32, vdt: st.expr.dtype(), out: st.dtype };
+            let fold = |a: &str, v: &str| match op {
+                ReduceOp::Sum => format!("{a} = {a} + {v};"),
+                ReduceOp::Prod => format!("{a} = {a} * {v};"),
+                // NaN wins, as in the other reductions: once the accumulator is NaN it stays.
+                ReduceOp::Max => format!("{{ let vv = {v}; if (vv > {a} || isnan_(vv)) {{ if (!isnan_({a})) {{ {a} = vv; }} }} }}"),
+                _ => format!("{{ let vv = {v}; if (vv < {a} || isnan_(vv)) {{ if (!isnan_({a})) {{ {a} = vv; }} }} }}"),
+            };
+            let _ = writeln!(b, "    var acc: f32 = {};", r.identity());
+            let _ = writeln!(b, "    for (var j = {j0}; j < {inner}u; j = j + {step}u) {{
+    let l = row * {inner}u + j;");
+            let mut ix = Indexer::new(&st.shape, "l");
+            let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, &st.expr, &values(st))?;
+            let _ = writeln!(b, "    {}
+    }}", fold("acc", &cast(st.expr.dtype(), DType::F32, &v)));
+            if !threaded {
+                let _ = writeln!(b, "    sv[lid] = acc;
+    workgroupBarrier();");
+                let _ = writeln!(
+                    b,
+                    "    for (var w = {}u; w > 0u; w = w >> 1u) {{
+        if (lid < w) {{
+            var x = sv[lid];
+            {}
+            sv[lid] = x;
+        }}
+        workgroupBarrier();
+    }}
+    acc = sv[0];
+    workgroupBarrier();",
+                    wg / 2,
+                    fold("x", "sv[lid + w]")
+                );
+            }
+            let _ = writeln!(b, "    st{s} = {};
+    }}", r.finish("acc", "0u"));
+        }
+        let _ = writeln!(b, "    for (var j = {j0}; j < {inner}u; j = j + {step}u) {{
+    let l = row * {inner}u + j;");
+        let mut ix = Indexer::new(&out.shape, "l");
+        let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, &out.expr, &values(out))?;
+        let _ = writeln!(b, "    st_out(l, {});
+    }}", cast(out.expr.dtype(), self.out.0, &v));
+        let groups = if threaded { groups(outer, wg) } else { outer as u64 };
+        Ok(sh.finish(format!("rows {outer}x{inner} ({} stages)", stages.len()), wg, groups, &b))
     }
 
     /// Read an index element (i32 or u32) as i32 into `name`, reporting it and

@@ -78,6 +78,22 @@ pub(crate) struct Epilogue {
     pub acc_dtype: DType,
 }
 
+/// One step of a [`KernelKind::Rows`] kernel, computed for each row.
+#[derive(Clone, Debug, PartialEq, Hash)]
+pub(crate) struct RowStage {
+    /// `Some(op)`: reduce `expr` over the row's `inner` elements (element
+    /// `l = row * inner + j` of `shape`); `None`: evaluate `expr` once per row
+    /// (at `l = row`), or, for the kernel's output stage, at every element.
+    pub op: Option<ReduceOp>,
+    pub expr: Expr,
+    /// Iteration shape of `expr`.
+    pub shape: Vec<usize>,
+    /// Loads that stand for an earlier stage's per-row value: (load, stage).
+    pub from: Vec<(usize, usize)>,
+    /// Dtype of the stage's value.
+    pub dtype: DType,
+}
+
 /// A strided read of a whole input buffer by a non-fused kernel.
 #[derive(Clone, Debug, PartialEq, Hash)]
 pub(crate) struct View {
@@ -105,6 +121,12 @@ pub(crate) enum KernelKind {
     Cat { dim: usize, parts: Vec<View> },
     Unfold { input: View, params: UnfoldParams, pad: f64 },
     Fold { input: View, params: UnfoldParams, hw: [usize; 2] },
+    /// Row-wise work in one pass (softmax, layer norm): for each of `outer`
+    /// rows of `inner` elements, the `stages` in order, then `out` at every
+    /// element of the row. A lowering of reductions and the elementwise work
+    /// around them for executors that gain from it (the GPU: one read of the
+    /// input from memory instead of one per reduction).
+    Rows { outer: usize, inner: usize, stages: Vec<RowStage>, out: RowStage },
 }
 
 /// One kernel of a plan.
@@ -133,6 +155,7 @@ impl std::hash::Hash for KernelKind {
             KernelKind::Cat { dim, parts } => (dim, parts).hash(h),
             KernelKind::Unfold { input, params, pad } => (input, params, pad.to_bits()).hash(h),
             KernelKind::Fold { input, params, hw } => (input, params, hw).hash(h),
+            KernelKind::Rows { outer, inner, stages, out } => (outer, inner, stages, out).hash(h),
         }
     }
 }
@@ -151,6 +174,7 @@ impl KernelKind {
             KernelKind::Cat { .. } => "cat",
             KernelKind::Unfold { .. } => "unfold",
             KernelKind::Fold { .. } => "fold",
+            KernelKind::Rows { .. } => "rows",
         }
     }
 }

@@ -17,7 +17,7 @@ pub(crate) fn realize(targets: &[&Tensor]) -> Result<()> {
     devices.dedup();
     for d in devices {
         let group: Vec<&Tensor> = pending.iter().copied().filter(|t| t.device() == d).collect();
-        let plan = schedule(&group);
+        let plan = schedule(&group, d.is_gpu());
         run(&plan, d)?;
     }
     Ok(())

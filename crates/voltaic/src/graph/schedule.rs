@@ -8,7 +8,7 @@
 //! Each buffer is freed after its last consumer unless a tensor outside the
 //! plan still refers to its node.
 
-use super::kernel::{Expr, Instr, Kernel, KernelKind, Load, Slot, View};
+use super::kernel::{Expr, Instr, Kernel, KernelKind, Load, RowStage, Slot, View};
 use super::{Buffer, Node, Op, State};
 use crate::dtype::DType;
 use crate::layout::Layout;
@@ -126,8 +126,11 @@ fn collect(targets: &[&Tensor]) -> Graph {
     g
 }
 
-/// Build the plan that realizes `targets`.
-pub(crate) fn schedule(targets: &[&Tensor]) -> Plan {
+/// Build the plan that realizes `targets`. `rows` lowers row-wise work
+/// (reductions and the elementwise work around them, as in softmax and
+/// layer norm) to one-pass [`KernelKind::Rows`] kernels, for executors
+/// that run those.
+pub(crate) fn schedule(targets: &[&Tensor], rows: bool) -> Plan {
     let g = collect(targets);
     let n = g.nodes.len();
     let fuses_inputs = |op: &Option<Op>| matches!(op, Some(o) if o.is_elementwise() || matches!(o, Op::Reduce(..)));
@@ -198,6 +201,9 @@ pub(crate) fn schedule(targets: &[&Tensor]) -> Plan {
         survives[i] = g.consumers[i].iter().any(|&c| inline[c] && survives[c]);
     }
     fuse_epilogues(&mut plan, &slot_of, &survives);
+    if rows {
+        fuse_rows(&mut plan, &slot_of, &survives);
+    }
 
     // Lifetimes.
     let mut last_use: Vec<Option<usize>> = vec![None; plan.slots.len()];
@@ -228,8 +234,12 @@ pub(crate) fn schedule(targets: &[&Tensor]) -> Plan {
 
 /// The kernel summaries of the plan that would realize `tensors`, without
 /// running it. Lets tests and tools see what fuses.
+///
+/// The plan is the one the tensors' device would run: on a GPU, row-wise
+/// work such as softmax is one kernel.
 pub fn inspect(tensors: &[&Tensor]) -> Vec<KernelSummary> {
-    schedule(tensors)
+    let gpu = tensors.first().is_some_and(|t| t.device().is_gpu());
+    schedule(tensors, gpu)
         .kernels
         .iter()
         .map(|k| KernelSummary { kind: k.kind.name(), ops: k.ops.clone(), inputs: k.inputs.len(), numel: k.numel })
@@ -682,4 +692,207 @@ fn coalesce_expr(mut expr: Expr, shape: &[usize], groups: &[usize]) -> (Vec<usiz
         l.path[0] = f;
     }
     (new_shape, expr)
+}
+
+/// Does `l` (over a kernel's iteration dims) read element `p / inner` of a
+/// contiguous buffer at each linear position `p`? That is how a consumer
+/// reads the per-row values of a reduction over rows of `inner` elements
+/// (with `inner = 1`: element for element).
+fn reads_by_row(l: &Layout, inner: usize) -> bool {
+    if l.offset != 0 {
+        return false;
+    }
+    let (dims, strides) = (l.dims(), l.strides());
+    let mut k = dims.len();
+    let mut acc = 1;
+    while k > 0 && acc < inner {
+        k -= 1;
+        if dims[k] != 1 && strides[k] != 0 {
+            return false;
+        }
+        acc *= dims[k];
+    }
+    if acc != inner {
+        return false;
+    }
+    let mut expect = 1;
+    for d in (0..k).rev() {
+        if dims[d] != 1 && strides[d] != expect {
+            return false;
+        }
+        expect *= dims[d];
+    }
+    true
+}
+
+/// Lower row-wise work to one-pass kernels: an elementwise kernel over
+/// `outer x inner` elements that reads reductions over rows of `inner`
+/// (and small per-row elementwise kernels between them) absorbs them when
+/// nobody else reads or keeps their results. Softmax (max, sum of exp,
+/// divide) and layer norm (mean, variance, normalise) become one kernel
+/// that reads its input from memory once; the re-reads of a row hit cache.
+fn fuse_rows(plan: &mut Plan, slot_of: &[Option<Slot>], survives: &[bool]) {
+    let kept: std::collections::HashSet<Slot> =
+        slot_of.iter().zip(survives).filter_map(|(o, &keep)| if keep { *o } else { None }).collect();
+    let mut k = 0;
+    while k < plan.kernels.len() {
+        k = match fuse_rows_at(plan, k, &kept) {
+            Some(at) => at + 1,
+            None => k + 1,
+        };
+    }
+}
+
+/// The expression and iteration shape of an elementwise or reduce kernel.
+fn expr_of(k: &Kernel) -> Option<(&Expr, &[usize])> {
+    match &k.kind {
+        KernelKind::Elementwise { expr, shape } | KernelKind::Reduce { expr, shape, .. } => Some((expr, shape)),
+        _ => None,
+    }
+}
+
+/// Try to make kernel `k` the output stage of a rows kernel; returns the
+/// fused kernel's index.
+fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &std::collections::HashSet<Slot>) -> Option<usize> {
+    use crate::op::ReduceOp;
+    let KernelKind::Elementwise { expr, .. } = &plan.kernels[k].kind else { return None };
+    let numel = plan.kernels[k].numel;
+    let producer = |plan: &Plan, slot: Slot, before: usize| plan.kernels[..before].iter().position(|m| m.out == slot);
+    let row_reduce = |m: &Kernel| match &m.kind {
+        KernelKind::Reduce { op, expr, outer, inner, .. } => {
+            let float = m.dtype.is_float() && m.dtype != DType::F64 && expr.dtype().is_float() && expr.dtype() != DType::F64;
+            matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min | ReduceOp::Prod).then_some((*outer, *inner)).filter(|_| float)
+        }
+        _ => None,
+    };
+    // Only an output that reads something broadcast can read per-row values.
+    if !expr.loads.iter().any(|l| l.path[0].strides().contains(&0)) {
+        return None;
+    }
+    // The row split comes from a reduction the output reads, directly or
+    // through small elementwise kernels (layer norm's mean and 1/std).
+    let mut split = None;
+    let mut frontier = vec![k];
+    for _ in 0..4 {
+        let mut next = vec![];
+        for &c in &frontier {
+            let Some((e, _)) = expr_of(&plan.kernels[c]) else { continue };
+            for l in &e.loads {
+                let Some(p) = producer(plan, plan.kernels[c].inputs[l.input], c) else { continue };
+                let m = &plan.kernels[p];
+                if let Some((o, i)) = row_reduce(m).filter(|&(o, i)| o * i == numel && i >= 2) {
+                    split = split.or(Some((o, i)));
+                } else if matches!(m.kind, KernelKind::Elementwise { .. }) && m.numel < numel {
+                    next.push(p);
+                }
+            }
+        }
+        if split.is_some() || next.is_empty() {
+            break;
+        }
+        frontier = next;
+    }
+    let (outer, inner) = split?;
+    // One workgroup per row: few long rows are better served by split reductions.
+    if outer < 128 && inner > 16384 {
+        return None;
+    }
+    // Candidates: reductions over the same rows and per-row elementwise
+    // kernels, reachable from the output through loads.
+    let mut members: Vec<usize> = vec![];
+    let mut queue = vec![k];
+    while let Some(c) = queue.pop() {
+        let (e, _) = expr_of(&plan.kernels[c])?;
+        for l in &e.loads {
+            let Some(p) = producer(plan, plan.kernels[c].inputs[l.input], c) else { continue };
+            if members.contains(&p) {
+                continue;
+            }
+            let m = &plan.kernels[p];
+            let per_row = matches!(m.kind, KernelKind::Elementwise { .. }) && m.numel == outer && m.dtype != DType::F64;
+            if row_reduce(m) == Some((outer, inner)) || per_row {
+                members.push(p);
+                queue.push(p);
+            }
+        }
+    }
+    // Drop candidates that someone else reads or keeps, or that a member
+    // reads other than row by row, until what is left is closed.
+    loop {
+        let before = members.len();
+        let consumers: Vec<usize> = members.iter().copied().chain([k]).collect();
+        let mut bad: Vec<usize> = vec![];
+        for &m in &members {
+            let slot = plan.kernels[m].out;
+            let outside = plan.kernels.iter().enumerate().any(|(i, o)| o.inputs.contains(&slot) && !consumers.contains(&i));
+            if outside || kept.contains(&slot) {
+                bad.push(m);
+            }
+        }
+        for &c in &consumers {
+            let (e, _) = expr_of(&plan.kernels[c])?;
+            let per_elem = if c == k || matches!(plan.kernels[c].kind, KernelKind::Reduce { .. }) { inner } else { 1 };
+            for l in &e.loads {
+                let slot = plan.kernels[c].inputs[l.input];
+                if let Some(&m) = members.iter().find(|&&m| plan.kernels[m].out == slot) {
+                    if l.path.len() != 1 || !reads_by_row(&l.path[0], per_elem) {
+                        bad.push(m);
+                    }
+                }
+            }
+        }
+        members.retain(|m| !bad.contains(m));
+        if members.len() == before {
+            break;
+        }
+    }
+    if !members.iter().any(|&m| matches!(plan.kernels[m].kind, KernelKind::Reduce { .. })) {
+        return None;
+    }
+    members.sort_unstable();
+    // Build the stages; loads of member results become stage reads.
+    let mut inputs: Vec<Slot> = vec![];
+    let stage_of = |slot: Slot, members: &[usize], plan: &Plan| members.iter().position(|&m| plan.kernels[m].out == slot);
+    let mut stage = |plan: &Plan, c: usize, op: Option<ReduceOp>| -> Option<RowStage> {
+        let (e, shape) = expr_of(&plan.kernels[c])?;
+        let mut expr = e.clone();
+        let mut from = vec![];
+        for (li, l) in expr.loads.iter_mut().enumerate() {
+            let slot = plan.kernels[c].inputs[l.input];
+            if let Some(s) = stage_of(slot, &members, plan) {
+                from.push((li, s));
+                l.input = 0;
+            } else {
+                l.input = match inputs.iter().position(|&x| x == slot) {
+                    Some(p) => p,
+                    None => {
+                        inputs.push(slot);
+                        inputs.len() - 1
+                    }
+                };
+            }
+        }
+        Some(RowStage { op, expr, shape: shape.to_vec(), from, dtype: plan.kernels[c].dtype })
+    };
+    let mut stages = vec![];
+    for &m in &members {
+        let op = match &plan.kernels[m].kind {
+            KernelKind::Reduce { op, .. } => Some(*op),
+            _ => None,
+        };
+        stages.push(stage(plan, m, op)?);
+    }
+    let out = stage(plan, k, None)?;
+    let mut ops = vec![];
+    for &m in &members {
+        ops.extend(plan.kernels[m].ops.iter().copied());
+    }
+    let e = &plan.kernels[k];
+    ops.extend(e.ops.iter().copied());
+    let fused = Kernel { kind: KernelKind::Rows { outer, inner, stages, out }, inputs, out: e.out, dtype: e.dtype, numel: e.numel, ops };
+    plan.kernels[k] = fused;
+    for &m in members.iter().rev() {
+        plan.kernels.remove(m);
+    }
+    Some(k - members.len())
 }
