@@ -474,7 +474,7 @@ fn row_wise_work_runs_in_one_kernel_and_matches_cpu() {
     let mut rng = Rng::new(21);
     // A thread per row (short rows), 64- and 256-wide workgroups per row.
     // (Rows of at most 8 are unrolled into elementwise code instead.)
-    for dims in [[300, 19], [37, 50], [5, 3001]] {
+    for dims in [[300, 19], [37, 50], [40, 700], [5, 3001]] {
         let x = randn(&mut rng, &dims, DType::F32).mul(3.0).unwrap();
         let n = dims[1];
         let g = randn(&mut rng, &[n], DType::F32);

@@ -41,7 +41,11 @@ impl Caps {
 
 /// Submissions allowed in flight before the host waits for the oldest, so a
 /// loop that never reads cannot queue unbounded work (and memory).
-const MAX_IN_FLIGHT: usize = 8;
+/// `VOLTAIC_MAX_IN_FLIGHT` overrides it (for measurements).
+fn max_in_flight() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("VOLTAIC_MAX_IN_FLIGHT").ok().and_then(|v| v.parse().ok()).filter(|&n| n >= 1).unwrap_or(8))
+}
 
 /// An open wgpu device with everything Voltaic keeps per device.
 pub(crate) struct GpuContext {
@@ -299,7 +303,7 @@ impl GpuContext {
         self.submissions.fetch_add(1, Ordering::Relaxed);
         let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         q.push_back(idx.clone());
-        if q.len() > MAX_IN_FLIGHT {
+        if q.len() > max_in_flight() {
             let oldest = q.pop_front().expect("non-empty");
             drop(q);
             self.wait(Some(oldest))?;

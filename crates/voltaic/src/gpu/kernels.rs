@@ -319,26 +319,36 @@ impl Gen<'_> {
         let wg: u32 = if threaded || inner > 2048 { WG } else { 64 };
         let mut b = String::new();
         if threaded {
-            let _ = writeln!(b, "    let row = group * {wg}u + lid;
-    if (row >= {outer}u) {{ return; }}");
+            let _ = writeln!(b, "    let row = group * {wg}u + lid;\n    if (row >= {outer}u) {{ return; }}");
         } else {
             // `row` is uniform across the workgroup, so the barriers below are too.
-            let _ = writeln!(b, "    let row = group;
-    if (row >= {outer}u) {{ return; }}");
+            let _ = writeln!(b, "    let row = group;\n    if (row >= {outer}u) {{ return; }}");
             sh.decl(&format!("var<workgroup> sv: array<f32, {wg}>;"));
         }
         let (j0, step) = if threaded { ("0u", 1) } else { ("lid", wg) };
+        // `unroll` elements per thread and trip: that many loads in flight.
+        let unroll: u32 = if !threaded && inner as u32 >= 4 * wg { PER } else { 1 };
         let values = |st: &RowStage| -> Vec<(usize, String)> { st.from.iter().map(|&(l, s)| (l, format!("st{s}"))).collect() };
+        // The loop over a row's elements: `body(u)` sees `l`, the element's linear index.
+        let over_row = |b: &mut String, sh: &mut Shader, st: &RowStage, emit: &dyn Fn(u32, &str) -> String| -> Result<()> {
+            let _ = writeln!(b, "    for (var j = {j0}; j < {inner}u; j = j + {}u) {{", step * unroll);
+            for u in 0..unroll {
+                let _ = writeln!(b, "    {{\n    let jj = j + {}u;\n    if (jj < {inner}u) {{\n    let l = row * {inner}u + jj;", step * u);
+                let mut ix = Indexer::new(&st.shape, "l");
+                let v = super::codegen::emit_expr_with(b, sh, &mut ix, &st.expr, &values(st))?;
+                let _ = writeln!(b, "    {}\n    }}\n    }}", emit(u, &v));
+            }
+            let _ = writeln!(b, "    }}");
+            Ok(())
+        };
         for (s, st) in stages.iter().enumerate() {
             let ty = compute_ty(st.dtype);
-            let _ = writeln!(b, "    var st{s}: {ty};
-    {{");
+            let _ = writeln!(b, "    var st{s}: {ty};\n    {{");
             let Some(op) = st.op else {
                 let _ = writeln!(b, "    let l = row;");
                 let mut ix = Indexer::new(&st.shape, "l");
                 let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, &st.expr, &values(st))?;
-                let _ = writeln!(b, "    st{s} = {};
-    }}", cast(st.expr.dtype(), st.dtype, &v));
+                let _ = writeln!(b, "    st{s} = {};\n    }}", cast(st.expr.dtype(), st.dtype, &v));
                 continue;
             };
             let r = Reduction { op, adt: DType::F32, vdt: st.expr.dtype(), out: st.dtype };
@@ -346,44 +356,31 @@ impl Gen<'_> {
                 ReduceOp::Sum => format!("{a} = {a} + {v};"),
                 ReduceOp::Prod => format!("{a} = {a} * {v};"),
                 // NaN wins, as in the other reductions: once the accumulator is NaN it stays.
-                ReduceOp::Max => format!("{{ let vv = {v}; if (vv > {a} || isnan_(vv)) {{ if (!isnan_({a})) {{ {a} = vv; }} }} }}"),
-                _ => format!("{{ let vv = {v}; if (vv < {a} || isnan_(vv)) {{ if (!isnan_({a})) {{ {a} = vv; }} }} }}"),
+                ReduceOp::Max => format!("{{ let vv = {v}; if ((vv > {a} || isnan_(vv)) && !isnan_({a})) {{ {a} = vv; }} }}"),
+                _ => format!("{{ let vv = {v}; if ((vv < {a} || isnan_(vv)) && !isnan_({a})) {{ {a} = vv; }} }}"),
             };
-            let _ = writeln!(b, "    var acc: f32 = {};", r.identity());
-            let _ = writeln!(b, "    for (var j = {j0}; j < {inner}u; j = j + {step}u) {{
-    let l = row * {inner}u + j;");
-            let mut ix = Indexer::new(&st.shape, "l");
-            let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, &st.expr, &values(st))?;
-            let _ = writeln!(b, "    {}
-    }}", fold("acc", &cast(st.expr.dtype(), DType::F32, &v)));
+            for u in 0..unroll {
+                let _ = writeln!(b, "    var acc{u}: f32 = {};", r.identity());
+            }
+            let vdt = st.expr.dtype();
+            over_row(&mut b, &mut sh, st, &|u, v| fold(&format!("acc{u}"), &cast(vdt, DType::F32, v)))?;
+            let _ = writeln!(b, "    var acc = acc0;");
+            for u in 1..unroll {
+                let _ = writeln!(b, "    {}", fold("acc", &format!("acc{u}")));
+            }
             if !threaded {
-                let _ = writeln!(b, "    sv[lid] = acc;
-    workgroupBarrier();");
+                let _ = writeln!(b, "    sv[lid] = acc;\n    workgroupBarrier();");
                 let _ = writeln!(
                     b,
-                    "    for (var w = {}u; w > 0u; w = w >> 1u) {{
-        if (lid < w) {{
-            var x = sv[lid];
-            {}
-            sv[lid] = x;
-        }}
-        workgroupBarrier();
-    }}
-    acc = sv[0];
-    workgroupBarrier();",
+                    "    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if (lid < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    acc = sv[0];\n    workgroupBarrier();",
                     wg / 2,
                     fold("x", "sv[lid + w]")
                 );
             }
-            let _ = writeln!(b, "    st{s} = {};
-    }}", r.finish("acc", "0u"));
+            let _ = writeln!(b, "    st{s} = {};\n    }}", r.finish("acc", "0u"));
         }
-        let _ = writeln!(b, "    for (var j = {j0}; j < {inner}u; j = j + {step}u) {{
-    let l = row * {inner}u + j;");
-        let mut ix = Indexer::new(&out.shape, "l");
-        let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, &out.expr, &values(out))?;
-        let _ = writeln!(b, "    st_out(l, {});
-    }}", cast(out.expr.dtype(), self.out.0, &v));
+        let (odt, edt) = (self.out.0, out.expr.dtype());
+        over_row(&mut b, &mut sh, out, &|_, v| format!("st_out(l, {});", cast(edt, odt, v)))?;
         let groups = if threaded { groups(outer, wg) } else { outer as u64 };
         Ok(sh.finish(format!("rows {outer}x{inner} ({} stages)", stages.len()), wg, groups, &b))
     }
