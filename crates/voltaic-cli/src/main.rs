@@ -42,6 +42,12 @@ enum Command {
 }
 
 fn main() {
+    // Without XDG_RUNTIME_DIR (a headless machine, a container), the GL/EGL
+    // probe of adapter enumeration prints an error line for every attempt;
+    // a temporary directory quiets it. Set before any thread starts.
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
+    }
     let cli = Cli::parse();
     let res = match cli.command {
         Command::Devices { json } => devices::run(json),
