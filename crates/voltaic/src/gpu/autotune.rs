@@ -41,6 +41,7 @@ fn plan_text(p: &Plan) -> String {
         Plan::Tiled(t) => format!("tiled {} {} {} {} {}", t.bm, t.bn, t.bk, t.tm, t.tn),
         Plan::Columns { splits } => format!("columns {splits}"),
         Plan::Coop => "coop".into(),
+        Plan::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}", t.bm, t.bn, t.bk, t.tm, t.tn),
     }
 }
 
@@ -53,6 +54,7 @@ fn parse_line(line: &str) -> Option<(Key, Plan)> {
         "tiled" => Plan::Tiled(Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?)),
         "columns" => Plan::Columns { splits: num(8)? },
         "coop" => Plan::Coop,
+        "splitk" => Plan::SplitK { tile: Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?), splits: num(13)?.max(1) },
         _ => return None,
     };
     Some((key, plan))
@@ -155,6 +157,17 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Plan) -> Vec<Plan> {
             c.push(Plan::Tiled(*t));
         }
     }
+    // Too few output tiles to fill the GPU and a long inner dim: split it.
+    for t in [TILES[4], TILES[6]] {
+        let tiles = key.batch * key.m.div_ceil(t.bm) * key.n.div_ceil(t.bn);
+        if tiles < 128 {
+            for s in [2, 4, 8, 16] {
+                if key.k / s >= 64 && tiles * s <= 1024 {
+                    c.push(Plan::SplitK { tile: t, splits: s });
+                }
+            }
+        }
+    }
     if key.m <= 8 && key.b_nfast {
         for s in [1, 4, 16, 64, 256] {
             if s == 1 || key.k / s >= 16 {
@@ -177,32 +190,44 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     }
     ctx.submit(enc.finish())?;
     let out = alloc(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(k.dtype))?;
-    let mut best = (f64::INFINITY, default);
     // An epilogue (bias, GELU) may read constants: bind the kernel's own.
     let (_, consts) = super::exec::split_consts(&k.kind);
+    let mut runs = vec![];
     for plan in candidates(ctx, key, default) {
         let compiled = super::exec::compile(ctx, k, inputs, Some(plan))?;
         let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw(), &consts)?;
-        let run = |reps: usize| -> Result<f64> {
-            let mut enc = ctx.device.create_command_encoder(&Default::default());
-            {
-                let mut pass = enc.begin_compute_pass(&Default::default());
-                for _ in 0..reps {
-                    for e in &encoded {
-                        super::exec::dispatch(&mut pass, e);
-                    }
+        runs.push((plan, encoded, f64::INFINITY, 0usize));
+    }
+    let time = |encoded: &[super::exec::Encoded], reps: usize| -> Result<f64> {
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            for _ in 0..reps {
+                for e in encoded {
+                    super::exec::dispatch(&mut pass, e);
                 }
             }
-            let t = Instant::now();
-            let idx = ctx.submit(enc.finish())?;
-            ctx.wait(Some(idx))?;
-            Ok(t.elapsed().as_secs_f64() / reps as f64)
-        };
-        let first = run(1)?;
-        let reps = ((0.01 / first.max(1e-6)) as usize).clamp(2, 200);
-        let t = run(reps)?.min(run(reps)?);
-        if t < best.0 {
-            best = (t, plan);
+        }
+        let t = Instant::now();
+        let idx = ctx.submit(enc.finish())?;
+        ctx.wait(Some(idx))?;
+        Ok(t.elapsed().as_secs_f64() / reps as f64)
+    };
+    for r in runs.iter_mut() {
+        let first = time(&r.1, 1)?;
+        r.3 = ((0.01 / first.max(1e-6)) as usize).clamp(2, 200);
+    }
+    // Rounds over every candidate, each keeping its best time: a clock that
+    // ramps or a neighbour's burst during one candidate's turn does not decide.
+    for _ in 0..3 {
+        for r in runs.iter_mut() {
+            r.2 = r.2.min(time(&r.1, r.3)?);
+        }
+    }
+    let mut best = (f64::INFINITY, default);
+    for r in &runs {
+        if r.2 < best.0 {
+            best = (r.2, r.0);
         }
     }
     ctx.clear_in_flight();

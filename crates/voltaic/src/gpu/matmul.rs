@@ -51,6 +51,10 @@ pub(crate) enum Plan {
     /// f16 on tensor cores: 128x128 tiles, 8 subgroups of 32 each computing
     /// 64x32 with 16x16x16 cooperative matrices, f32 accumulation.
     Coop,
+    /// Tiles whose inner dim is cut into `splits` chunks, each its own
+    /// workgroup, then a pass that adds the partial products: small outputs
+    /// with a long inner dim (a Linear layer on a small batch) fill the GPU.
+    SplitK { tile: Tile, splits: usize },
 }
 
 /// The kernel for a problem when nothing better is known: big tiles when
@@ -84,7 +88,8 @@ impl Gen<'_> {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn matmul(&self, p: &mut Program, a: &View, b: &View, m: usize, k: usize, n: usize, plan: Plan, epi: Option<&Epilogue>) -> Result<()> {
         match plan {
-            Plan::Tiled(t) => p.dispatches.push(self.matmul_tiled(a, b, m, k, n, t, epi)?),
+            Plan::Tiled(t) => self.matmul_tiled(p, a, b, m, k, n, t, 1, epi)?,
+            Plan::SplitK { tile, splits } => self.matmul_tiled(p, a, b, m, k, n, tile, splits, epi)?,
             Plan::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
             Plan::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi)?),
         }
@@ -213,12 +218,12 @@ impl Gen<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn matmul_tiled(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, t: Tile, epi: Option<&Epilogue>) -> Result<Dispatch> {
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_tiled(&self, p: &mut Program, a: &View, bv: &View, m: usize, k: usize, n: usize, t: Tile, splits: usize, epi: Option<&Epilogue>) -> Result<()> {
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
-        self.bind_out(&mut sh);
-        self.epilogue(&mut sh, epi)?;
         let ct = compute_ty(self.out.0);
+        let acc_dt = if ct == "f32" { DType::F32 } else { self.out.0 };
         let zero = literal(0.0, self.out.0);
         let (la, lb) = (&a.layout, &bv.layout);
         let r = la.dims().len();
@@ -227,7 +232,17 @@ impl Gen<'_> {
         let Tile { bm, bn, bk, tm, tn } = t;
         let threads = t.threads();
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
-        let total = batch * tiles_m * tiles_n;
+        // Each split covers a whole number of k-steps.
+        let chunk = k.div_ceil(splits).div_ceil(bk) * bk;
+        let total = batch * splits * tiles_m * tiles_n;
+        let direct = splits == 1;
+        if direct {
+            self.bind_out(&mut sh);
+            self.epilogue(&mut sh, epi)?;
+        } else {
+            sh.array(Src::Scratch(p.scratch.len()), "part", acc_dt, batch * splits * m * n, true);
+            p.scratch.push((acc_dt, batch * splits * m * n));
+        }
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
         let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
         // Which global loads are coalesced: walk the contiguous dim fastest.
@@ -246,7 +261,9 @@ impl Gen<'_> {
         let tx_n = bn / tn;
         let (rg, cg) = (tm / 4, tn / 4);
         let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
-        let _ = writeln!(s, "    let z = group / {}u;\n    let rest = group % {}u;", tiles_m * tiles_n, tiles_m * tiles_n);
+        let _ = writeln!(s, "    let z = group / {}u;\n    let rest = group % {}u;", splits * tiles_m * tiles_n, tiles_m * tiles_n);
+        let _ = writeln!(s, "    let ks = (group / {}u) % {splits}u;", tiles_m * tiles_n);
+        let _ = writeln!(s, "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);");
         let _ = writeln!(s, "    let row0 = (rest / {tiles_n}u) * {bm}u;\n    let col0 = (rest % {tiles_n}u) * {bn}u;");
         let zd = unravel(&mut s, &mut sh, "z", bdims);
         let _ = writeln!(s, "    let abase = {};\n    let bbase = {};", batch_offset(&zd, la), batch_offset(&zd, lb));
@@ -274,14 +291,14 @@ impl Gen<'_> {
             for i in 0..na {
                 let _ = writeln!(
                     s,
-                    "    ra{i} = {zero};\n    if (arok{i} && {kt} + ak{i} < {k}u) {{ ra{i} = ld_in{ai}(abase + (row0 + ar{i}) * {sam}u + ({kt} + ak{i}) * {sak}u); }}",
+                    "    ra{i} = {zero};\n    if (arok{i} && {kt} + ak{i} < k1) {{ ra{i} = ld_in{ai}(abase + (row0 + ar{i}) * {sam}u + ({kt} + ak{i}) * {sak}u); }}",
                     ai = a.input
                 );
             }
             for i in 0..nb {
                 let _ = writeln!(
                     s,
-                    "    rb{i} = {zero};\n    if (bcok{i} && {kt} + bk{i} < {k}u) {{ rb{i} = ld_in{bi}(bbase + ({kt} + bk{i}) * {sbk}u + (col0 + bc{i}) * {sbn}u); }}",
+                    "    rb{i} = {zero};\n    if (bcok{i} && {kt} + bk{i} < k1) {{ rb{i} = ld_in{bi}(bbase + ({kt} + bk{i}) * {sbk}u + (col0 + bc{i}) * {sbn}u); }}",
                     bi = bv.input
                 );
             }
@@ -292,16 +309,15 @@ impl Gen<'_> {
         for i in 0..nb {
             let _ = writeln!(s, "    var rb{i}: {ct};");
         }
-        load(&mut s, "0u");
-        let steps = k.div_ceil(bk);
-        let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
+        load(&mut s, "k0");
+        let _ = writeln!(s, "    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{");
         for i in 0..na {
             let _ = writeln!(s, "    As[ak{i} * {sa}u + ar{i} / 4u][ar{i} % 4u] = ra{i};");
         }
         for i in 0..nb {
             let _ = writeln!(s, "    Bs[bk{i} * {sb}u + bc{i} / 4u][bc{i} % 4u] = rb{i};");
         }
-        let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {}u) {{", steps * bk);
+        let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < k1) {{");
         load(&mut s, &format!("(kt + {bk}u)"));
         let _ = writeln!(s, "    }}");
         for kk in 0..bk {
@@ -329,17 +345,26 @@ impl Gen<'_> {
                     for q in 0..4 {
                         let _ = writeln!(
                             s,
-                            "    {{ let gj = col0 + {}u + tx * 4u; if (gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {})); }} }}",
+                            "    {{ let gj = col0 + {}u + tx * 4u; if (gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; {} }} }}",
                             h * (bn / cg) + q,
                             m * n,
-                            format!("c{g}_{rr}_{h}[{q}]")
+                            if direct {
+                                format!("st_out(o, epi(o, c{g}_{rr}_{h}[{q}]));")
+                            } else {
+                                format!("st_part((z * {splits}u + ks) * {}u + o % {}u, c{g}_{rr}_{h}[{q}]);", m * n, m * n)
+                            }
                         );
                     }
                 }
                 let _ = writeln!(s, "    }}\n    }}");
             }
         }
-        Ok(sh.finish(format!("matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}"), threads as u32, total as u64, &s))
+        let split = if direct { String::new() } else { format!(" in {splits} splits") };
+        p.dispatches.push(sh.finish(format!("matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}{split}"), threads as u32, total as u64, &s));
+        if !direct {
+            p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
+        }
+        Ok(())
     }
 
     /// Few rows: a thread per output column, the inner dim cut into `splits`
@@ -377,7 +402,20 @@ impl Gen<'_> {
         for i in 0..m {
             let _ = writeln!(s, "    var acc{i}: {ct} = {zero};");
         }
-        let _ = writeln!(s, "    for (var q = k0; q < k1; q = q + 1u) {{\n    let bq = ld_in{}(bbase + q * {sbk}u);", bv.input);
+        // Four steps of k per trip, their loads issued together: a thread per
+        // column has no other way to keep enough bytes in flight (gemv is
+        // bound by memory). Then the remainder, one step at a time.
+        let _ = writeln!(s, "    var q = k0;\n    for (; q + 4u <= k1; q = q + 4u) {{");
+        for u in 0..4 {
+            let _ = writeln!(s, "    let b{u} = ld_in{}(bbase + (q + {u}u) * {sbk}u);", bv.input);
+        }
+        for i in 0..m {
+            for u in 0..4 {
+                let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + (q + {u}u) * {sak}u) * b{u};", a.input, i * sam);
+            }
+        }
+        let _ = writeln!(s, "    }}");
+        let _ = writeln!(s, "    for (; q < k1; q = q + 1u) {{\n    let bq = ld_in{}(bbase + q * {sbk}u);", bv.input);
         for i in 0..m {
             let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + q * {sak}u) * bq;", a.input, i * sam);
         }
@@ -393,9 +431,18 @@ impl Gen<'_> {
         if direct {
             return Ok(());
         }
-        // Second pass: add the partial sums of each output, in split order.
+        p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
+        Ok(())
+    }
+
+    /// Second pass of a split product: add the partial sums in scratch buffer
+    /// `scratch` (`[batch, splits, m, n]`) in split order, then the epilogue.
+    fn split_sum(&self, scratch: usize, batch: usize, m: usize, n: usize, splits: usize, epi: Option<&Epilogue>) -> Result<Dispatch> {
+        let ct = compute_ty(self.out.0);
+        let acc_dt = if ct == "f32" { DType::F32 } else { self.out.0 };
+        let zero = literal(0.0, self.out.0);
         let mut sh = Shader::new(self.caps);
-        sh.array(Src::Scratch(0), "part", acc_dt, batch * splits * m * n, false);
+        sh.array(Src::Scratch(scratch), "part", acc_dt, batch * splits * m * n, false);
         self.bind_out(&mut sh);
         self.epilogue(&mut sh, epi)?;
         let outs = batch * m * n;
@@ -403,8 +450,7 @@ impl Gen<'_> {
         let _ = writeln!(s, "    let z = o / {}u;\n    let rest = o % {}u;\n    var acc: {ct} = {zero};", m * n, m * n);
         let _ = writeln!(s, "    for (var ks = 0u; ks < {splits}u; ks = ks + 1u) {{ acc = acc + ld_part((z * {splits}u + ks) * {}u + rest); }}", m * n);
         let _ = writeln!(s, "    st_out(o, epi(o, acc));");
-        p.dispatches.push(sh.finish("matmul_columns_sum".into(), 256, (outs as u64).div_ceil(256), &s));
-        Ok(())
+        Ok(sh.finish("matmul_split_sum".into(), 256, (outs as u64).div_ceil(256), &s))
     }
 }
 
@@ -451,6 +497,25 @@ mod tests {
                 }
             }
             check(Plan::Tiled(tile), &[9, 20], &[20, 11], false, false, DType::I32);
+        }
+        for (tile, splits) in [(TILES[6], 2), (TILES[4], 3), (TILES[0], 5)] {
+            let plan = Plan::SplitK { tile, splits };
+            check(plan, &[130, 300], &[300, 70], false, false, DType::F32);
+            check(plan, &[2, 33, 170], &[2, 170, 40], true, true, DType::F32);
+            check(plan, &[9, 100], &[100, 11], false, false, DType::I32);
+        }
+        // Split products apply the epilogue in their second pass.
+        for plan in [Plan::SplitK { tile: TILES[6], splits: 3 }, Plan::Columns { splits: 4 }] {
+            let a = Tensor::randn(&[3, 150], DType::F32, Device::Cpu).unwrap();
+            let b = Tensor::randn(&[150, 37], DType::F32, Device::Cpu).unwrap();
+            let f = |a: &Tensor, b: &Tensor| a.matmul(b).unwrap().add(0.25).unwrap().gelu().unwrap();
+            let want = f(&a, &b).to_f64_vec().unwrap();
+            FORCE.with(|c| c.set(Some(plan)));
+            let got = f(&a.to_device(Device::Gpu(0)).unwrap(), &b.to_device(Device::Gpu(0)).unwrap()).to_f64_vec();
+            FORCE.with(|c| c.set(None));
+            for (g, w) in got.unwrap().iter().zip(&want) {
+                assert!((g - w).abs() < 1e-4 * (1.0 + w.abs()), "{plan:?} with an epilogue: {g} vs {w}");
+            }
         }
         for splits in [1, 3, 8] {
             check(Plan::Columns { splits }, &[1, 300], &[300, 517], false, false, DType::F32);
