@@ -38,10 +38,10 @@ impl Key {
 
 fn plan_text(p: &Plan) -> String {
     match p {
-        Plan::Tiled(t) => format!("tiled {} {} {} {} {}", t.bm, t.bn, t.bk, t.tm, t.tn),
+        Plan::Tiled(t) => format!("tiled {} {} {} {} {}{}", t.bm, t.bn, t.bk, t.tm, t.tn, if t.double { " double" } else { "" }),
         Plan::Columns { splits } => format!("columns {splits}"),
         Plan::Coop => "coop".into(),
-        Plan::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}", t.bm, t.bn, t.bk, t.tm, t.tn),
+        Plan::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, if t.double { " double" } else { "" }),
     }
 }
 
@@ -49,12 +49,13 @@ fn parse_line(line: &str) -> Option<(Key, Plan)> {
     let w: Vec<&str> = line.split_whitespace().collect();
     let num = |i: usize| w.get(i)?.parse::<usize>().ok();
     let dtype = crate::dtype::DType::ALL.into_iter().find(|d| Some(&d.name()) == w.get(6))?;
+    let double = w.last() == Some(&"double");
     let key = Key { batch: num(0)?, m: num(1)?, k: num(2)?, n: num(3)?, a_kfast: num(4)? == 1, b_nfast: num(5)? == 1, dtype };
     let plan = match *w.get(7)? {
-        "tiled" => Plan::Tiled(Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?)),
+        "tiled" => Plan::Tiled(Tile { double, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }),
         "columns" => Plan::Columns { splits: num(8)? },
         "coop" => Plan::Coop,
-        "splitk" => Plan::SplitK { tile: Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?), splits: num(13)?.max(1) },
+        "splitk" => Plan::SplitK { tile: Tile { double, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
         _ => return None,
     };
     Some((key, plan))
@@ -152,7 +153,7 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Plan) -> Vec<Plan> {
     }
     for t in TILES {
         let threads = (t.bm / t.tm) * (t.bn / t.tn);
-        let shared = t.bk * (t.bm + t.bn + 8) * 4;
+        let shared = t.shared_bytes();
         if threads as u32 <= 1024 && shared as u32 <= ctx.caps.workgroup_storage {
             c.push(Plan::Tiled(*t));
         }

@@ -12,7 +12,9 @@ use crate::layout::Layout;
 use std::fmt::Write;
 
 /// A tiled kernel's shape: `bm` x `bn` outputs per workgroup, `bk` of the
-/// inner dim per step, `tm` x `tn` outputs per thread.
+/// inner dim per step, `tm` x `tn` outputs per thread; `double`: two shared
+/// tiles, so the next step's tile is stored while this one is read and each
+/// step needs one barrier instead of two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Tile {
     pub bm: usize,
@@ -20,11 +22,19 @@ pub(crate) struct Tile {
     pub bk: usize,
     pub tm: usize,
     pub tn: usize,
+    pub double: bool,
 }
 
 impl Tile {
     pub(crate) const fn new(bm: usize, bn: usize, bk: usize, tm: usize, tn: usize) -> Tile {
-        Tile { bm, bn, bk, tm, tn }
+        Tile { bm, bn, bk, tm, tn, double: false }
+    }
+    pub(crate) const fn double(bm: usize, bn: usize, bk: usize, tm: usize, tn: usize) -> Tile {
+        Tile { bm, bn, bk, tm, tn, double: true }
+    }
+    /// Bytes of workgroup memory the kernel declares.
+    pub(crate) fn shared_bytes(&self) -> usize {
+        self.bk * (self.bm + self.bn + 8) * 4 * if self.double { 2 } else { 1 }
     }
     fn threads(&self) -> usize {
         (self.bm / self.tm) * (self.bn / self.tn)
@@ -40,6 +50,9 @@ pub(crate) const TILES: &[Tile] = &[
     Tile::new(64, 64, 16, 4, 4),
     Tile::new(64, 64, 8, 4, 4),
     Tile::new(32, 32, 16, 4, 4),
+    Tile::double(128, 128, 8, 8, 8),
+    Tile::double(128, 128, 16, 8, 8),
+    Tile::double(64, 64, 16, 4, 4),
 ];
 
 /// Which kernel a matmul uses.
@@ -229,7 +242,7 @@ impl Gen<'_> {
         let r = la.dims().len();
         let bdims = &la.dims()[..r - 2];
         let batch: usize = bdims.iter().product();
-        let Tile { bm, bn, bk, tm, tn } = t;
+        let Tile { bm, bn, bk, tm, tn, double } = t;
         let threads = t.threads();
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
         // Each split covers a whole number of k-steps.
@@ -252,10 +265,11 @@ impl Gen<'_> {
         // vec4 when the stores walk k fastest, against bank conflicts.
         let sa = bm / 4 + a_kfast as usize;
         let sb = bn / 4 + (!b_nfast) as usize;
+        let bufs = if double { 2 } else { 1 };
         sh.decl(&format!(
             "var<workgroup> As: array<vec4<{ct}>, {}>;\nvar<workgroup> Bs: array<vec4<{ct}>, {}>;",
-            bk * sa,
-            bk * sb
+            bufs * bk * sa,
+            bufs * bk * sb
         ));
         let (na, nb) = (bm * bk / threads, bn * bk / threads);
         let tx_n = bn / tn;
@@ -310,32 +324,53 @@ impl Gen<'_> {
             let _ = writeln!(s, "    var rb{i}: {ct};");
         }
         load(&mut s, "k0");
-        let _ = writeln!(s, "    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{");
-        for i in 0..na {
-            let _ = writeln!(s, "    As[ak{i} * {sa}u + ar{i} / 4u][ar{i} % 4u] = ra{i};");
-        }
-        for i in 0..nb {
-            let _ = writeln!(s, "    Bs[bk{i} * {sb}u + bc{i} / 4u][bc{i} % 4u] = rb{i};");
-        }
-        let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < k1) {{");
-        load(&mut s, &format!("(kt + {bk}u)"));
-        let _ = writeln!(s, "    }}");
-        for kk in 0..bk {
-            for g in 0..rg {
-                let _ = writeln!(s, "    let a{kk}_{g} = As[{}u + ty];", kk * sa + g * (bm / rg) / 4);
+        // Register tiles into shared tile `base` (a WGSL expression).
+        let store = |s: &mut String, base_a: &str, base_b: &str| {
+            for i in 0..na {
+                let _ = writeln!(s, "    As[{base_a} + ak{i} * {sa}u + ar{i} / 4u][ar{i} % 4u] = ra{i};");
             }
-            for h in 0..cg {
-                let _ = writeln!(s, "    let b{kk}_{h} = Bs[{}u + tx];", kk * sb + h * (bn / cg) / 4);
+            for i in 0..nb {
+                let _ = writeln!(s, "    Bs[{base_b} + bk{i} * {sb}u + bc{i} / 4u][bc{i} % 4u] = rb{i};");
             }
-            for g in 0..rg {
-                for rr in 0..4 {
-                    for h in 0..cg {
-                        let _ = writeln!(s, "    c{g}_{rr}_{h} = c{g}_{rr}_{h} + a{kk}_{g}[{rr}] * b{kk}_{h};");
+        };
+        // One step's products from shared tile `base`.
+        let compute = |s: &mut String, base_a: &str, base_b: &str| {
+            for kk in 0..bk {
+                for g in 0..rg {
+                    let _ = writeln!(s, "    let a{kk}_{g} = As[{base_a} + {}u + ty];", kk * sa + g * (bm / rg) / 4);
+                }
+                for h in 0..cg {
+                    let _ = writeln!(s, "    let b{kk}_{h} = Bs[{base_b} + {}u + tx];", kk * sb + h * (bn / cg) / 4);
+                }
+                for g in 0..rg {
+                    for rr in 0..4 {
+                        for h in 0..cg {
+                            let _ = writeln!(s, "    c{g}_{rr}_{h} = c{g}_{rr}_{h} + a{kk}_{g}[{rr}] * b{kk}_{h};");
+                        }
                     }
                 }
             }
+        };
+        if double {
+            store(&mut s, "0u", "0u");
+            let _ = writeln!(s, "    workgroupBarrier();\n    var cur = 0u;");
+            let _ = writeln!(s, "    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{\n    let more = kt + {bk}u < k1;\n    if (more) {{");
+            load(&mut s, &format!("(kt + {bk}u)"));
+            let _ = writeln!(s, "    }}\n    let oa = cur * {}u;\n    let ob = cur * {}u;", bk * sa, bk * sb);
+            compute(&mut s, "oa", "ob");
+            // The other tile was last read before the previous barrier: safe to fill.
+            let _ = writeln!(s, "    if (more) {{");
+            store(&mut s, &format!("({}u - oa)", bk * sa), &format!("({}u - ob)", bk * sb));
+            let _ = writeln!(s, "    }}\n    workgroupBarrier();\n    cur = 1u - cur;\n    }}");
+        } else {
+            let _ = writeln!(s, "    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{");
+            store(&mut s, "0u", "0u");
+            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < k1) {{");
+            load(&mut s, &format!("(kt + {bk}u)"));
+            let _ = writeln!(s, "    }}");
+            compute(&mut s, "0u", "0u");
+            let _ = writeln!(s, "    workgroupBarrier();\n    }}");
         }
-        let _ = writeln!(s, "    workgroupBarrier();\n    }}");
         // Epilogue: bounds-checked stores, rounded to the output dtype.
         for g in 0..rg {
             for rr in 0..4 {
@@ -360,7 +395,7 @@ impl Gen<'_> {
             }
         }
         let split = if direct { String::new() } else { format!(" in {splits} splits") };
-        p.dispatches.push(sh.finish(format!("matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}{split}"), threads as u32, total as u64, &s));
+        p.dispatches.push(sh.finish(format!("matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}{}{split}", if double { " double" } else { "" }), threads as u32, total as u64, &s));
         if !direct {
             p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
         }
@@ -498,7 +533,7 @@ mod tests {
             }
             check(Plan::Tiled(tile), &[9, 20], &[20, 11], false, false, DType::I32);
         }
-        for (tile, splits) in [(TILES[6], 2), (TILES[4], 3), (TILES[0], 5)] {
+        for (tile, splits) in [(TILES[6], 2), (TILES[4], 3), (TILES[0], 5), (TILES[TILES.len() - 1], 3)] {
             let plan = Plan::SplitK { tile, splits };
             check(plan, &[130, 300], &[300, 70], false, false, DType::F32);
             check(plan, &[2, 33, 170], &[2, 170, 40], true, true, DType::F32);
