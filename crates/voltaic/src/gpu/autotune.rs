@@ -195,7 +195,17 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     let (_, consts) = super::exec::split_consts(&k.kind);
     let mut runs = vec![];
     for plan in candidates(ctx, key, default) {
-        let compiled = super::exec::compile(ctx, k, inputs, Some(plan))?;
+        // A candidate the driver refuses is skipped; only the default must compile.
+        let compiled = match super::exec::compile(ctx, k, inputs, Some(plan)) {
+            Ok(c) => c,
+            Err(e) if plan != default => {
+                if std::env::var_os("VOLTAIC_AUTOTUNE_LOG").is_some() {
+                    eprintln!("voltaic autotune: {} skipped: {e}", plan_text(&plan));
+                }
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw(), &consts)?;
         runs.push((plan, encoded, f64::INFINITY, 0usize));
     }

@@ -150,24 +150,39 @@ impl Gen<'_> {
         let steps = k.div_ceil(bk);
         let a_kfast = sak == 1;
         let b_nfast = sbn == 1 || sbk != 1;
-        let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
-        // 128x32 of A and 32x128 of B: 16 elements of each per thread.
+        // 128x32 of A and 32x128 of B: 16 elements of each per thread, loaded
+        // into registers one step ahead so their latency hides behind the
+        // tensor-core work of the current step.
+        let mut coords = String::new();
         for q in 0..16 {
             let e = format!("(lid + {}u)", q * 256);
             let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
-            let _ = writeln!(
-                s,
-                "    {{ let ar = {ar}; let ak = {ak}; var x = f16(0.0); if (row0 + ar < {m}u && kt + ak < {k}u) {{ x = f16(ld_in{ai}(abase + (row0 + ar) * {sam}u + (kt + ak) * {sak}u)); }} As[ar * {lda}u + ak] = x; }}",
-                ai = a.input
-            );
             let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
-            let _ = writeln!(
-                s,
-                "    {{ let bc = {bc}; let bk = {bkk}; var y = f16(0.0); if (kt + bk < {k}u && col0 + bc < {n}u) {{ y = f16(ld_in{bi}(bbase + (kt + bk) * {sbk}u + (col0 + bc) * {sbn}u)); }} Bs[bk * {ldb}u + bc] = y; }}",
-                bi = bv.input
-            );
+            let _ = writeln!(coords, "    let ar{q} = {ar};\n    let ak{q} = {ak};\n    let bc{q} = {bc};\n    let bk{q} = {bkk};\n    var ra{q} = f16(0.0);\n    var rb{q} = f16(0.0);");
         }
-        let _ = writeln!(s, "    workgroupBarrier();");
+        s.push_str(&coords);
+        let load = |s: &mut String, kt: &str| {
+            for q in 0..16 {
+                let _ = writeln!(
+                    s,
+                    "    ra{q} = f16(0.0);\n    if (row0 + ar{q} < {m}u && {kt} + ak{q} < {k}u) {{ ra{q} = f16(ld_in{ai}(abase + (row0 + ar{q}) * {sam}u + ({kt} + ak{q}) * {sak}u)); }}",
+                    ai = a.input
+                );
+                let _ = writeln!(
+                    s,
+                    "    rb{q} = f16(0.0);\n    if ({kt} + bk{q} < {k}u && col0 + bc{q} < {n}u) {{ rb{q} = f16(ld_in{bi}(bbase + ({kt} + bk{q}) * {sbk}u + (col0 + bc{q}) * {sbn}u)); }}",
+                    bi = bv.input
+                );
+            }
+        };
+        load(&mut s, "0u");
+        let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
+        for q in 0..16 {
+            let _ = writeln!(s, "    As[ar{q} * {lda}u + ak{q}] = ra{q};\n    Bs[bk{q} * {ldb}u + bc{q}] = rb{q};");
+        }
+        let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {}u) {{", steps * bk);
+        load(&mut s, &format!("(kt + {bk}u)"));
+        let _ = writeln!(s, "    }}");
         for kk in (0..bk).step_by(16) {
             for i in 0..4 {
                 // naga wants the offset bound to a name, not written inside coopLoad.
