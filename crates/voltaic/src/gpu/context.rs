@@ -47,8 +47,15 @@ fn max_in_flight() -> usize {
     *N.get_or_init(|| std::env::var("VOLTAIC_MAX_IN_FLIGHT").ok().and_then(|v| v.parse().ok()).filter(|&n| n >= 1).unwrap_or(8))
 }
 
-/// How long a wait checks the device without blocking before it sleeps.
-const SPIN_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
+/// How long a wait checks the device without blocking before it sleeps
+/// (`VOLTAIC_SPIN_WAIT_US` overrides it; 0 sleeps at once).
+fn spin_wait() -> std::time::Duration {
+    static D: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *D.get_or_init(|| {
+        let us = std::env::var("VOLTAIC_SPIN_WAIT_US").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+        std::time::Duration::from_micros(us)
+    })
+}
 
 /// An open wgpu device with everything Voltaic keeps per device.
 pub(crate) struct GpuContext {
@@ -332,7 +339,7 @@ impl GpuContext {
             let check = wgpu::PollType::Wait { submission_index: idx.clone(), timeout: Some(std::time::Duration::ZERO) };
             match self.device.poll(check) {
                 Ok(_) => return self.check_alive(),
-                Err(wgpu::PollError::Timeout) if start.elapsed() < SPIN_WAIT => std::hint::spin_loop(),
+                Err(wgpu::PollError::Timeout) if start.elapsed() < spin_wait() => std::hint::spin_loop(),
                 Err(wgpu::PollError::Timeout) => break,
                 Err(e) => return Err(Error::Backend(format!("gpu:{}: waiting for the device failed: {e}", self.index))),
             }
