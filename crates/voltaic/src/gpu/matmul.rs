@@ -53,6 +53,11 @@ pub(crate) const TILES: &[Tile] = &[
     Tile::double(128, 128, 8, 8, 8),
     Tile::double(128, 128, 16, 8, 8),
     Tile::double(64, 64, 16, 4, 4),
+    // Fewer barriers per product, or more reuse per workgroup (512 threads).
+    Tile::new(128, 128, 32, 8, 8),
+    Tile::new(128, 256, 8, 8, 8),
+    Tile::new(256, 128, 8, 8, 8),
+    Tile::new(128, 256, 16, 8, 8),
 ];
 
 /// Which kernel a matmul uses.
