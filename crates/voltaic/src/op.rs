@@ -267,11 +267,11 @@ binary!(/// remainder with the sign of the divisor (PyTorch `remainder`, Python 
     grad |a, b, y, g| Ok((g.clone(), g.mul(&a.div(b)?.floor()?)?.neg()?)));
 binary!(/// elementwise maximum; NaN wins, as in PyTorch
     Maximum, "maximum", "select({b}, {a}, {a} > {b} || isnan_({a}))" | "max({a}, {b})", Numeric,
-    |a, b| if a > b || a != a { a } else { b }, int |a, b| if a > b { a } else { b };
+    |a, b| if a > b || a.is_nan() { a } else { b }, int |a, b| if a > b { a } else { b };
     grad |a, b, y, g| split_ties(g, &a.gt(b)?, &a.eq(b)?, &b.gt(a)?));
 binary!(/// elementwise minimum; NaN wins, as in PyTorch
     Minimum, "minimum", "select({b}, {a}, {a} < {b} || isnan_({a}))" | "min({a}, {b})", Numeric,
-    |a, b| if a < b || a != a { a } else { b }, int |a, b| if a < b { a } else { b };
+    |a, b| if a < b || a.is_nan() { a } else { b }, int |a, b| if a < b { a } else { b };
     grad |a, b, y, g| split_ties(g, &a.lt(b)?, &a.eq(b)?, &b.lt(a)?));
 binary!(/// logical and
     And, "logical_and", "({a} && {b})", Bool, |a, _b| a, bool |a, b| a & b;

@@ -30,7 +30,7 @@ pub fn exp_f32(x: f32) -> f32 {
     let v = y * s1 * s2;
     let v = if x > 88.722_84 { f32::INFINITY } else { v };
     let v = if x < -103.972_08 { 0.0 } else { v };
-    if x != x {
+    if x.is_nan() {
         x
     } else {
         v
