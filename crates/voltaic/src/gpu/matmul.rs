@@ -155,39 +155,94 @@ impl Gen<'_> {
         let steps = k.div_ceil(bk);
         let a_kfast = sak == 1;
         let b_nfast = sbn == 1 || sbk != 1;
-        // 128x32 of A and 32x128 of B: 16 elements of each per thread, loaded
-        // into registers one step ahead so their latency hides behind the
-        // tensor-core work of the current step.
-        let mut coords = String::new();
-        for q in 0..16 {
-            let e = format!("(lid + {}u)", q * 256);
-            let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
-            let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
-            let _ = writeln!(coords, "    let ar{q} = {ar};\n    let ak{q} = {ak};\n    let bc{q} = {bc};\n    let bk{q} = {bkk};\n    var ra{q} = f16(0.0);\n    var rb{q} = f16(0.0);");
-        }
-        s.push_str(&coords);
-        let load = |s: &mut String, kt: &str| {
-            for q in 0..16 {
-                let _ = writeln!(
-                    s,
-                    "    ra{q} = f16(0.0);\n    if (row0 + ar{q} < {m}u && {kt} + ak{q} < {k}u) {{ ra{q} = f16(ld_in{ai}(abase + (row0 + ar{q}) * {sam}u + ({kt} + ak{q}) * {sak}u)); }}",
-                    ai = a.input
-                );
-                let _ = writeln!(
-                    s,
-                    "    rb{q} = f16(0.0);\n    if ({kt} + bk{q} < {k}u && col0 + bc{q} < {n}u) {{ rb{q} = f16(ld_in{bi}(bbase + ({kt} + bk{q}) * {sbk}u + (col0 + bc{q}) * {sbn}u)); }}",
-                    bi = bv.input
-                );
+        // Whole tiles of plain row-major operands, 16-byte aligned: each thread
+        // moves 8 halves per load with no bounds checks (the scalar path below
+        // spends more instructions on addresses and checks than the tensor
+        // cores take to multiply).
+        let batch_aligned = |l: &Layout| l.offset() % 8 == 0 && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
+        let fits = |v: &View| (self.inputs[v.input].1 as u64) * 2 <= self.caps.chunk_bytes();
+        let fast = m % bm == 0
+            && n % bn == 0
+            && k % bk == 0
+            && sak == 1
+            && sam % 8 == 0
+            && sbn == 1
+            && sbk % 8 == 0
+            && batch_aligned(la)
+            && batch_aligned(lb)
+            && fits(a)
+            && fits(bv);
+        if fast {
+            sh.bind_raw(Src::Input(a.input), "a8", "array<vec4<u32>>", false);
+            sh.bind_raw(Src::Input(bv.input), "b8", "array<vec4<u32>>", false);
+            // A: 128 rows of 4 vec4s (32 halves); B: 32 rows of 16 vec4s (128 halves).
+            for q in 0..2 {
+                let e = format!("(lid + {}u)", q * 256);
+                let _ = writeln!(s, "    let ar{q} = {e} / 4u;\n    let ak{q} = ({e} % 4u) * 8u;\n    let bk{q} = {e} / 16u;\n    let bc{q} = ({e} % 16u) * 8u;");
+                let _ = writeln!(s, "    var ra{q}: vec4<u32>;\n    var rb{q}: vec4<u32>;");
             }
-        };
-        load(&mut s, "0u");
-        let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
-        for q in 0..16 {
-            let _ = writeln!(s, "    As[ar{q} * {lda}u + ak{q}] = ra{q};\n    Bs[bk{q} * {ldb}u + bc{q}] = rb{q};");
+            let load = |s: &mut String, kt: &str| {
+                for q in 0..2 {
+                    let _ = writeln!(s, "    ra{q} = a8[(abase + (row0 + ar{q}) * {sam}u + {kt} + ak{q}) / 8u];");
+                    let _ = writeln!(s, "    rb{q} = b8[(bbase + ({kt} + bk{q}) * {sbk}u + col0 + bc{q}) / 8u];");
+                }
+            };
+            load(&mut s, "0u");
+            let _ = writeln!(s, "    for (var kt = 0u; kt < {k}u; kt = kt + {bk}u) {{");
+            for q in 0..2 {
+                for w in 0..4 {
+                    let _ = writeln!(
+                        s,
+                        "    {{ let ha = bitcast<vec2<f16>>(ra{q}[{w}]); As[ar{q} * {lda}u + ak{q} + {}u] = ha.x; As[ar{q} * {lda}u + ak{q} + {}u] = ha.y; }}",
+                        2 * w,
+                        2 * w + 1
+                    );
+                    let _ = writeln!(
+                        s,
+                        "    {{ let hb = bitcast<vec2<f16>>(rb{q}[{w}]); Bs[bk{q} * {ldb}u + bc{q} + {}u] = hb.x; Bs[bk{q} * {ldb}u + bc{q} + {}u] = hb.y; }}",
+                        2 * w,
+                        2 * w + 1
+                    );
+                }
+            }
+            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {k}u) {{");
+            load(&mut s, &format!("(kt + {bk}u)"));
+            let _ = writeln!(s, "    }}");
+        } else {
+            // 128x32 of A and 32x128 of B: 16 elements of each per thread, loaded
+            // into registers one step ahead so their latency hides behind the
+            // tensor-core work of the current step.
+            let mut coords = String::new();
+            for q in 0..16 {
+                let e = format!("(lid + {}u)", q * 256);
+                let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
+                let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
+                let _ = writeln!(coords, "    let ar{q} = {ar};\n    let ak{q} = {ak};\n    let bc{q} = {bc};\n    let bk{q} = {bkk};\n    var ra{q} = f16(0.0);\n    var rb{q} = f16(0.0);");
+            }
+            s.push_str(&coords);
+            let load = |s: &mut String, kt: &str| {
+                for q in 0..16 {
+                    let _ = writeln!(
+                        s,
+                        "    ra{q} = f16(0.0);\n    if (row0 + ar{q} < {m}u && {kt} + ak{q} < {k}u) {{ ra{q} = f16(ld_in{ai}(abase + (row0 + ar{q}) * {sam}u + ({kt} + ak{q}) * {sak}u)); }}",
+                        ai = a.input
+                    );
+                    let _ = writeln!(
+                        s,
+                        "    rb{q} = f16(0.0);\n    if ({kt} + bk{q} < {k}u && col0 + bc{q} < {n}u) {{ rb{q} = f16(ld_in{bi}(bbase + ({kt} + bk{q}) * {sbk}u + (col0 + bc{q}) * {sbn}u)); }}",
+                        bi = bv.input
+                    );
+                }
+            };
+            load(&mut s, "0u");
+            let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
+            for q in 0..16 {
+                let _ = writeln!(s, "    As[ar{q} * {lda}u + ak{q}] = ra{q};\n    Bs[bk{q} * {ldb}u + bc{q}] = rb{q};");
+            }
+            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {}u) {{", steps * bk);
+            load(&mut s, &format!("(kt + {bk}u)"));
+            let _ = writeln!(s, "    }}");
         }
-        let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {}u) {{", steps * bk);
-        load(&mut s, &format!("(kt + {bk}u)"));
-        let _ = writeln!(s, "    }}");
         for kk in (0..bk).step_by(16) {
             for i in 0..4 {
                 // naga wants the offset bound to a name, not written inside coopLoad.
@@ -585,6 +640,10 @@ mod tests {
                 }
             }
             check(Plan::Coop, &[2, 130, 70], &[70, 200], false, true, DType::F16);
+            // Whole aligned tiles take the vector-load path.
+            check(Plan::Coop, &[128, 64], &[64, 256], false, false, DType::F16);
+            check(Plan::Coop, &[2, 256, 96], &[2, 96, 128], false, false, DType::F16);
+            check(Plan::Coop, &[256, 96], &[96, 128], true, false, DType::F16);
         }
     }
 }
