@@ -190,16 +190,18 @@ impl Gen<'_> {
             load(&mut s, "0u");
             let _ = writeln!(s, "    for (var kt = 0u; kt < {k}u; kt = kt + {bk}u) {{");
             for q in 0..2 {
+                // unpack2x16float rather than a bitcast to vec2<f16>, which naga
+                // (wgpu 30) types wrongly; f16 -> f32 -> f16 is exact.
                 for w in 0..4 {
                     let _ = writeln!(
                         s,
-                        "    {{ let ha = bitcast<vec2<f16>>(ra{q}[{w}]); As[ar{q} * {lda}u + ak{q} + {}u] = ha.x; As[ar{q} * {lda}u + ak{q} + {}u] = ha.y; }}",
+                        "    {{ let ha = unpack2x16float(ra{q}[{w}]); As[ar{q} * {lda}u + ak{q} + {}u] = f16(ha[0]); As[ar{q} * {lda}u + ak{q} + {}u] = f16(ha[1]); }}",
                         2 * w,
                         2 * w + 1
                     );
                     let _ = writeln!(
                         s,
-                        "    {{ let hb = bitcast<vec2<f16>>(rb{q}[{w}]); Bs[bk{q} * {ldb}u + bc{q} + {}u] = hb.x; Bs[bk{q} * {ldb}u + bc{q} + {}u] = hb.y; }}",
+                        "    {{ let hb = unpack2x16float(rb{q}[{w}]); Bs[bk{q} * {ldb}u + bc{q} + {}u] = f16(hb[0]); Bs[bk{q} * {ldb}u + bc{q} + {}u] = f16(hb[1]); }}",
                         2 * w,
                         2 * w + 1
                     );
