@@ -128,12 +128,32 @@ impl Gen<'_> {
         let r = la.dims().len();
         let bdims = &la.dims()[..r - 2];
         let batch: usize = bdims.iter().product();
-        let (bm, bn, bk) = (128usize, 128usize, 32usize);
-        let (lda, ldb) = (bk + 8, bn + 8);
+        let (bm, bn) = (128usize, 128usize);
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
         let total = batch * tiles_m * tiles_n;
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
         let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
+        // Whole tiles of plain row-major operands, 16-byte aligned: each thread
+        // moves 8 halves per load with no bounds checks (the scalar path
+        // spends more instructions on addresses and checks than the tensor
+        // cores take to multiply), and takes 64 of k per step where the
+        // shared tiles fit (half the barriers of 32).
+        let batch_aligned = |l: &Layout| l.offset() % 8 == 0 && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
+        let fits = |v: &View| (self.inputs[v.input].1 as u64) * 2 <= self.caps.chunk_bytes();
+        let shared = |bk: usize| (bm * (bk + 8) + bk * (bn + 8)) * 2 + 8 * 256 * 4;
+        let fast = m % bm == 0
+            && n % bn == 0
+            && k % 32 == 0
+            && sak == 1
+            && sam % 8 == 0
+            && sbn == 1
+            && sbk % 8 == 0
+            && batch_aligned(la)
+            && batch_aligned(lb)
+            && fits(a)
+            && fits(bv);
+        let bk = if fast && k % 64 == 0 && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
+        let (lda, ldb) = (bk + 8, bn + 8);
         sh.enable("wgpu_cooperative_matrix");
         sh.decl(&format!(
             "var<workgroup> As: array<f16, {}>;\nvar<workgroup> Bs: array<f16, {}>;\nvar<workgroup> Cs: array<f32, {}>;",
@@ -155,41 +175,25 @@ impl Gen<'_> {
         let steps = k.div_ceil(bk);
         let a_kfast = sak == 1;
         let b_nfast = sbn == 1 || sbk != 1;
-        // Whole tiles of plain row-major operands, 16-byte aligned: each thread
-        // moves 8 halves per load with no bounds checks (the scalar path below
-        // spends more instructions on addresses and checks than the tensor
-        // cores take to multiply).
-        let batch_aligned = |l: &Layout| l.offset() % 8 == 0 && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
-        let fits = |v: &View| (self.inputs[v.input].1 as u64) * 2 <= self.caps.chunk_bytes();
-        let fast = m % bm == 0
-            && n % bn == 0
-            && k % bk == 0
-            && sak == 1
-            && sam % 8 == 0
-            && sbn == 1
-            && sbk % 8 == 0
-            && batch_aligned(la)
-            && batch_aligned(lb)
-            && fits(a)
-            && fits(bv);
         if fast {
             sh.bind_raw(Src::Input(a.input), "a8", "array<vec4<u32>>", false);
             sh.bind_raw(Src::Input(bv.input), "b8", "array<vec4<u32>>", false);
-            // A: 128 rows of 4 vec4s (32 halves); B: 32 rows of 16 vec4s (128 halves).
-            for q in 0..2 {
+            // A: 128 rows of bk / 8 vec4s; B: bk rows of 16 vec4s (128 halves).
+            let per = bm * bk / 8 / 256;
+            for q in 0..per {
                 let e = format!("(lid + {}u)", q * 256);
-                let _ = writeln!(s, "    let ar{q} = {e} / 4u;\n    let ak{q} = ({e} % 4u) * 8u;\n    let bk{q} = {e} / 16u;\n    let bc{q} = ({e} % 16u) * 8u;");
+                let _ = writeln!(s, "    let ar{q} = {e} / {}u;\n    let ak{q} = ({e} % {}u) * 8u;\n    let bk{q} = {e} / 16u;\n    let bc{q} = ({e} % 16u) * 8u;", bk / 8, bk / 8);
                 let _ = writeln!(s, "    var ra{q}: vec4<u32>;\n    var rb{q}: vec4<u32>;");
             }
             let load = |s: &mut String, kt: &str| {
-                for q in 0..2 {
+                for q in 0..per {
                     let _ = writeln!(s, "    ra{q} = a8[(abase + (row0 + ar{q}) * {sam}u + {kt} + ak{q}) / 8u];");
                     let _ = writeln!(s, "    rb{q} = b8[(bbase + ({kt} + bk{q}) * {sbk}u + col0 + bc{q}) / 8u];");
                 }
             };
             load(&mut s, "0u");
             let _ = writeln!(s, "    for (var kt = 0u; kt < {k}u; kt = kt + {bk}u) {{");
-            for q in 0..2 {
+            for q in 0..per {
                 // unpack2x16float rather than a bitcast to vec2<f16>, which naga
                 // (wgpu 30) types wrongly; f16 -> f32 -> f16 is exact.
                 for w in 0..4 {
