@@ -330,24 +330,37 @@ impl GpuContext {
 
     /// Block until a submission (or all work) has finished.
     pub(crate) fn wait(&self, idx: Option<wgpu::SubmissionIndex>) -> Result<()> {
-        // Check without blocking for a short while first: a blocking wait
-        // sleeps in the driver, and on some machines waking up from it costs
-        // 0.1 to 1 ms, far more than the small kernels a read usually waits
-        // for. PyTorch's CUDA synchronisation spins the same way.
-        let start = std::time::Instant::now();
-        loop {
-            let check = wgpu::PollType::Wait { submission_index: idx.clone(), timeout: Some(std::time::Duration::ZERO) };
-            match self.device.poll(check) {
-                Ok(_) => return self.check_alive(),
-                Err(wgpu::PollError::Timeout) if start.elapsed() < spin_wait() => std::hint::spin_loop(),
-                Err(wgpu::PollError::Timeout) => break,
-                Err(e) => return Err(Error::Backend(format!("gpu:{}: waiting for the device failed: {e}", self.index))),
-            }
+        // A full wait first polls without blocking for a short while: see `spin_until`.
+        if idx.is_none() && self.spin_until(&|status| matches!(status, wgpu::PollStatus::QueueEmpty))? {
+            return self.check_alive();
         }
         self.device
             .poll(wgpu::PollType::Wait { submission_index: idx, timeout: None })
             .map_err(|e| Error::Backend(format!("gpu:{}: waiting for the device failed: {e}", self.index)))?;
         self.check_alive()
+    }
+
+    /// Poll the device without blocking until `done` (given each poll's
+    /// status) holds or `spin_wait()` has passed; whether it held. A blocking
+    /// wait sleeps in the driver, and on some machines waking up from it
+    /// costs 0.1 to 1 ms, far more than the small kernels a read usually
+    /// waits for; PyTorch's CUDA synchronisation spins the same way. Only
+    /// plain polls are used: wgpu 30 can panic when threads race waits with
+    /// a zero timeout on one device.
+    pub(crate) fn spin_until(&self, done: &dyn Fn(wgpu::PollStatus) -> bool) -> Result<bool> {
+        let start = std::time::Instant::now();
+        let limit = spin_wait();
+        while start.elapsed() < limit {
+            let status = self
+                .device
+                .poll(wgpu::PollType::Poll)
+                .map_err(|e| Error::Backend(format!("gpu:{}: polling the device failed: {e}", self.index)))?;
+            if done(status) {
+                return Ok(true);
+            }
+            std::hint::spin_loop();
+        }
+        Ok(false)
     }
 
     /// Forget submissions known to be finished (after a full wait).

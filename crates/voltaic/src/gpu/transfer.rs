@@ -125,10 +125,16 @@ fn give_staging(ctx: &GpuContext, b: wgpu::Buffer) {
 /// Map the first `len` bytes of a staging buffer after submission `idx` and copy them out.
 fn map_read(ctx: &GpuContext, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex, len: usize) -> Result<Vec<u8>> {
     let (tx, rx) = std::sync::mpsc::channel();
+    let mapped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = mapped.clone();
     staging.map_async(wgpu::MapMode::Read, ..len as u64, move |r| {
         let _ = tx.send(r);
+        flag.store(true, std::sync::atomic::Ordering::Release);
     });
-    ctx.wait(Some(idx))?;
+    // The mapping completes once the copy's submission has finished.
+    if !ctx.spin_until(&|_| mapped.load(std::sync::atomic::Ordering::Acquire))? {
+        ctx.wait(Some(idx))?;
+    }
     match rx.recv() {
         Ok(Ok(())) => {}
         Ok(Err(e)) => return Err(Error::Backend(format!("gpu:{}: reading a buffer back failed: {e}", ctx.index))),
