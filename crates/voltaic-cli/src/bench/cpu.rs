@@ -26,17 +26,8 @@ pub fn numpy_peer(cases: &[&str], runs: usize) -> anyhow::Result<(String, HashMa
         }
         bail!("the numpy peer failed: {err}");
     }
-    let mut times = HashMap::new();
-    let mut name = "numpy".to_string();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let v: serde_json::Value = serde_json::from_str(line)?;
-        if let Some(p) = v.get("peer").and_then(|p| p.as_str()) {
-            name = p.to_string();
-        } else if let (Some(n), Some(ms)) = (v["name"].as_str(), v["ms"].as_f64()) {
-            times.insert(n.to_string(), ms);
-        }
-    }
-    Ok((name, times))
+    let peer = super::Peer::parse(&out.stdout, "numpy")?;
+    Ok((peer.name, peer.times))
 }
 
 fn close(got: f64, want: f64, tol: f64) -> bool {

@@ -3,9 +3,8 @@
 //! forward of the same weights on the same device.
 
 use super::gpu::gpu_median_ms;
-use anyhow::{bail, Context};
+use anyhow::Context;
 use std::collections::HashMap;
-use std::process::Command;
 use voltaic::models::bert::{mean_pool_normalize, SentenceEmbedder};
 use voltaic::{Device, Tensor};
 
@@ -37,34 +36,9 @@ fn ids(batch: usize, seq: usize) -> Vec<Vec<u32>> {
 }
 
 pub fn torch_peer(cases: &[&str], runs: usize, device: Device) -> anyhow::Result<(String, HashMap<String, f64>)> {
-    let Some(py) = super::train::python_with_torch() else {
-        bail!("no Python with PyTorch found (on Debian: apt-get install python3-torch), or pass --no-peer");
-    };
     let dir = crate::embed::model_dir(None)?;
-    let out = Command::new(&py)
-        .arg("-c")
-        .arg(TORCH_PEER)
-        .arg(cases.join(","))
-        .arg(runs.to_string())
-        .arg(device.to_string())
-        .arg(&dir)
-        .arg(rayon::current_num_threads().to_string())
-        .output()
-        .with_context(|| format!("starting {py}"))?;
-    if !out.status.success() {
-        bail!("the PyTorch peer failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let mut name = "torch".to_string();
-    let mut times = HashMap::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let v: serde_json::Value = serde_json::from_str(line)?;
-        if let Some(p) = v.get("peer").and_then(|p| p.as_str()) {
-            name = p.to_string();
-        } else if let (Some(n), Some(ms)) = (v["name"].as_str(), v["ms"].as_f64()) {
-            times.insert(n.to_string(), ms);
-        }
-    }
-    Ok((name, times))
+    let args = [cases.join(","), runs.to_string(), device.to_string(), dir.display().to_string(), rayon::current_num_threads().to_string()];
+    super::train::run_torch_script(TORCH_PEER, &args)
 }
 
 /// Time one case; returns (median ms per batch, note).

@@ -3,7 +3,6 @@
 //! same work on the same GPU.
 
 use anyhow::{bail, ensure, Context};
-use std::collections::HashMap;
 use std::process::Command;
 use std::time::Instant;
 use voltaic::{Conv2dOpts, DType, Device, Tensor};
@@ -28,18 +27,8 @@ pub const CASES: &[&str] = &[
 
 const TORCH_PEER: &str = include_str!("torch_peer.py");
 
-/// What the PyTorch side reported.
-pub struct Peer {
-    pub name: String,
-    pub times: HashMap<String, f64>,
-    /// Extra fields per case (torch.compile timings).
-    pub extra: HashMap<String, serde_json::Map<String, serde_json::Value>>,
-    /// GPU name and clocks as the peer saw them.
-    pub info: serde_json::Value,
-}
-
 /// Run the PyTorch side.
-pub fn torch_peer(cases: &[&str], runs: usize) -> anyhow::Result<Peer> {
+pub fn torch_peer(cases: &[&str], runs: usize) -> anyhow::Result<super::Peer> {
     let out = Command::new("python3")
         .arg("-c")
         .arg(TORCH_PEER)
@@ -54,21 +43,7 @@ pub fn torch_peer(cases: &[&str], runs: usize) -> anyhow::Result<Peer> {
         }
         bail!("the PyTorch peer failed: {err}");
     }
-    let mut peer = Peer { name: "torch".into(), times: HashMap::new(), extra: HashMap::new(), info: serde_json::Value::Null };
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let v: serde_json::Value = serde_json::from_str(line)?;
-        if let Some(p) = v.get("peer").and_then(|p| p.as_str()) {
-            peer.name = p.to_string();
-            peer.info = v.clone();
-        } else if let (Some(n), Some(ms)) = (v["name"].as_str(), v["ms"].as_f64()) {
-            peer.times.insert(n.to_string(), ms);
-            let mut extra = v.as_object().cloned().unwrap_or_default();
-            extra.remove("name");
-            extra.remove("ms");
-            peer.extra.insert(n.to_string(), extra);
-        }
-    }
-    Ok(peer)
+    super::Peer::parse(&out.stdout, "torch")
 }
 
 /// Median wall time of `f` in ms, as a user sees it: after at least 300 ms

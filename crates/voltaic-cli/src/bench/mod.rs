@@ -64,6 +64,39 @@ pub fn median_ms(warmup: usize, runs: usize, mut f: impl FnMut() -> anyhow::Resu
     Ok(t[t.len() / 2])
 }
 
+/// What a peer script (numpy or PyTorch) reported.
+pub struct Peer {
+    pub name: String,
+    /// Median ms per case.
+    pub times: std::collections::HashMap<String, f64>,
+    /// Extra fields per case (torch.compile timings).
+    pub extra: std::collections::HashMap<String, serde_json::Map<String, serde_json::Value>>,
+    /// The peer's own line: library version, device, clocks.
+    pub info: serde_json::Value,
+}
+
+impl Peer {
+    /// Parse a peer script's output: one `{"peer": NAME, ...}` line and one
+    /// `{"name": CASE, "ms": MEDIAN, ...}` line per case.
+    pub fn parse(stdout: &[u8], default_name: &str) -> anyhow::Result<Peer> {
+        let mut peer = Peer { name: default_name.into(), times: Default::default(), extra: Default::default(), info: serde_json::Value::Null };
+        for line in String::from_utf8_lossy(stdout).lines() {
+            let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("a peer line that is not JSON: {line:?}"))?;
+            if let Some(p) = v.get("peer").and_then(|p| p.as_str()) {
+                peer.name = p.to_string();
+                peer.info = v.clone();
+            } else if let (Some(n), Some(ms)) = (v["name"].as_str(), v["ms"].as_f64()) {
+                peer.times.insert(n.to_string(), ms);
+                let mut extra = v.as_object().cloned().unwrap_or_default();
+                extra.remove("name");
+                extra.remove("ms");
+                peer.extra.insert(n.to_string(), extra);
+            }
+        }
+        Ok(peer)
+    }
+}
+
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let embed_suite = args.suite == "embed";
     let (gpu_suite, train_suite) = match args.suite.as_str() {

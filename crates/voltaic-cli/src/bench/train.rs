@@ -23,32 +23,21 @@ pub fn python_with_torch() -> Option<String> {
 
 /// Run the PyTorch side: its name and median ms per step, per case.
 pub fn torch_peer(cases: &[&str], runs: usize, device: Device) -> anyhow::Result<(String, HashMap<String, f64>)> {
+    run_torch_script(TORCH_PEER, &[cases.join(","), runs.to_string(), device.to_string(), rayon::current_num_threads().to_string()])
+}
+
+/// Run a PyTorch peer script with the Python that has torch; its name and
+/// median ms per case.
+pub fn run_torch_script(script: &str, args: &[String]) -> anyhow::Result<(String, HashMap<String, f64>)> {
     let Some(py) = python_with_torch() else {
         bail!("no Python with PyTorch found (on Debian: apt-get install python3-torch), or pass --no-peer");
     };
-    let out = Command::new(&py)
-        .arg("-c")
-        .arg(TORCH_PEER)
-        .arg(cases.join(","))
-        .arg(runs.to_string())
-        .arg(device.to_string())
-        .arg(rayon::current_num_threads().to_string())
-        .output()
-        .with_context(|| format!("starting {py}"))?;
+    let out = Command::new(&py).arg("-c").arg(script).args(args).output().with_context(|| format!("starting {py}"))?;
     if !out.status.success() {
         bail!("the PyTorch peer failed: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let mut name = "torch".to_string();
-    let mut times = HashMap::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let v: serde_json::Value = serde_json::from_str(line)?;
-        if let Some(p) = v.get("peer").and_then(|p| p.as_str()) {
-            name = p.to_string();
-        } else if let (Some(n), Some(ms)) = (v["name"].as_str(), v["ms"].as_f64()) {
-            times.insert(n.to_string(), ms);
-        }
-    }
-    Ok((name, times))
+    let peer = super::Peer::parse(&out.stdout, "torch")?;
+    Ok((peer.name, peer.times))
 }
 
 /// Time Adam steps of one case; returns (median ms per step, note).
