@@ -734,10 +734,16 @@ fn reads_by_row(l: &Layout, inner: usize) -> bool {
 fn fuse_rows(plan: &mut Plan, slot_of: &[Option<Slot>], survives: &[bool]) {
     let kept: std::collections::HashSet<Slot> =
         slot_of.iter().zip(survives).filter_map(|(o, &keep)| if keep { *o } else { None }).collect();
+    // Which kernel writes each slot; rebuilt only when a fusion moves kernels.
+    let index = |plan: &Plan| -> HashMap<Slot, usize> { plan.kernels.iter().enumerate().map(|(i, k)| (k.out, i)).collect() };
+    let mut writer = index(plan);
     let mut k = 0;
     while k < plan.kernels.len() {
-        k = match fuse_rows_at(plan, k, &kept) {
-            Some(at) => at + 1,
+        k = match fuse_rows_at(plan, k, &kept, &writer) {
+            Some(at) => {
+                writer = index(plan);
+                at + 1
+            }
             None => k + 1,
         };
     }
@@ -753,11 +759,11 @@ fn expr_of(k: &Kernel) -> Option<(&Expr, &[usize])> {
 
 /// Try to make kernel `k` the output stage of a rows kernel; returns the
 /// fused kernel's index.
-fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &std::collections::HashSet<Slot>) -> Option<usize> {
+fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &std::collections::HashSet<Slot>, writer: &HashMap<Slot, usize>) -> Option<usize> {
     use crate::op::ReduceOp;
     let KernelKind::Elementwise { expr, .. } = &plan.kernels[k].kind else { return None };
     let numel = plan.kernels[k].numel;
-    let producer = |plan: &Plan, slot: Slot, before: usize| plan.kernels[..before].iter().position(|m| m.out == slot);
+    let producer = |slot: Slot, before: usize| writer.get(&slot).copied().filter(|&i| i < before);
     let row_reduce = |m: &Kernel| match &m.kind {
         KernelKind::Reduce { op, expr, outer, inner, .. } => {
             let float = m.dtype.is_float() && m.dtype != DType::F64 && expr.dtype().is_float() && expr.dtype() != DType::F64;
@@ -778,7 +784,7 @@ fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &std::collections::HashSet<Slot
         for &c in &frontier {
             let Some((e, _)) = expr_of(&plan.kernels[c]) else { continue };
             for l in &e.loads {
-                let Some(p) = producer(plan, plan.kernels[c].inputs[l.input], c) else { continue };
+                let Some(p) = producer(plan.kernels[c].inputs[l.input], c) else { continue };
                 let m = &plan.kernels[p];
                 if let Some((o, i)) = row_reduce(m).filter(|&(o, i)| o * i == numel && i >= 2) {
                     split = split.or(Some((o, i)));
@@ -804,7 +810,7 @@ fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &std::collections::HashSet<Slot
     while let Some(c) = queue.pop() {
         let (e, _) = expr_of(&plan.kernels[c])?;
         for l in &e.loads {
-            let Some(p) = producer(plan, plan.kernels[c].inputs[l.input], c) else { continue };
+            let Some(p) = producer(plan.kernels[c].inputs[l.input], c) else { continue };
             if members.contains(&p) {
                 continue;
             }
