@@ -170,7 +170,7 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Plan) -> Vec<Plan> {
         }
     }
     if key.m <= 8 && key.b_nfast {
-        for s in [1, 4, 16, 64, 256] {
+        for s in [1, 4, 16, 32, 64, 128, 256] {
             if s == 1 || key.k / s >= 16 {
                 c.push(Plan::Columns { splits: s });
             }

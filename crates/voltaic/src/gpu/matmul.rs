@@ -496,11 +496,21 @@ impl Gen<'_> {
         let batch: usize = bdims.iter().product();
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
         let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
-        let cols = n.div_ceil(256);
+        // f32 with `b` row-major and 16-byte aligned: a thread takes four
+        // adjacent columns and loads them as one vec4, which moves four times
+        // the bytes per load instruction (gemv is bound by memory).
+        let f32s = self.out.0 == DType::F32 && self.inputs[a.input].0 == DType::F32 && self.inputs[bv.input].0 == DType::F32;
+        let b_aligned = lb.offset() % 4 == 0 && lb.strides()[..r - 2].iter().all(|s| s % 4 == 0);
+        let fits = (self.inputs[bv.input].1 as u64) * 4 <= self.caps.chunk_bytes();
+        let lanes = if f32s && sbn == 1 && sbk % 4 == 0 && n % 4 == 0 && b_aligned && fits { 4 } else { 1 };
+        let cols = (n / lanes).div_ceil(256);
         let chunk = k.div_ceil(splits);
         let total = batch * splits * cols;
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
+        if lanes == 4 {
+            return self.matmul_columns4(p, sh, a, bv, m, k, n, splits, epi);
+        }
         let direct = splits == 1;
         if direct {
             self.bind_out(&mut sh);
@@ -548,6 +558,69 @@ impl Gen<'_> {
             return Ok(());
         }
         p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
+        Ok(())
+    }
+
+    /// `matmul_columns` for f32 with `b`'s rows read as vec4s: a thread per
+    /// four adjacent output columns.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_columns4(&self, p: &mut Program, mut sh: Shader, a: &View, bv: &View, m: usize, k: usize, n: usize, splits: usize, epi: Option<&Epilogue>) -> Result<()> {
+        let (la, lb) = (&a.layout, &bv.layout);
+        let r = la.dims().len();
+        let bdims = &la.dims()[..r - 2];
+        let batch: usize = bdims.iter().product();
+        let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
+        let sbk4 = lb.strides()[r - 2] / 4;
+        let n4 = n / 4;
+        let cols = n4.div_ceil(256);
+        let chunk = k.div_ceil(splits);
+        let total = batch * splits * cols;
+        sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f32>>", false);
+        let direct = splits == 1;
+        if direct {
+            self.bind_out(&mut sh);
+            self.epilogue(&mut sh, epi)?;
+        } else {
+            sh.array(Src::Scratch(0), "part", DType::F32, batch * splits * m * n, true);
+            p.scratch.push((DType::F32, batch * splits * m * n));
+        }
+        let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
+        let _ = writeln!(s, "    let z = group / {}u;\n    let ks = (group / {cols}u) % {splits}u;", splits * cols);
+        let _ = writeln!(s, "    let c4 = (group % {cols}u) * 256u + lid;\n    if (c4 >= {n4}u) {{ return; }}");
+        let zd = unravel(&mut s, &mut sh, "z", bdims);
+        let _ = writeln!(s, "    let abase = {};\n    let bbase = ({}) / 4u + c4;", batch_offset(&zd, la), batch_offset(&zd, lb));
+        let _ = writeln!(s, "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);");
+        for i in 0..m {
+            let _ = writeln!(s, "    var acc{i} = vec4<f32>(0.0);");
+        }
+        let _ = writeln!(s, "    var q = k0;\n    for (; q + 4u <= k1; q = q + 4u) {{");
+        for u in 0..4 {
+            let _ = writeln!(s, "    let b{u} = b4[bbase + (q + {u}u) * {sbk4}u];");
+        }
+        for i in 0..m {
+            for u in 0..4 {
+                let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + (q + {u}u) * {sak}u) * b{u};", a.input, i * sam);
+            }
+        }
+        let _ = writeln!(s, "    }}");
+        let _ = writeln!(s, "    for (; q < k1; q = q + 1u) {{\n    let bq = b4[bbase + q * {sbk4}u];");
+        for i in 0..m {
+            let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + q * {sak}u) * bq;", a.input, i * sam);
+        }
+        let _ = writeln!(s, "    }}");
+        for i in 0..m {
+            for lane in 0..4 {
+                if direct {
+                    let _ = writeln!(s, "    {{ let o = z * {}u + {}u + c4 * 4u + {lane}u; st_out(o, epi(o, acc{i}[{lane}])); }}", m * n, i * n);
+                } else {
+                    let _ = writeln!(s, "    st_part(((z * {splits}u + ks) * {m}u + {i}u) * {n}u + c4 * 4u + {lane}u, acc{i}[{lane}]);");
+                }
+            }
+        }
+        p.dispatches.push(sh.finish(format!("matmul_columns_vec4 {batch}x{m}x{k}x{n} in {splits} splits"), 256, total as u64, &s));
+        if !direct {
+            p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
+        }
         Ok(())
     }
 
@@ -621,9 +694,9 @@ mod tests {
             check(plan, &[9, 100], &[100, 11], false, false, DType::I32);
         }
         // Split products apply the epilogue in their second pass.
-        for plan in [Plan::SplitK { tile: TILES[6], splits: 3 }, Plan::Columns { splits: 4 }] {
+        for (plan, n) in [(Plan::SplitK { tile: TILES[6], splits: 3 }, 37), (Plan::Columns { splits: 4 }, 37), (Plan::Columns { splits: 4 }, 36), (Plan::Columns { splits: 1 }, 36)] {
             let a = Tensor::randn(&[3, 150], DType::F32, Device::Cpu).unwrap();
-            let b = Tensor::randn(&[150, 37], DType::F32, Device::Cpu).unwrap();
+            let b = Tensor::randn(&[150, n], DType::F32, Device::Cpu).unwrap();
             let f = |a: &Tensor, b: &Tensor| a.matmul(b).unwrap().add(0.25).unwrap().gelu().unwrap();
             let want = f(&a, &b).to_f64_vec().unwrap();
             FORCE.with(|c| c.set(Some(plan)));
@@ -637,6 +710,21 @@ mod tests {
             check(Plan::Columns { splits }, &[1, 300], &[300, 517], false, false, DType::F32);
             check(Plan::Columns { splits }, &[4, 2, 3, 70], &[4, 2, 70, 9], true, false, DType::F32);
             check(Plan::Columns { splits }, &[3, 33], &[33, 5], false, false, DType::U32);
+            // f32 with n % 4 == 0 takes the vec4 path; k = 37 leaves a remainder.
+            check(Plan::Columns { splits }, &[1, 300], &[300, 516], false, false, DType::F32);
+            check(Plan::Columns { splits }, &[4, 2, 3, 37], &[4, 2, 37, 12], true, false, DType::F32);
+            check(Plan::Columns { splits }, &[2, 37], &[37, 8], false, true, DType::F32);
+        }
+        // Column views of a wider `b`: offset 4 keeps the vec4 path, offset 1 does not.
+        for (off, splits) in [(4, 1), (4, 5), (1, 1), (1, 5)] {
+            let a = Tensor::randn(&[2, 45], DType::F32, Device::Cpu).unwrap().mul(2.0).unwrap().round().unwrap();
+            let wide = Tensor::randn(&[45, 28], DType::F32, Device::Cpu).unwrap().mul(2.0).unwrap().round().unwrap();
+            let want = a.matmul(&wide.narrow(1, off, 16).unwrap()).unwrap().to_f64_vec().unwrap();
+            let (ga, gw) = (a.to_device(Device::Gpu(0)).unwrap(), wide.to_device(Device::Gpu(0)).unwrap());
+            FORCE.with(|c| c.set(Some(Plan::Columns { splits })));
+            let got = gw.narrow(1, off, 16).and_then(|b| ga.matmul(&b)).and_then(|c| c.to_f64_vec());
+            FORCE.with(|c| c.set(None));
+            assert_eq!(got.unwrap(), want, "columns of a view at offset {off}, {splits} splits");
         }
         // Tensor cores where the adapter has them (not lavapipe).
         if crate::gpu::context(0).unwrap().caps.coop_f16 {
