@@ -1,5 +1,5 @@
-//! The GPU executor's runtime properties: one dispatch per fused kernel, one
-//! submission per realization, pipelines compiled once, memory that does not
+//! The GPU executor's runtime properties: one dispatch per fused kernel, at
+//! most one submission per realization (small ones share one), pipelines compiled once, memory that does not
 //! grow in a loop, tensors larger than one binding, huge dispatches, and
 //! allocation failures as errors.
 //!
@@ -45,8 +45,10 @@ fn fused_chain_is_one_dispatch_and_a_realization_one_submission() {
     };
     let t = chain(&x);
     assert_eq!(inspect(&[&t]).len(), 1);
+    g.synchronize().unwrap();
     let before = stats(i).unwrap();
     t.realize().unwrap();
+    g.synchronize().unwrap();
     let (subs, disp, _) = delta(&before, &stats(i).unwrap());
     assert_eq!((subs, disp), (1, 1), "a 20-op chain over a broadcast input: one dispatch, one submission");
 
@@ -61,6 +63,7 @@ fn fused_chain_is_one_dispatch_and_a_realization_one_submission() {
     assert!(kernels >= 4, "{kernels}");
     let before = stats(i).unwrap();
     Tensor::realize_all(&[&s, &a]).unwrap();
+    g.synchronize().unwrap();
     let (subs, disp, compiled) = delta(&before, &stats(i).unwrap());
     assert_eq!(subs, 1, "one realization, one submission");
     assert_eq!(disp, kernels as u64);
@@ -69,6 +72,7 @@ fn fused_chain_is_one_dispatch_and_a_realization_one_submission() {
     let (s, a) = build();
     let before = stats(i).unwrap();
     Tensor::realize_all(&[&s, &a]).unwrap();
+    g.synchronize().unwrap();
     let (subs, _, compiled) = delta(&before, &stats(i).unwrap());
     assert_eq!((subs, compiled), (1, 0), "pipelines are cached by kernel");
     // Kernels that differ only in their constants (a learning rate that
@@ -81,6 +85,37 @@ fn fused_chain_is_one_dispatch_and_a_realization_one_submission() {
     }
     let (_, _, compiled) = delta(&before, &stats(i).unwrap());
     assert_eq!(compiled, 0, "new constants compiled new kernels");
+}
+
+#[test]
+fn small_realizations_share_a_submission_and_keep_their_order() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (g, i) = gpu();
+    voltaic::manual_seed(5);
+    let x = Tensor::randn(&[64], DType::F32, g).unwrap();
+    let xv = x.to_vec::<f32>().unwrap();
+    let before = stats(i).unwrap();
+    let mut kept = vec![];
+    for k in 0..40 {
+        // A result dropped at once: its buffer waits for the batch to be
+        // submitted before the upload below (written through the queue,
+        // which runs before the batch's kernels) or a kernel's constants may
+        // take it.
+        let dropped = x.mul(k as f64).unwrap().add(1.0).unwrap();
+        dropped.realize().unwrap();
+        drop(dropped);
+        let up = Tensor::from_vec(vec![k as f32; 64], &[64], Device::Cpu).unwrap().to_device(g).unwrap();
+        let y = x.mul(k as f64 + 0.5).unwrap().add(&up).unwrap();
+        y.realize().unwrap();
+        kept.push((k, up, y));
+    }
+    let subs = stats(i).unwrap().submissions - before.submissions;
+    assert!(subs < 40, "80 small realizations took {subs} submissions");
+    for (k, up, y) in kept {
+        assert_eq!(up.to_vec::<f32>().unwrap(), vec![k as f32; 64], "upload {k}");
+        let want: Vec<f32> = xv.iter().map(|v| v * (k as f32 + 0.5) + k as f32).collect();
+        assert_eq!(y.to_vec::<f32>().unwrap(), want, "result {k}");
+    }
 }
 
 #[test]

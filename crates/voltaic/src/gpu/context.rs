@@ -47,6 +47,35 @@ fn max_in_flight() -> usize {
     *N.get_or_init(|| std::env::var("VOLTAIC_MAX_IN_FLIGHT").ok().and_then(|v| v.parse().ok()).filter(|&n| n >= 1).unwrap_or(8))
 }
 
+/// Dispatches of small realizations that share one command buffer before it
+/// is submitted (`VOLTAIC_BATCH_DISPATCHES`; 1 submits every realization).
+fn batch_dispatches() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("VOLTAIC_BATCH_DISPATCHES").ok().and_then(|v| v.parse().ok()).unwrap_or(64).max(1))
+}
+
+/// Freed bytes held back from reuse (see `Pool`) past which pending work is
+/// submitted, so batching never costs much memory.
+const MAX_DEFERRED_BYTES: u64 = 64 << 20;
+
+/// Small realizations encoded but not yet submitted: one command buffer and
+/// one compute pass that later realizations append to. Submitting costs the
+/// host more than a small kernel costs the GPU, so a loop of small
+/// realizations submits once per batch; any read, wait or other submission
+/// submits this first.
+struct Pending {
+    encoder: wgpu::CommandEncoder,
+    pass: Option<wgpu::ComputePass<'static>>,
+    dispatches: usize,
+}
+
+impl Pending {
+    fn finish(mut self) -> wgpu::CommandBuffer {
+        drop(self.pass.take());
+        self.encoder.finish()
+    }
+}
+
 /// How long a wait checks the device without blocking before it sleeps
 /// (`VOLTAIC_SPIN_WAIT_US` overrides it; 0 sleeps at once).
 fn spin_wait() -> std::time::Duration {
@@ -72,6 +101,7 @@ pub(crate) struct GpuContext {
     /// Errors that escaped every error scope (kept, never panicked on).
     uncaptured: Arc<Mutex<Vec<String>>>,
     in_flight: Mutex<VecDeque<wgpu::SubmissionIndex>>,
+    pending: Mutex<Option<Pending>>,
     /// A small buffer that index kernels flag out-of-range indices in; read
     /// with every transfer to the host.
     pub index_error: wgpu::Buffer,
@@ -189,6 +219,7 @@ impl GpuContext {
             lost,
             uncaptured,
             in_flight: Mutex::new(VecDeque::new()),
+            pending: Mutex::new(None),
             index_error,
             compiled: AtomicU64::new(0),
             submissions: AtomicU64::new(0),
@@ -306,10 +337,53 @@ impl GpuContext {
         Some(Error::Backend(format!("gpu:{}: {msg}", self.index)))
     }
 
-    /// Submit command buffers; waits for the oldest submission when too many
-    /// are in flight.
+    /// Append dispatches to the pending command buffer (`encode` records
+    /// them into its compute pass); submits it when `now` (large work, which
+    /// should start at once), when the batch is full, or when too much
+    /// memory waits on it.
+    pub(crate) fn encode_pending(&self, dispatches: usize, now: bool, encode: impl FnOnce(&mut wgpu::ComputePass<'static>)) -> Result<()> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let p = pending.get_or_insert_with(|| {
+            // Before anything this work uses can be freed.
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).defer();
+            let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
+            let pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None }).forget_lifetime();
+            Pending { encoder, pass: Some(pass), dispatches: 0 }
+        });
+        encode(p.pass.as_mut().expect("an open pass"));
+        p.dispatches += dispatches;
+        let full = p.dispatches >= batch_dispatches()
+            || self.pool.lock().unwrap_or_else(|e| e.into_inner()).deferred_bytes() > MAX_DEFERRED_BYTES;
+        if now || full {
+            self.submit_locked(&mut pending, None)?;
+        }
+        Ok(())
+    }
+
+    /// Submit the pending command buffer, if any.
+    pub(crate) fn flush(&self) -> Result<Option<wgpu::SubmissionIndex>> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if pending.is_none() {
+            return Ok(None);
+        }
+        self.submit_locked(&mut pending, None).map(Some)
+    }
+
+    /// Submit a command buffer, after the pending one (in the same
+    /// submission); waits for the oldest submission when too many are in
+    /// flight.
     pub(crate) fn submit(&self, cmd: wgpu::CommandBuffer) -> Result<wgpu::SubmissionIndex> {
-        let idx = self.queue.submit([cmd]);
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        self.submit_locked(&mut pending, Some(cmd))
+    }
+
+    fn submit_locked(&self, pending: &mut Option<Pending>, cmd: Option<wgpu::CommandBuffer>) -> Result<wgpu::SubmissionIndex> {
+        let first = pending.take().map(Pending::finish);
+        let had_pending = first.is_some();
+        let idx = self.queue.submit(first.into_iter().chain(cmd));
+        if had_pending {
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
+        }
         self.submissions.fetch_add(1, Ordering::Relaxed);
         let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         q.push_back(idx.clone());
@@ -330,6 +404,9 @@ impl GpuContext {
 
     /// Block until a submission (or all work) has finished.
     pub(crate) fn wait(&self, idx: Option<wgpu::SubmissionIndex>) -> Result<()> {
+        if idx.is_none() {
+            self.flush()?;
+        }
         // A full wait first polls without blocking for a short while: see `spin_until`.
         if idx.is_none() && self.spin_until(&|status| matches!(status, wgpu::PollStatus::QueueEmpty))? {
             return self.check_alive();

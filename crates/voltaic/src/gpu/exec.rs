@@ -272,37 +272,48 @@ fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Bu
     if encoded.is_empty() {
         return Ok(stored);
     }
-    let profile = super::transfer::profiling() && ctx.caps.timestamps;
-    let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
-    let timing = if profile { Some(super::transfer::Timing::new(ctx, plan.kernels.len())) } else { None };
-    match &timing {
-        None => {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
-            for (e, _) in &encoded {
-                dispatch(&mut pass, e);
-            }
-        }
-        Some(t) => {
-            // A pass per kernel, each bracketed by timestamps.
-            for ki in 0..plan.kernels.len() {
-                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: None,
-                    timestamp_writes: Some(t.writes(ki)),
-                });
-                for (e, _) in encoded.iter().filter(|(_, k)| *k == ki) {
-                    dispatch(&mut pass, e);
-                }
-            }
-            t.resolve(&mut encoder);
-        }
-    }
     ctx.dispatches.fetch_add(encoded.len() as u64, Ordering::Relaxed);
-    let idx = ctx.submit(encoder.finish())?;
-    if let Some(t) = timing {
-        let rows: Vec<(String, usize)> = plan.kernels.iter().zip(&labels).map(|(k, l)| (l.clone(), k.numel)).collect();
-        t.report(ctx, idx, &rows)?;
+    if !(super::transfer::profiling() && ctx.caps.timestamps) {
+        ctx.encode_pending(encoded.len(), is_large(plan), |pass| {
+            for (e, _) in &encoded {
+                dispatch(pass, e);
+            }
+        })?;
+        return Ok(stored);
     }
+    // Profiling: a pass per kernel, each bracketed by timestamps, submitted
+    // and read back at once.
+    let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
+    let t = super::transfer::Timing::new(ctx, plan.kernels.len());
+    for ki in 0..plan.kernels.len() {
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: None,
+            timestamp_writes: Some(t.writes(ki)),
+        });
+        for (e, _) in encoded.iter().filter(|(_, k)| *k == ki) {
+            dispatch(&mut pass, e);
+        }
+    }
+    t.resolve(&mut encoder);
+    let idx = ctx.submit(encoder.finish())?;
+    let rows: Vec<(String, usize)> = plan.kernels.iter().zip(&labels).map(|(k, l)| (l.clone(), k.numel)).collect();
+    t.report(ctx, idx, &rows)?;
     Ok(stored)
+}
+
+/// Whether a plan moves enough data (or does enough arithmetic) that the
+/// GPU should start on it at once rather than wait for a batch: a batch only
+/// pays where the host's cost per submission exceeds the kernels' time.
+fn is_large(plan: &Plan) -> bool {
+    use crate::graph::kernel::KernelKind;
+    let mut elements = 0usize;
+    for k in &plan.kernels {
+        elements += k.numel + k.inputs.iter().map(|&s| plan.slots[s].numel).sum::<usize>();
+        if let KernelKind::Matmul { batch, m, k: kk, n, .. } = &k.kind {
+            elements += batch * m * kk * n / 64;
+        }
+    }
+    elements > 1 << 20
 }
 
 pub(crate) fn dispatch(pass: &mut wgpu::ComputePass<'_>, e: &Encoded) {

@@ -25,8 +25,16 @@ pub struct MemoryStats {
 }
 
 /// Free buffers by bucket size, and the counts behind [`MemoryStats`].
+///
+/// While work is encoded but not yet submitted (`deferring`), freed buffers
+/// wait in `deferred` until the submission: the pending commands may still
+/// use them, and a queue write into one (an upload, a kernel's constants)
+/// would run before those commands, at the start of the submission.
 pub(crate) struct Pool {
     free: HashMap<u64, Vec<wgpu::Buffer>>,
+    deferring: bool,
+    deferred: Vec<wgpu::Buffer>,
+    deferred_bytes: u64,
     stats: MemoryStats,
     max_buffer: u64,
 }
@@ -43,7 +51,27 @@ pub(crate) fn bucket(bytes: u64) -> u64 {
 
 impl Pool {
     pub(crate) fn new(max_buffer: u64) -> Pool {
-        Pool { free: HashMap::new(), stats: MemoryStats::default(), max_buffer }
+        Pool { free: HashMap::new(), deferring: false, deferred: Vec::new(), deferred_bytes: 0, stats: MemoryStats::default(), max_buffer }
+    }
+
+    /// Hold freed buffers back from reuse until `release_deferred`.
+    pub(crate) fn defer(&mut self) {
+        self.deferring = true;
+    }
+
+    /// The pending work was submitted: buffers freed meanwhile can be reused
+    /// (the queue orders later work after it).
+    pub(crate) fn release_deferred(&mut self) {
+        self.deferring = false;
+        self.deferred_bytes = 0;
+        for b in self.deferred.drain(..) {
+            self.free.entry(b.size()).or_default().push(b);
+        }
+    }
+
+    /// Bytes freed since the pending work began.
+    pub(crate) fn deferred_bytes(&self) -> u64 {
+        self.deferred_bytes
     }
 
     pub(crate) fn stats(&self) -> MemoryStats {
@@ -52,7 +80,11 @@ impl Pool {
 
     /// Drop every cached buffer.
     pub(crate) fn clear(&mut self) {
+        // Deferred buffers may be dropped too: wgpu keeps a buffer alive
+        // while encoded commands use it.
         self.free.clear();
+        self.deferred.clear();
+        self.deferred_bytes = 0;
         self.stats.cached = 0;
     }
 }
@@ -95,7 +127,12 @@ impl Drop for GpuBuf {
             let mut p = self.pool.lock().unwrap_or_else(|e| e.into_inner());
             p.stats.in_use -= b.size();
             p.stats.cached += b.size();
-            p.free.entry(b.size()).or_default().push(b);
+            if p.deferring {
+                p.deferred_bytes += b.size();
+                p.deferred.push(b);
+            } else {
+                p.free.entry(b.size()).or_default().push(b);
+            }
         }
     }
 }
