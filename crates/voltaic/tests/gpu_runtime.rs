@@ -113,8 +113,11 @@ fn small_realizations_share_a_submission_and_keep_their_order() {
     assert!(subs < 40, "80 small realizations took {subs} submissions");
     for (k, up, y) in kept {
         assert_eq!(up.to_vec::<f32>().unwrap(), vec![k as f32; 64], "upload {k}");
-        let want: Vec<f32> = xv.iter().map(|v| v * (k as f32 + 0.5) + k as f32).collect();
-        assert_eq!(y.to_vec::<f32>().unwrap(), want, "result {k}");
+        // A GPU may fuse the multiply-add: equal to a rounding.
+        for (g, v) in y.to_vec::<f32>().unwrap().iter().zip(&xv) {
+            let want = *v as f64 * (k as f64 + 0.5) + k as f64;
+            assert!((*g as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "result {k}: {g} vs {want}");
+        }
     }
 }
 
@@ -135,7 +138,7 @@ fn a_training_like_loop_does_not_grow_memory() {
         let grad_w = x.t().unwrap().matmul(&grad_logits).unwrap();
         w = w.sub(&grad_w.mul(0.5).unwrap()).unwrap();
         w.realize().unwrap();
-        if step == 20 {
+        if step == 50 {
             after_warmup = Some(stats(i).unwrap().memory);
         }
     }

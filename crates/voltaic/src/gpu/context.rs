@@ -101,6 +101,9 @@ pub(crate) struct GpuContext {
     /// Errors that escaped every error scope (kept, never panicked on).
     uncaptured: Arc<Mutex<Vec<String>>>,
     in_flight: Mutex<VecDeque<wgpu::SubmissionIndex>>,
+    /// Submissions the device has finished (counted by callbacks that run
+    /// when the device is polled).
+    finished: Arc<AtomicU64>,
     pending: Mutex<Option<Pending>>,
     /// A small buffer that index kernels flag out-of-range indices in; read
     /// with every transfer to the host.
@@ -219,6 +222,7 @@ impl GpuContext {
             lost,
             uncaptured,
             in_flight: Mutex::new(VecDeque::new()),
+            finished: Arc::new(AtomicU64::new(0)),
             pending: Mutex::new(None),
             index_error,
             compiled: AtomicU64::new(0),
@@ -339,8 +343,8 @@ impl GpuContext {
 
     /// Append dispatches to the pending command buffer (`encode` records
     /// them into its compute pass); submits it when `now` (large work, which
-    /// should start at once), when the batch is full, or when too much
-    /// memory waits on it.
+    /// should start at once), when the GPU has nothing else to do (as of the
+    /// last poll), when the batch is full, or when too much memory waits on it.
     pub(crate) fn encode_pending(&self, dispatches: usize, now: bool, encode: impl FnOnce(&mut wgpu::ComputePass<'static>)) -> Result<()> {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let p = pending.get_or_insert_with(|| {
@@ -354,7 +358,8 @@ impl GpuContext {
         p.dispatches += dispatches;
         let full = p.dispatches >= batch_dispatches()
             || self.pool.lock().unwrap_or_else(|e| e.into_inner()).deferred_bytes() > MAX_DEFERRED_BYTES;
-        if now || full {
+        let idle = self.submissions.load(Ordering::Relaxed) <= self.finished.load(Ordering::Acquire);
+        if now || full || idle {
             self.submit_locked(&mut pending, None)?;
         }
         Ok(())
@@ -384,13 +389,24 @@ impl GpuContext {
         if had_pending {
             self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
         }
-        self.submissions.fetch_add(1, Ordering::Relaxed);
+        let finished = self.finished.clone();
+        self.queue.on_submitted_work_done(move || {
+            finished.fetch_add(1, Ordering::Release);
+        });
+        let submitted = self.submissions.fetch_add(1, Ordering::Relaxed) + 1;
         let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         q.push_back(idx.clone());
-        if q.len() > max_in_flight() {
+        let limit = max_in_flight() as u64;
+        if q.len() as u64 > limit {
             let oldest = q.pop_front().expect("non-empty");
             drop(q);
-            self.wait(Some(oldest))?;
+            // Poll until enough have finished before sleeping in the driver:
+            // waking from that sleep can take longer than the queued work
+            // lasts, and the GPU would idle (see `spin_until`).
+            let done = |_| submitted.saturating_sub(self.finished.load(Ordering::Acquire)) <= limit;
+            if !self.spin_until(&done)? {
+                self.wait(Some(oldest))?;
+            }
         } else {
             drop(q);
             // Now and then, let wgpu retire finished work so its bookkeeping

@@ -302,8 +302,9 @@ fn encode_and_submit(ctx: &Arc<GpuContext>, plan: &Plan) -> Result<Vec<Option<Bu
 }
 
 /// Whether a plan moves enough data (or does enough arithmetic) that the
-/// GPU should start on it at once rather than wait for a batch: a batch only
-/// pays where the host's cost per submission exceeds the kernels' time.
+/// GPU should start on it at once rather than wait for a batch (about a
+/// tenth of a millisecond of work on a large GPU): below that, a submission
+/// costs the host, and the GPU between submissions, more than the kernels take.
 fn is_large(plan: &Plan) -> bool {
     use crate::graph::kernel::KernelKind;
     let mut elements = 0usize;
@@ -313,7 +314,7 @@ fn is_large(plan: &Plan) -> bool {
             elements += batch * m * kk * n / 64;
         }
     }
-    elements > 1 << 20
+    elements > 1 << 26
 }
 
 pub(crate) fn dispatch(pass: &mut wgpu::ComputePass<'_>, e: &Encoded) {
