@@ -38,10 +38,19 @@ impl Key {
 
 fn plan_text(p: &Plan) -> String {
     match p {
-        Plan::Tiled(t) => format!("tiled {} {} {} {} {}{}", t.bm, t.bn, t.bk, t.tm, t.tn, if t.double { " double" } else { "" }),
+        Plan::Tiled(t) => format!("tiled {} {} {} {} {}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
         Plan::Columns { splits } => format!("columns {splits}"),
         Plan::Coop => "coop".into(),
-        Plan::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, if t.double { " double" } else { "" }),
+        Plan::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
+    }
+}
+
+fn tile_flags(t: &Tile) -> &'static str {
+    match (t.double, t.warps) {
+        (true, true) => " double warps",
+        (true, false) => " double",
+        (false, true) => " warps",
+        (false, false) => "",
     }
 }
 
@@ -49,13 +58,14 @@ fn parse_line(line: &str) -> Option<(Key, Plan)> {
     let w: Vec<&str> = line.split_whitespace().collect();
     let num = |i: usize| w.get(i)?.parse::<usize>().ok();
     let dtype = crate::dtype::DType::ALL.into_iter().find(|d| Some(&d.name()) == w.get(6))?;
-    let double = w.last() == Some(&"double");
+    let double = w.contains(&"double");
+    let warps = w.contains(&"warps");
     let key = Key { batch: num(0)?, m: num(1)?, k: num(2)?, n: num(3)?, a_kfast: num(4)? == 1, b_nfast: num(5)? == 1, dtype };
     let plan = match *w.get(7)? {
-        "tiled" => Plan::Tiled(Tile { double, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }),
+        "tiled" => Plan::Tiled(Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }),
         "columns" => Plan::Columns { splits: num(8)? },
         "coop" => Plan::Coop,
-        "splitk" => Plan::SplitK { tile: Tile { double, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
+        "splitk" => Plan::SplitK { tile: Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
         _ => return None,
     };
     Some((key, plan))
@@ -236,7 +246,12 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
         }
     }
     let mut best = (f64::INFINITY, default);
+    // VOLTAIC_AUTOTUNE_LOG=2 also lists every candidate's time.
+    let detail = std::env::var("VOLTAIC_AUTOTUNE_LOG").is_ok_and(|v| v == "2");
     for r in &runs {
+        if detail {
+            eprintln!("voltaic autotune: {}   {:<28} {:>10.1} us", key.line(), plan_text(&r.0), r.2 * 1e6);
+        }
         if r.2 < best.0 {
             best = (r.2, r.0);
         }
