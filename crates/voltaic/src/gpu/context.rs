@@ -278,14 +278,20 @@ impl GpuContext {
                 bind_group_layouts: &[Some(&bgl)],
                 immediate_size: 0,
             });
-            self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            let p = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: None,
                 layout: Some(&layout),
                 module: &module,
                 entry_point: Some("main"),
                 compilation_options: Default::default(),
                 cache: self.pipeline_cache.as_ref(),
-            })
+            });
+            // A driver that fails to compile the shader (seen on the H100:
+            // "NVVM compilation failed") leaves an invalid pipeline without an
+            // error here; touching it raises one inside this scope, so the
+            // failure is this kernel's, not the next operation's.
+            let _ = p.get_bind_group_layout(0);
+            p
         });
         if let Some(e) = err {
             return Err(Error::Backend(format!("compiling a kernel on gpu:{}: {e}\n--- WGSL ---\n{source}", self.index)));
