@@ -119,15 +119,22 @@ impl Gen<'_> {
                 return Ok(None);
             });
         }
+        // Large kernels give each thread four vec4s a workgroup apart, all
+        // loaded (at clamped indices) before any is used: more bytes in
+        // flight per thread, a quarter of the workgroups.
+        let n4 = n / 4;
+        let per = if n4 >= 16 * 1024 { 4 } else { 1 };
         let mut sh = self.shader();
-        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {}u) {{ return; }}\n", n / 4);
+        let mut b = format!("    let i0 = group * {}u + lid;\n    if (i0 >= {n4}u) {{ return; }}\n", WG as usize * per);
         let mut values = vec![];
         for (li, (l, k)) in expr.loads.iter().zip(&kinds).enumerate() {
             let ty = storage_ty(self.inputs[l.input].0);
             match k {
                 Src4::Vec(off) => {
                     sh.bind_raw(Src::Input(l.input), &format!("vl{li}"), &format!("array<vec4<{ty}>>"), false);
-                    let _ = writeln!(b, "    let x{li} = vl{li}[i + {off}u];");
+                    for u in 0..per {
+                        let _ = writeln!(b, "    let x{li}_{u} = vl{li}[min(i0 + {}u, {}u) + {off}u];", u * WG as usize, n4 - 1);
+                    }
                 }
                 Src4::Scalar(off) => {
                     sh.bind_raw(Src::Input(l.input), &format!("sl{li}"), &format!("array<{ty}>"), false);
@@ -138,19 +145,21 @@ impl Gen<'_> {
         }
         let ot = storage_ty(self.out.0);
         sh.bind_raw(Src::Output, "outv", &format!("array<vec4<{ot}>>"), true);
-        let _ = writeln!(b, "    var r: vec4<{ot}>;");
-        for lane in 0..4 {
-            let overrides: Vec<(usize, String)> = values
-                .iter()
-                .map(|&li| (li, if matches!(kinds[li], Src4::Vec(_)) { format!("x{li}[{lane}]") } else { format!("x{li}") }))
-                .collect();
-            let _ = writeln!(b, "    {{");
-            let mut ix = Indexer::new(&[n], "i");
-            let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, expr, &overrides)?;
-            let _ = writeln!(b, "    r[{lane}] = {};\n    }}", cast(expr.dtype(), self.out.0, &v));
+        for u in 0..per {
+            let _ = writeln!(b, "    {{\n    let i = i0 + {}u;\n    if (i < {n4}u) {{\n    var r: vec4<{ot}>;", u * WG as usize);
+            for lane in 0..4 {
+                let overrides: Vec<(usize, String)> = values
+                    .iter()
+                    .map(|&li| (li, if matches!(kinds[li], Src4::Vec(_)) { format!("x{li}_{u}[{lane}]") } else { format!("x{li}") }))
+                    .collect();
+                let _ = writeln!(b, "    {{");
+                let mut ix = Indexer::new(&[n], "i");
+                let v = super::codegen::emit_expr_with(&mut b, &mut sh, &mut ix, expr, &overrides)?;
+                let _ = writeln!(b, "    r[{lane}] = {};\n    }}", cast(expr.dtype(), self.out.0, &v));
+            }
+            let _ = writeln!(b, "    outv[i] = r;\n    }}\n    }}");
         }
-        let _ = writeln!(b, "    outv[i] = r;");
-        Ok(Some(sh.finish(format!("elementwise_vec4 [{n}]"), WG, groups(n / 4, WG), &b)))
+        Ok(Some(sh.finish(format!("elementwise_vec4 [{n}]"), WG, groups(n4, WG * per as u32), &b)))
     }
 
     fn elementwise(&self, expr: &Expr, shape: &[usize]) -> Result<Dispatch> {
