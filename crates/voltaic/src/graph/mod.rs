@@ -207,15 +207,17 @@ impl Drop for Node {
     /// Unlink long pending chains iteratively: the default recursive drop of a
     /// deep `Arc` chain could overflow the stack.
     fn drop(&mut self) {
-        let mut stack: Vec<Tensor> = Vec::new();
-        let take = |state: &mut State, stack: &mut Vec<Tensor>| {
+        // Only the input nodes are kept (cloning the tensors would copy their
+        // layouts, a cost per node that long chains feel).
+        let mut stack: Vec<Arc<Node>> = Vec::new();
+        let take = |state: &mut State, stack: &mut Vec<Arc<Node>>| {
             if let State::Pending(op) = std::mem::replace(state, State::Pending(Op::Const(0.0))) {
-                stack.extend(op.inputs().into_iter().cloned());
+                stack.extend(op.inputs().into_iter().map(|t| t.node.clone()));
             }
         };
         take(self.state.get_mut().unwrap_or_else(|e| e.into_inner()), &mut stack);
         while let Some(t) = stack.pop() {
-            if let Ok(mut node) = Arc::try_unwrap(t.node) {
+            if let Ok(mut node) = Arc::try_unwrap(t) {
                 take(node.state.get_mut().unwrap_or_else(|e| e.into_inner()), &mut stack);
             }
         }

@@ -13,7 +13,9 @@ use super::{Buffer, Node, Op, State};
 use crate::dtype::DType;
 use crate::layout::Layout;
 use crate::tensor::Tensor;
-use std::collections::HashMap;
+// Maps keyed by node ids and layouts are rebuilt on every realization: a
+// fast hasher, not SipHash (whose DoS resistance these keys do not need).
+use foldhash::{HashMap, HashMapExt, HashSet};
 use std::sync::Arc;
 
 /// Where a slot's buffer comes from.
@@ -76,32 +78,36 @@ fn collect(targets: &[&Tensor]) -> Graph {
         edges_in: vec![],
         target: vec![],
     };
-    // Iterative post-order DFS.
-    let mut stack: Vec<(Arc<Node>, bool)> = targets.iter().map(|t| (t.node.clone(), false)).collect();
-    let mut pending_ops: HashMap<u64, Op> = HashMap::new();
-    while let Some((node, expanded)) = stack.pop() {
-        if g.index.contains_key(&node.id) {
-            continue;
-        }
-        if expanded {
-            let op = pending_ops.remove(&node.id);
-            g.index.insert(node.id, g.nodes.len());
-            g.nodes.push(node);
-            g.ops.push(op);
-            continue;
-        }
-        let op = match &*node.state() {
-            State::Pending(op) => Some(op.clone()),
-            State::Realized(_) => None,
-        };
-        stack.push((node.clone(), true));
-        if let Some(op) = op {
-            for t in op.inputs().into_iter().rev() {
-                if !g.index.contains_key(&t.node.id) {
-                    stack.push((t.node.clone(), false));
+    // Iterative post-order DFS; an expanded entry carries its node's op.
+    enum Visit {
+        Enter(Arc<Node>),
+        Leave(Arc<Node>, Option<Op>),
+    }
+    let mut stack: Vec<Visit> = targets.iter().map(|t| Visit::Enter(t.node.clone())).collect();
+    while let Some(visit) = stack.pop() {
+        match visit {
+            Visit::Leave(node, op) => {
+                if let std::collections::hash_map::Entry::Vacant(e) = g.index.entry(node.id) {
+                    e.insert(g.nodes.len());
+                    g.nodes.push(node);
+                    g.ops.push(op);
                 }
             }
-            pending_ops.insert(node.id, op);
+            Visit::Enter(node) => {
+                if g.index.contains_key(&node.id) {
+                    continue;
+                }
+                let op = match &*node.state() {
+                    State::Pending(op) => Some(op.clone()),
+                    State::Realized(_) => None,
+                };
+                let inputs: Vec<Arc<Node>> = match &op {
+                    Some(op) => op.inputs().into_iter().rev().filter(|t| !g.index.contains_key(&t.node.id)).map(|t| t.node.clone()).collect(),
+                    None => vec![],
+                };
+                stack.push(Visit::Leave(node, op));
+                stack.extend(inputs.into_iter().map(Visit::Enter));
+            }
         }
     }
     let n = g.nodes.len();
@@ -732,7 +738,7 @@ fn reads_by_row(l: &Layout, inner: usize) -> bool {
 /// divide) and layer norm (mean, variance, normalise) become one kernel
 /// that reads its input from memory once; the re-reads of a row hit cache.
 fn fuse_rows(plan: &mut Plan, slot_of: &[Option<Slot>], survives: &[bool]) {
-    let kept: std::collections::HashSet<Slot> =
+    let kept: HashSet<Slot> =
         slot_of.iter().zip(survives).filter_map(|(o, &keep)| if keep { *o } else { None }).collect();
     // Which kernel writes each slot; rebuilt only when a fusion moves kernels.
     let index = |plan: &Plan| -> HashMap<Slot, usize> { plan.kernels.iter().enumerate().map(|(i, k)| (k.out, i)).collect() };
@@ -759,7 +765,7 @@ fn expr_of(k: &Kernel) -> Option<(&Expr, &[usize])> {
 
 /// Try to make kernel `k` the output stage of a rows kernel; returns the
 /// fused kernel's index.
-fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &std::collections::HashSet<Slot>, writer: &HashMap<Slot, usize>) -> Option<usize> {
+fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &HashSet<Slot>, writer: &HashMap<Slot, usize>) -> Option<usize> {
     use crate::op::ReduceOp;
     let KernelKind::Elementwise { expr, .. } = &plan.kernels[k].kind else { return None };
     let numel = plan.kernels[k].numel;
