@@ -49,8 +49,9 @@ pub(crate) fn compile(
     inputs: &[(crate::dtype::DType, usize)],
     plan: Option<super::matmul::Plan>,
 ) -> Result<Arc<Compiled>> {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
+    use std::hash::{BuildHasher, Hash, Hasher};
+    // A fast hasher: this runs on every realization, over whole kernels.
+    let mut h = foldhash::fast::FixedState::default().build_hasher();
     (&k.kind, inputs, k.dtype, k.numel, plan).hash(&mut h);
     let key = h.finish();
     let same = |s: &Signature| s.kind == k.kind && s.inputs == inputs && s.dtype == k.dtype && s.numel == k.numel && s.plan == plan;
