@@ -41,6 +41,8 @@ fn plan_text(p: &Plan) -> String {
         Plan::Tiled(t) => format!("tiled {} {} {} {} {}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
         Plan::Columns { splits } => format!("columns {splits}"),
         Plan::Coop => "coop".into(),
+        Plan::CoopPacked => "cooppacked".into(),
+        Plan::CoopWide => "coopwide".into(),
         Plan::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
     }
 }
@@ -65,6 +67,8 @@ fn parse_line(line: &str) -> Option<(Key, Plan)> {
         "tiled" => Plan::Tiled(Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }),
         "columns" => Plan::Columns { splits: num(8)? },
         "coop" => Plan::Coop,
+        "cooppacked" => Plan::CoopPacked,
+        "coopwide" => Plan::CoopWide,
         "splitk" => Plan::SplitK { tile: Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
         _ => return None,
     };
@@ -142,7 +146,7 @@ pub(crate) fn plan_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)]) 
         return Ok(Some(*p));
     }
     let coop = key.dtype == DType::F16 && ctx.caps.coop_f16 && key.m >= 64 && key.n >= 64;
-    let default = if coop { Plan::Coop } else { default_plan(key.batch, key.m, key.k, key.n, key.b_nfast) };
+    let default = if coop { Plan::CoopWide } else { default_plan(key.batch, key.m, key.k, key.n, key.b_nfast) };
     // Too small to matter, or tuning is off: the heuristic.
     let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
     if !ctx.tuner.enabled || flops < 1e7 {
@@ -160,6 +164,8 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Plan) -> Vec<Plan> {
     let mut c = vec![default];
     if key.dtype == DType::F16 && ctx.caps.coop_f16 {
         c.push(Plan::Coop);
+        c.push(Plan::CoopPacked);
+        c.push(Plan::CoopWide);
     }
     for t in TILES {
         let threads = (t.bm / t.tm) * (t.bn / t.tn);

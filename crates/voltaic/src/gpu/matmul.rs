@@ -82,6 +82,12 @@ pub(crate) enum Plan {
     /// f16 on tensor cores: 128x128 tiles, 8 subgroups of 32 each computing
     /// 64x32 with 16x16x16 cooperative matrices, f32 accumulation.
     Coop,
+    /// `Coop` whose shared tiles are `vec4<f16>`, stored four halves at a
+    /// time as loaded (the plain kernel stores one half per instruction), for
+    /// whole aligned tiles; else `Coop`.
+    CoopPacked,
+    /// `CoopPacked` on 256x128 tiles, each subgroup 64x64; else `Coop`.
+    CoopWide,
     /// Tiles whose inner dim is cut into `splits` chunks, each its own
     /// workgroup, then a pass that adds the partial products: small outputs
     /// with a long inner dim (a Linear layer on a small batch) fill the GPU.
@@ -123,7 +129,9 @@ impl Gen<'_> {
             Plan::Tiled(t) => self.matmul_tiled(p, a, b, m, k, n, t, 1, epi)?,
             Plan::SplitK { tile, splits } => self.matmul_tiled(p, a, b, m, k, n, tile, splits, epi)?,
             Plan::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
-            Plan::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi)?),
+            Plan::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, false)?),
+            Plan::CoopPacked => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, false)?),
+            Plan::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, true)?),
         }
         Ok(())
     }
@@ -134,9 +142,12 @@ impl Gen<'_> {
     /// tried on the H100, ran 50% slower); results leave through a
     /// per-subgroup 16x16 f32 staging tile so the epilogue sees single values.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>) -> Result<Dispatch> {
+    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, packed: bool, wide: bool) -> Result<Dispatch> {
         // Subgroups and the 16x16 matrices of C each owns (fm x fn_).
-        let (warps, fm, fn_) = (8usize, 4usize, 2usize);
+        // Wide (packed only): 256x128 tiles, each subgroup 64x64 (4x4
+        // matrices: 8 loads from shared memory per 16 products, not 6 per 8).
+        let wide = wide && packed;
+        let (warps, fm, fn_) = if wide { (8usize, 4usize, 4usize) } else { (8, 4, 2) };
         let threads = warps * 32;
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
@@ -146,7 +157,7 @@ impl Gen<'_> {
         let r = la.dims().len();
         let bdims = &la.dims()[..r - 2];
         let batch: usize = bdims.iter().product();
-        let (bm, bn) = (128usize, 128usize);
+        let (bm, bn) = if wide { (256usize, 128usize) } else { (128, 128) };
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
         let total = batch * tiles_m * tiles_n;
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
@@ -173,10 +184,20 @@ impl Gen<'_> {
         let bk = if fast && k % 64 == 0 && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
         let (lda, ldb) = (bk + 8, bn + 8);
         sh.enable("wgpu_cooperative_matrix");
+        // Packed: shared tiles of vec4<f16>, which cooperative loads read with
+        // strides in vec4s (the pointer may be to a vector of the matrix's
+        // element type).
+        let packed = packed && fast;
+        if wide && !packed {
+            // Not whole 256-row tiles: the packed kernel on 128x128 tiles (which
+            // falls back in turn where those do not fit either).
+            return self.matmul_coop(a, bv, m, k, n, epi, true, false);
+        }
+        let (elem, unit) = if packed { ("vec4<f16>", 4) } else { ("f16", 1) };
         sh.decl(&format!(
-            "var<workgroup> As: array<f16, {}>;\nvar<workgroup> Bs: array<f16, {}>;\nvar<workgroup> Cs: array<f32, {}>;",
-            bm * lda,
-            bk * ldb,
+            "var<workgroup> As: array<{elem}, {}>;\nvar<workgroup> Bs: array<{elem}, {}>;\nvar<workgroup> Cs: array<f32, {}>;",
+            bm * lda / unit,
+            bk * ldb / unit,
             warps * 256
         ));
         let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
@@ -193,7 +214,39 @@ impl Gen<'_> {
         let steps = k.div_ceil(bk);
         let a_kfast = sak == 1;
         let b_nfast = sbn == 1 || sbk != 1;
-        if fast {
+        if packed {
+            sh.bind_raw(Src::Input(a.input), "a4", "array<vec4<f16>>", false);
+            sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f16>>", false);
+            // A: bm rows of bk / 4 vec4s; B: bk rows of bn / 4 vec4s.
+            let (per_a, per_b) = (bm * bk / 4 / threads, bk * bn / 4 / threads);
+            for q in 0..per_a {
+                let e = format!("(lid + {}u)", q * threads);
+                let _ = writeln!(s, "    let ar{q} = {e} / {}u;\n    let ak{q} = ({e} % {}u) * 4u;\n    var ra{q}: vec4<f16>;", bk / 4, bk / 4);
+            }
+            for q in 0..per_b {
+                let e = format!("(lid + {}u)", q * threads);
+                let _ = writeln!(s, "    let bk{q} = {e} / {}u;\n    let bc{q} = ({e} % {}u) * 4u;\n    var rb{q}: vec4<f16>;", bn / 4, bn / 4);
+            }
+            let load = |s: &mut String, kt: &str| {
+                for q in 0..per_a {
+                    let _ = writeln!(s, "    ra{q} = a4[(abase + (row0 + ar{q}) * {sam}u + {kt} + ak{q}) / 4u];");
+                }
+                for q in 0..per_b {
+                    let _ = writeln!(s, "    rb{q} = b4[(bbase + ({kt} + bk{q}) * {sbk}u + col0 + bc{q}) / 4u];");
+                }
+            };
+            load(&mut s, "0u");
+            let _ = writeln!(s, "    for (var kt = 0u; kt < {k}u; kt = kt + {bk}u) {{");
+            for q in 0..per_a {
+                let _ = writeln!(s, "    As[(ar{q} * {lda}u + ak{q}) / 4u] = ra{q};");
+            }
+            for q in 0..per_b {
+                let _ = writeln!(s, "    Bs[(bk{q} * {ldb}u + bc{q}) / 4u] = rb{q};");
+            }
+            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {k}u) {{");
+            load(&mut s, &format!("(kt + {bk}u)"));
+            let _ = writeln!(s, "    }}");
+        } else if fast {
             sh.bind_raw(Src::Input(a.input), "a8", "array<vec4<u32>>", false);
             sh.bind_raw(Src::Input(bv.input), "b8", "array<vec4<u32>>", false);
             // A: 128 rows of bk / 8 vec4s; B: bk rows of 16 vec4s (128 halves).
@@ -270,10 +323,10 @@ impl Gen<'_> {
         for kk in (0..bk).step_by(16) {
             for i in 0..fm {
                 // naga wants the offset bound to a name, not written inside coopLoad.
-                let _ = writeln!(s, "    let ao{kk}_{i} = (wr + {}u) * {lda}u + {kk}u;\n    let a{kk}_{i} = coopLoadT<coop_mat16x16<f16, A>>(&As[ao{kk}_{i}], {lda}u);", i * 16);
+                let _ = writeln!(s, "    let ao{kk}_{i} = ((wr + {}u) * {lda}u + {kk}u) / {unit}u;\n    let a{kk}_{i} = coopLoadT<coop_mat16x16<f16, A>>(&As[ao{kk}_{i}], {}u);", i * 16, lda / unit);
             }
             for j in 0..fn_ {
-                let _ = writeln!(s, "    let bo{kk}_{j} = {kk}u * {ldb}u + wc + {}u;\n    let b{kk}_{j} = coopLoadT<coop_mat16x16<f16, B>>(&Bs[bo{kk}_{j}], {ldb}u);", j * 16);
+                let _ = writeln!(s, "    let bo{kk}_{j} = ({kk}u * {ldb}u + wc + {}u) / {unit}u;\n    let b{kk}_{j} = coopLoadT<coop_mat16x16<f16, B>>(&Bs[bo{kk}_{j}], {}u);", j * 16, ldb / unit);
             }
             for i in 0..fm {
                 for j in 0..fn_ {
@@ -303,7 +356,7 @@ impl Gen<'_> {
                 );
             }
         }
-        Ok(sh.finish(format!("matmul_coop {batch}x{m}x{k}x{n}"), threads as u32, total as u64, &s))
+        Ok(sh.finish(format!("matmul_coop{}{} {batch}x{m}x{k}x{n}", if packed { " packed" } else { "" }, if wide { " wide" } else { "" }), threads as u32, total as u64, &s))
     }
 
     /// Bind what the epilogue reads and define `fn epi(lin, acc)`, which gives
@@ -313,7 +366,11 @@ impl Gen<'_> {
         let out_ty = compute_ty(self.out.0);
         let Some(e) = epi else {
             // The accumulator is in the output's compute type (exact for integers).
-            sh.decl(&format!("fn epi(lin: u32, acc: {out_ty}) -> {out_ty} {{ return {}; }}", round_to(self.out.0, "acc")));
+            // An f16 store rounds by itself (to nearest even, as Vulkan
+            // converts); rounding on the bits first cost the tensor-core
+            // kernel a sixth of its instructions.
+            let rounded = if self.out.0 == DType::F16 { "acc".to_string() } else { round_to(self.out.0, "acc") };
+            sh.decl(&format!("fn epi(lin: u32, acc: {out_ty}) -> {out_ty} {{ return {rounded}; }}"));
             return Ok(());
         };
         let used: Vec<usize> = e.expr.loads.iter().enumerate().filter(|&(i, _)| i != e.acc).map(|(_, l)| l.input).collect();
@@ -843,6 +900,10 @@ mod tests {
             check(Plan::Coop, &[128, 64], &[64, 256], false, false, DType::F16);
             check(Plan::Coop, &[2, 256, 96], &[2, 96, 128], false, false, DType::F16);
             check(Plan::Coop, &[256, 96], &[96, 128], true, false, DType::F16);
+            for (da, db) in [(&[128usize, 64][..], &[64usize, 256][..]), (&[2, 256, 96], &[2, 96, 128]), (&[130, 40], &[40, 129]), (&[512, 64], &[64, 128])] {
+                check(Plan::CoopPacked, da, db, false, false, DType::F16);
+                check(Plan::CoopWide, da, db, false, false, DType::F16);
+            }
 
         }
     }
