@@ -635,7 +635,6 @@ impl Gen<'_> {
     fn matmul_columns(&self, p: &mut Program, a: &View, bv: &View, m: usize, k: usize, n: usize, splits: usize, epi: Option<&Epilogue>) -> Result<()> {
         let ct = compute_ty(self.out.0);
         let acc_dt = if ct == "f32" { DType::F32 } else { self.out.0 };
-        let zero = literal(0.0, self.out.0);
         let (la, lb) = (&a.layout, &bv.layout);
         let r = la.dims().len();
         let bdims = &la.dims()[..r - 2];
@@ -654,9 +653,14 @@ impl Gen<'_> {
         let total = batch * splits * cols;
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
-        if lanes == 4 {
-            return self.matmul_columns4(p, sh, a, bv, m, k, n, splits, epi);
-        }
+        // `ldb(e)`: the value (or vec4) of b at row expression `e` for this thread's column(s).
+        let (acc_ty, zero, ldb): (String, String, Box<dyn Fn(&str) -> String>) = if lanes == 4 {
+            sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f32>>", false);
+            ("vec4<f32>".into(), "vec4<f32>(0.0)".into(), Box::new(move |e: &str| format!("b4[bbase + ({e}) * {}u]", sbk / 4)))
+        } else {
+            let bi = bv.input;
+            (ct.to_string(), literal(0.0, self.out.0), Box::new(move |e: &str| format!("ld_in{bi}(bbase + ({e}) * {sbk}u)")))
+        };
         let direct = splits == 1;
         if direct {
             self.bind_out(&mut sh);
@@ -667,19 +671,20 @@ impl Gen<'_> {
         }
         let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
         let _ = writeln!(s, "    let z = group / {}u;\n    let ks = (group / {cols}u) % {splits}u;", splits * cols);
-        let _ = writeln!(s, "    let col = (group % {cols}u) * 256u + lid;\n    if (col >= {n}u) {{ return; }}");
+        let _ = writeln!(s, "    let t = (group % {cols}u) * 256u + lid;\n    if (t >= {}u) {{ return; }}\n    let col = t * {lanes}u;", n / lanes);
         let zd = unravel(&mut s, &mut sh, "z", bdims);
-        let _ = writeln!(s, "    let abase = {};\n    let bbase = {} + col * {sbn}u;", batch_offset(&zd, la), batch_offset(&zd, lb));
+        let bbase = if lanes == 4 { format!("({}) / 4u + t", batch_offset(&zd, lb)) } else { format!("{} + col * {sbn}u", batch_offset(&zd, lb)) };
+        let _ = writeln!(s, "    let abase = {};\n    let bbase = {bbase};", batch_offset(&zd, la));
         let _ = writeln!(s, "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);");
         for i in 0..m {
-            let _ = writeln!(s, "    var acc{i}: {ct} = {zero};");
+            let _ = writeln!(s, "    var acc{i}: {acc_ty} = {zero};");
         }
         // Four steps of k per trip, their loads issued together: a thread per
         // column has no other way to keep enough bytes in flight (gemv is
         // bound by memory). Then the remainder, one step at a time.
         let _ = writeln!(s, "    var q = k0;\n    for (; q + 4u <= k1; q = q + 4u) {{");
         for u in 0..4 {
-            let _ = writeln!(s, "    let b{u} = ld_in{}(bbase + (q + {u}u) * {sbk}u);", bv.input);
+            let _ = writeln!(s, "    let b{u} = {};", ldb(&format!("q + {u}u")));
         }
         for i in 0..m {
             for u in 0..4 {
@@ -687,83 +692,23 @@ impl Gen<'_> {
             }
         }
         let _ = writeln!(s, "    }}");
-        let _ = writeln!(s, "    for (; q < k1; q = q + 1u) {{\n    let bq = ld_in{}(bbase + q * {sbk}u);", bv.input);
+        let _ = writeln!(s, "    for (; q < k1; q = q + 1u) {{\n    let bq = {};", ldb("q"));
         for i in 0..m {
             let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + q * {sak}u) * bq;", a.input, i * sam);
         }
         let _ = writeln!(s, "    }}");
         for i in 0..m {
-            if direct {
-                let _ = writeln!(s, "    {{ let o = z * {}u + {}u + col; st_out(o, epi(o, {})); }}", m * n, i * n, format!("acc{i}"));
-            } else {
-                let _ = writeln!(s, "    st_part(((z * {splits}u + ks) * {m}u + {i}u) * {n}u + col, acc{i});");
-            }
-        }
-        p.dispatches.push(sh.finish(format!("matmul_columns {batch}x{m}x{k}x{n} in {splits} splits"), 256, total as u64, &s));
-        if direct {
-            return Ok(());
-        }
-        p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
-        Ok(())
-    }
-
-    /// `matmul_columns` for f32 with `b`'s rows read as vec4s: a thread per
-    /// four adjacent output columns.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_columns4(&self, p: &mut Program, mut sh: Shader, a: &View, bv: &View, m: usize, k: usize, n: usize, splits: usize, epi: Option<&Epilogue>) -> Result<()> {
-        let (la, lb) = (&a.layout, &bv.layout);
-        let r = la.dims().len();
-        let bdims = &la.dims()[..r - 2];
-        let batch: usize = bdims.iter().product();
-        let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
-        let sbk4 = lb.strides()[r - 2] / 4;
-        let n4 = n / 4;
-        let cols = n4.div_ceil(256);
-        let chunk = k.div_ceil(splits);
-        let total = batch * splits * cols;
-        sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f32>>", false);
-        let direct = splits == 1;
-        if direct {
-            self.bind_out(&mut sh);
-            self.epilogue(&mut sh, epi)?;
-        } else {
-            sh.array(Src::Scratch(0), "part", DType::F32, batch * splits * m * n, true);
-            p.scratch.push((DType::F32, batch * splits * m * n));
-        }
-        let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
-        let _ = writeln!(s, "    let z = group / {}u;\n    let ks = (group / {cols}u) % {splits}u;", splits * cols);
-        let _ = writeln!(s, "    let c4 = (group % {cols}u) * 256u + lid;\n    if (c4 >= {n4}u) {{ return; }}");
-        let zd = unravel(&mut s, &mut sh, "z", bdims);
-        let _ = writeln!(s, "    let abase = {};\n    let bbase = ({}) / 4u + c4;", batch_offset(&zd, la), batch_offset(&zd, lb));
-        let _ = writeln!(s, "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);");
-        for i in 0..m {
-            let _ = writeln!(s, "    var acc{i} = vec4<f32>(0.0);");
-        }
-        let _ = writeln!(s, "    var q = k0;\n    for (; q + 4u <= k1; q = q + 4u) {{");
-        for u in 0..4 {
-            let _ = writeln!(s, "    let b{u} = b4[bbase + (q + {u}u) * {sbk4}u];");
-        }
-        for i in 0..m {
-            for u in 0..4 {
-                let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + (q + {u}u) * {sak}u) * b{u};", a.input, i * sam);
-            }
-        }
-        let _ = writeln!(s, "    }}");
-        let _ = writeln!(s, "    for (; q < k1; q = q + 1u) {{\n    let bq = b4[bbase + q * {sbk4}u];");
-        for i in 0..m {
-            let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + q * {sak}u) * bq;", a.input, i * sam);
-        }
-        let _ = writeln!(s, "    }}");
-        for i in 0..m {
-            for lane in 0..4 {
+            for lane in 0..lanes {
+                let v = if lanes == 4 { format!("acc{i}[{lane}]") } else { format!("acc{i}") };
                 if direct {
-                    let _ = writeln!(s, "    {{ let o = z * {}u + {}u + c4 * 4u + {lane}u; st_out(o, epi(o, acc{i}[{lane}])); }}", m * n, i * n);
+                    let _ = writeln!(s, "    {{ let o = z * {}u + {}u + col + {lane}u; st_out(o, epi(o, {v})); }}", m * n, i * n);
                 } else {
-                    let _ = writeln!(s, "    st_part(((z * {splits}u + ks) * {m}u + {i}u) * {n}u + c4 * 4u + {lane}u, acc{i}[{lane}]);");
+                    let _ = writeln!(s, "    st_part(((z * {splits}u + ks) * {m}u + {i}u) * {n}u + col + {lane}u, {v});");
                 }
             }
         }
-        p.dispatches.push(sh.finish(format!("matmul_columns_vec4 {batch}x{m}x{k}x{n} in {splits} splits"), 256, total as u64, &s));
+        let vec = if lanes == 4 { "_vec4" } else { "" };
+        p.dispatches.push(sh.finish(format!("matmul_columns{vec} {batch}x{m}x{k}x{n} in {splits} splits"), 256, total as u64, &s));
         if !direct {
             p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
         }
