@@ -41,7 +41,6 @@ fn plan_text(p: &Plan) -> String {
         Plan::Tiled(t) => format!("tiled {} {} {} {} {}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
         Plan::Columns { splits } => format!("columns {splits}"),
         Plan::Coop => "coop".into(),
-        Plan::CoopPacked => "cooppacked".into(),
         Plan::CoopWide => "coopwide".into(),
         Plan::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
     }
@@ -67,7 +66,6 @@ fn parse_line(line: &str) -> Option<(Key, Plan)> {
         "tiled" => Plan::Tiled(Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }),
         "columns" => Plan::Columns { splits: num(8)? },
         "coop" => Plan::Coop,
-        "cooppacked" => Plan::CoopPacked,
         "coopwide" => Plan::CoopWide,
         "splitk" => Plan::SplitK { tile: Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
         _ => return None,
@@ -164,7 +162,6 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Plan) -> Vec<Plan> {
     let mut c = vec![default];
     if key.dtype == DType::F16 && ctx.caps.coop_f16 {
         c.push(Plan::Coop);
-        c.push(Plan::CoopPacked);
         c.push(Plan::CoopWide);
     }
     for t in TILES {

@@ -82,11 +82,8 @@ pub(crate) enum Plan {
     /// f16 on tensor cores: 128x128 tiles, 8 subgroups of 32 each computing
     /// 64x32 with 16x16x16 cooperative matrices, f32 accumulation.
     Coop,
-    /// `Coop` whose shared tiles are `vec4<f16>`, stored four halves at a
-    /// time as loaded (the plain kernel stores one half per instruction), for
-    /// whole aligned tiles; else `Coop`.
-    CoopPacked,
-    /// `CoopPacked` on 256x128 tiles, each subgroup 64x64; else `Coop`.
+    /// `Coop` on 256x128 tiles, each subgroup 64x64, for whole aligned
+    /// tiles; else `Coop`.
     CoopWide,
     /// Tiles whose inner dim is cut into `splits` chunks, each its own
     /// workgroup, then a pass that adds the partial products: small outputs
@@ -129,24 +126,21 @@ impl Gen<'_> {
             Plan::Tiled(t) => self.matmul_tiled(p, a, b, m, k, n, t, 1, epi)?,
             Plan::SplitK { tile, splits } => self.matmul_tiled(p, a, b, m, k, n, tile, splits, epi)?,
             Plan::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
-            Plan::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, false)?),
-            Plan::CoopPacked => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, false)?),
-            Plan::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, true)?),
+            Plan::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false)?),
+            Plan::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true)?),
         }
         Ok(())
     }
 
-    /// f16 x f16 -> f32 on cooperative matrices. Tiles of A (128x32) and B
-    /// (32x128) go through shared memory as f16; each of the 8 subgroups owns
-    /// a 64x32 block of C (4x2 matrices of 16x16; 4 subgroups of 64x64 each,
-    /// tried on the H100, ran 50% slower); results leave through a
-    /// per-subgroup 16x16 f32 staging tile so the epilogue sees single values.
+    /// f16 x f16 -> f32 on cooperative matrices. Tiles of A and B go through
+    /// shared memory as f16; each of the 8 subgroups owns a 64x32 block of C
+    /// (4x2 matrices of 16x16) of a 128x128 tile, or with `wide` a 64x64
+    /// block (4x4: 8 loads from shared memory per 16 products, not 6 per 8)
+    /// of a 256x128 tile; results leave through a per-subgroup 16x16 f32
+    /// staging tile so the epilogue sees single values.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, packed: bool, wide: bool) -> Result<Dispatch> {
+    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, wide: bool) -> Result<Dispatch> {
         // Subgroups and the 16x16 matrices of C each owns (fm x fn_).
-        // Wide (packed only): 256x128 tiles, each subgroup 64x64 (4x4
-        // matrices: 8 loads from shared memory per 16 products, not 6 per 8).
-        let wide = wide && packed;
         let (warps, fm, fn_) = if wide { (8usize, 4usize, 4usize) } else { (8, 4, 2) };
         let threads = warps * 32;
         let mut sh = Shader::new(self.caps);
@@ -163,10 +157,11 @@ impl Gen<'_> {
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
         let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
         // Whole tiles of plain row-major operands, 16-byte aligned: each thread
-        // moves 8 halves per load with no bounds checks (the scalar path
-        // spends more instructions on addresses and checks than the tensor
-        // cores take to multiply), and takes 64 of k per step where the
-        // shared tiles fit (half the barriers of 32).
+        // moves 4 halves per load and per shared store with no bounds checks
+        // (the scalar path spends more instructions on addresses, checks and
+        // single-half stores than the tensor cores take to multiply), and
+        // takes 64 of k per step where the shared tiles fit (half the
+        // barriers of 32).
         let batch_aligned = |l: &Layout| l.offset() % 8 == 0 && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
         let fits = |v: &View| (self.inputs[v.input].1 as u64) * 2 <= self.caps.chunk_bytes();
         let shared = |bk: usize| (bm * (bk + 8) + bk * (bn + 8)) * 2 + warps * 256 * 4;
@@ -184,16 +179,15 @@ impl Gen<'_> {
         let bk = if fast && k % 64 == 0 && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
         let (lda, ldb) = (bk + 8, bn + 8);
         sh.enable("wgpu_cooperative_matrix");
-        // Packed: shared tiles of vec4<f16>, which cooperative loads read with
-        // strides in vec4s (the pointer may be to a vector of the matrix's
-        // element type).
-        let packed = packed && fast;
-        if wide && !packed {
-            // Not whole 256-row tiles: the packed kernel on 128x128 tiles (which
-            // falls back in turn where those do not fit either).
-            return self.matmul_coop(a, bv, m, k, n, epi, true, false);
+        if wide && !fast {
+            // Not whole 256-row tiles: 128x128 tiles.
+            return self.matmul_coop(a, bv, m, k, n, epi, false);
         }
-        let (elem, unit) = if packed { ("vec4<f16>", 4) } else { ("f16", 1) };
+        // Whole tiles: shared tiles of vec4<f16> (cooperative loads read them
+        // with strides in vec4s: the pointer may be to a vector of the
+        // matrix's element type); packed u32 tiles are refused by NVIDIA's
+        // compiler, and one half per store cost 20% of the kernel's time.
+        let (elem, unit) = if fast { ("vec4<f16>", 4) } else { ("f16", 1) };
         sh.decl(&format!(
             "var<workgroup> As: array<{elem}, {}>;\nvar<workgroup> Bs: array<{elem}, {}>;\nvar<workgroup> Cs: array<f32, {}>;",
             bm * lda / unit,
@@ -214,7 +208,7 @@ impl Gen<'_> {
         let steps = k.div_ceil(bk);
         let a_kfast = sak == 1;
         let b_nfast = sbn == 1 || sbk != 1;
-        if packed {
+        if fast {
             sh.bind_raw(Src::Input(a.input), "a4", "array<vec4<f16>>", false);
             sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f16>>", false);
             // A: bm rows of bk / 4 vec4s; B: bk rows of bn / 4 vec4s.
@@ -242,45 +236,6 @@ impl Gen<'_> {
             }
             for q in 0..per_b {
                 let _ = writeln!(s, "    Bs[(bk{q} * {ldb}u + bc{q}) / 4u] = rb{q};");
-            }
-            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {k}u) {{");
-            load(&mut s, &format!("(kt + {bk}u)"));
-            let _ = writeln!(s, "    }}");
-        } else if fast {
-            sh.bind_raw(Src::Input(a.input), "a8", "array<vec4<u32>>", false);
-            sh.bind_raw(Src::Input(bv.input), "b8", "array<vec4<u32>>", false);
-            // A: 128 rows of bk / 8 vec4s; B: bk rows of 16 vec4s (128 halves).
-            let per = bm * bk / 8 / threads;
-            for q in 0..per {
-                let e = format!("(lid + {}u)", q * threads);
-                let _ = writeln!(s, "    let ar{q} = {e} / {}u;\n    let ak{q} = ({e} % {}u) * 8u;\n    let bk{q} = {e} / 16u;\n    let bc{q} = ({e} % 16u) * 8u;", bk / 8, bk / 8);
-                let _ = writeln!(s, "    var ra{q}: vec4<u32>;\n    var rb{q}: vec4<u32>;");
-            }
-            let load = |s: &mut String, kt: &str| {
-                for q in 0..per {
-                    let _ = writeln!(s, "    ra{q} = a8[(abase + (row0 + ar{q}) * {sam}u + {kt} + ak{q}) / 8u];");
-                    let _ = writeln!(s, "    rb{q} = b8[(bbase + ({kt} + bk{q}) * {sbk}u + col0 + bc{q}) / 8u];");
-                }
-            };
-            load(&mut s, "0u");
-            let _ = writeln!(s, "    for (var kt = 0u; kt < {k}u; kt = kt + {bk}u) {{");
-            for q in 0..per {
-                // unpack2x16float rather than a bitcast to vec2<f16>, which naga
-                // (wgpu 30) types wrongly; f16 -> f32 -> f16 is exact.
-                for w in 0..4 {
-                    let _ = writeln!(
-                        s,
-                        "    {{ let ha = unpack2x16float(ra{q}[{w}]); As[ar{q} * {lda}u + ak{q} + {}u] = f16(ha[0]); As[ar{q} * {lda}u + ak{q} + {}u] = f16(ha[1]); }}",
-                        2 * w,
-                        2 * w + 1
-                    );
-                    let _ = writeln!(
-                        s,
-                        "    {{ let hb = unpack2x16float(rb{q}[{w}]); Bs[bk{q} * {ldb}u + bc{q} + {}u] = f16(hb[0]); Bs[bk{q} * {ldb}u + bc{q} + {}u] = f16(hb[1]); }}",
-                        2 * w,
-                        2 * w + 1
-                    );
-                }
             }
             let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {k}u) {{");
             load(&mut s, &format!("(kt + {bk}u)"));
@@ -356,7 +311,7 @@ impl Gen<'_> {
                 );
             }
         }
-        Ok(sh.finish(format!("matmul_coop{}{} {batch}x{m}x{k}x{n}", if packed { " packed" } else { "" }, if wide { " wide" } else { "" }), threads as u32, total as u64, &s))
+        Ok(sh.finish(format!("matmul_coop{} {batch}x{m}x{k}x{n}", if wide { " wide" } else { "" }), threads as u32, total as u64, &s))
     }
 
     /// Bind what the epilogue reads and define `fn epi(lin, acc)`, which gives
@@ -845,11 +800,10 @@ mod tests {
             check(Plan::Coop, &[128, 64], &[64, 256], false, false, DType::F16);
             check(Plan::Coop, &[2, 256, 96], &[2, 96, 128], false, false, DType::F16);
             check(Plan::Coop, &[256, 96], &[96, 128], true, false, DType::F16);
+            // 256x128 tiles where whole, else the 128x128 kernel.
             for (da, db) in [(&[128usize, 64][..], &[64usize, 256][..]), (&[2, 256, 96], &[2, 96, 128]), (&[130, 40], &[40, 129]), (&[512, 64], &[64, 128])] {
-                check(Plan::CoopPacked, da, db, false, false, DType::F16);
                 check(Plan::CoopWide, da, db, false, false, DType::F16);
             }
-
         }
     }
 }
