@@ -35,7 +35,7 @@ pub fn run(json: bool) -> anyhow::Result<()> {
     let threads = rayon::current_num_threads();
     let model = cpu_model();
     let features = simd();
-    let gpus = voltaic::gpu::adapters();
+    let gpus = voltaic::backend::adapters();
     let best = voltaic::Device::best();
     if json {
         let cpu = json!({

@@ -94,7 +94,7 @@ pub fn run(args: EmbedArgs) -> anyhow::Result<()> {
             println!("{s:?}\n  [{}, ... {} more] (dim {dim}, norm 1)", shown.join(", "), dim - 6);
         }
     }
-    voltaic::gpu::save_caches();
+    voltaic::backend::save_caches();
     Ok(())
 }
 

@@ -322,6 +322,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         );
     }
     std::io::stdout().flush()?;
-    voltaic::gpu::save_caches();
+    voltaic::backend::save_caches();
     Ok(())
 }

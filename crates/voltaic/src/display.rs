@@ -113,7 +113,7 @@ impl fmt::Display for Tensor {
         let strides = crate::shape::Shape::new(&dims).contiguous_strides();
         // Only the shown values decide the style and the width.
         let mut shown_vals = vec![];
-        crate::tensor::for_each_offset(&crate::layout::Layout::contiguous(&dims), |o| {
+        crate::layout::Layout::contiguous(&dims).for_each_offset(|o| {
             let mut rem = o;
             let visible = dims.iter().zip(&strides).all(|(&d, &s)| {
                 let i = rem / s.max(1);

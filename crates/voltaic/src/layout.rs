@@ -268,6 +268,40 @@ impl Layout {
         }
         Some(Layout { shape: view.shape.clone(), strides, offset: inner.offset_of(&base) })
     }
+
+    /// Visit every offset this layout reaches, in row-major order.
+    pub(crate) fn for_each_offset(&self, mut f: impl FnMut(usize)) {
+        let n = self.numel();
+        if n == 0 {
+            return;
+        }
+        let dims = self.dims();
+        let r = dims.len();
+        let mut idx = vec![0usize; r];
+        let mut off = self.offset;
+        for _ in 0..n {
+            f(off);
+            for k in (0..r).rev() {
+                idx[k] += 1;
+                off += self.strides[k];
+                if idx[k] < dims[k] {
+                    break;
+                }
+                off -= self.strides[k] * dims[k];
+                idx[k] = 0;
+            }
+        }
+    }
+
+    /// Copy the elements this layout sees of `s` into a new Vec, in row-major order.
+    pub(crate) fn gather<T: Copy>(&self, s: &[T]) -> Vec<T> {
+        if self.is_contiguous() {
+            return s[self.offset..self.offset + self.numel()].to_vec();
+        }
+        let mut out = Vec::with_capacity(self.numel());
+        self.for_each_offset(|o| out.push(s[o]));
+        out
+    }
 }
 
 /// Unravel a linear index into a multi-index of `dims`.

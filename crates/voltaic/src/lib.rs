@@ -17,32 +17,47 @@
 
 #![warn(missing_docs)]
 
-mod autograd;
-pub mod cpu;
-pub mod data;
+// Layers, lowest first (ARCHITECTURE.md; `tests/layering.rs` checks that no
+// module imports one above it).
 mod device;
-mod display;
 mod dtype;
 mod error;
-pub mod gpu;
-mod graph;
-pub mod io;
-pub mod models;
-pub mod nn;
+mod files;
 mod layout;
-pub mod op;
-pub mod optim;
-pub mod ops;
 mod rng;
 mod shape;
 mod storage;
+
+pub mod primitive;
+
+mod ir;
+
+pub mod backend;
+
+mod graph;
+
+mod schedule;
+
+mod realize;
+
+mod autograd;
+mod display;
+pub mod ops;
 mod tensor;
 
+pub mod data;
+pub mod io;
+pub mod models;
+pub mod nn;
+pub mod optim;
+
 pub use autograd::{is_grad_enabled, no_grad, NoGradGuard};
+pub use backend::{DeviceStats, MemoryStats};
 pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{Error, Result};
-pub use graph::schedule::{inspect, KernelSummary};
+pub use schedule::KernelSummary;
+pub use tensor::inspect;
 pub use layout::Layout;
 pub use ops::nn::{Conv2dOpts, Reduction};
 pub use ops::IntoOperand;

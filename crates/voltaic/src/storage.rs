@@ -125,3 +125,16 @@ impl CpuStorage {
         }
     }
 }
+
+/// Fail with `OutOfMemory` instead of aborting when a large host buffer
+/// cannot be allocated (Rust aborts the process on a failed infallible
+/// allocation).
+pub(crate) fn check_alloc(bytes: usize) -> crate::error::Result<()> {
+    if bytes >= 1 << 28 {
+        let mut probe: Vec<u8> = Vec::new();
+        if probe.try_reserve_exact(bytes).is_err() {
+            return Err(crate::Error::OutOfMemory(format!("cannot allocate {bytes} bytes of host memory")));
+        }
+    }
+    Ok(())
+}

@@ -2,14 +2,15 @@
 //!
 //! The ops themselves live in `ops/`, grouped by kind.
 
+use crate::backend::executor;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::graph::{Buffer, Node, Op, State, MAX_PENDING_DEPTH};
+use crate::graph::{Node, Op, OpKind, State, Value, MAX_PENDING_DEPTH};
 use crate::layout::Layout;
 use crate::rng::{self, Generator};
 use crate::shape::checked_numel;
-use crate::storage::{CpuStorage, StorageElem};
+use crate::storage::{check_alloc, CpuStorage, StorageElem};
 use std::sync::Arc;
 
 /// An n-dimensional array: a cheap handle to a node of the lazy graph plus a
@@ -27,35 +28,31 @@ use std::sync::Arc;
 /// ```
 #[derive(Clone)]
 pub struct Tensor {
-    pub(crate) node: Arc<Node>,
-    pub(crate) layout: Layout,
+    /// The graph node and the layout through which this tensor reads it.
+    pub(crate) value: Value,
     /// Where this tensor sits in the graph of differentiation, if anywhere.
     pub(crate) grad: Option<Arc<crate::autograd::GradNode>>,
 }
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({:?}, {}, {}, node {}{})", self.dims(), self.dtype(), self.device(), self.node.id, if self.grad.is_some() { ", tracked" } else { "" })
+        write!(f, "Tensor({:?}, {}, {}, node {}{})", self.dims(), self.dtype(), self.device(), self.value.node.id, if self.grad.is_some() { ", tracked" } else { "" })
     }
 }
 
 impl Tensor {
     // ---- construction of graph nodes ----
 
-    /// A tensor over a new pending node. Realizes it at once if the pending
-    /// graph below grew past [`MAX_PENDING_DEPTH`].
-    pub(crate) fn from_op(op: Op, dtype: DType, device: Device, dims: Vec<usize>) -> Result<Tensor> {
-        let op = op.detach_inputs();
-        let depth = 1 + op
-            .inputs()
-            .iter()
-            .map(|t| if matches!(&*t.node.state(), State::Pending(_)) { t.node.depth } else { 0 })
-            .max()
-            .unwrap_or(0);
+    /// A tensor over a new pending node computing `kind` from `inputs`.
+    /// Realizes it at once if the pending graph below grew past
+    /// [`MAX_PENDING_DEPTH`].
+    pub(crate) fn from_op(kind: OpKind, inputs: &[&Tensor], dtype: DType, device: Device, dims: Vec<usize>) -> Result<Tensor> {
+        let op = Op { kind, inputs: inputs.iter().map(|t| t.value.clone()).collect() };
         let layout = Layout::contiguous(&dims);
-        let node = Node::new(State::Pending(op), dtype, device, dims, depth);
-        let t = Tensor { node, layout, grad: None };
-        if depth > MAX_PENDING_DEPTH {
+        let node = Node::pending(op, dtype, device, dims);
+        let deep = node.depth > MAX_PENDING_DEPTH;
+        let t = Tensor { value: Value { node, layout }, grad: None };
+        if deep {
             t.realize()?;
         }
         Ok(t)
@@ -64,18 +61,15 @@ impl Tensor {
     /// A tensor over realized host data.
     pub(crate) fn from_storage(storage: CpuStorage, dims: &[usize], device: Device) -> Result<Tensor> {
         let dtype = storage.dtype();
-        let buf = match device {
-            Device::Cpu => Buffer::Cpu(Arc::new(crate::cpu::pool::HostBuf::new(storage))),
-            Device::Gpu(i) => Buffer::Gpu(Arc::new(crate::gpu::transfer::upload(&crate::gpu::context(i)?, &storage)?)),
-        };
+        let buf = executor(device)?.upload(storage)?;
         let node = Node::new(State::Realized(buf), dtype, device, dims.to_vec(), 0);
-        Ok(Tensor { node, layout: Layout::contiguous(dims), grad: None })
+        Ok(Tensor { value: Value { node, layout: Layout::contiguous(dims) }, grad: None })
     }
 
     /// A view of the same node with another layout (not tracked: each view
     /// op records its own gradient).
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
-        Tensor { node: self.node.clone(), layout, grad: None }
+        Tensor { value: Value { node: self.value.node.clone(), layout }, grad: None }
     }
 
     // ---- creation ----
@@ -104,7 +98,7 @@ impl Tensor {
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
         checked_numel("full", shape)?;
         device.check_available("full")?;
-        let c = Tensor::from_op(Op::Const(cast_scalar(value, dtype)), dtype, device, vec![])?;
+        let c = Tensor::from_op(OpKind::Const(cast_scalar(value, dtype)), &[], dtype, device, vec![])?;
         c.broadcast_to(shape)
     }
 
@@ -145,7 +139,7 @@ impl Tensor {
         if n > (isize::MAX / 16) as f64 {
             bail!(Value, "arange", "too many elements: start={start} end={end} step={step}");
         }
-        crate::cpu::check_alloc(n as usize * 8)?;
+        check_alloc(n as usize * 8)?;
         let v: Vec<f64> = (0..n as usize).map(|i| start + i as f64 * step).collect();
         Tensor::from_storage(CpuStorage::from_f64(dtype, &v), &[v.len()], device)
     }
@@ -153,7 +147,7 @@ impl Tensor {
     /// `steps` evenly spaced values from `start` to `end` inclusive.
     pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: Device) -> Result<Tensor> {
         checked_numel("linspace", &[steps])?;
-        crate::cpu::check_alloc(steps.saturating_mul(8))?;
+        check_alloc(steps.saturating_mul(8))?;
         let v: Vec<f64> = (0..steps)
             .map(|i| {
                 if steps == 1 {
@@ -175,7 +169,7 @@ impl Tensor {
     /// The `n` x `n` identity matrix.
     pub fn eye(n: usize, dtype: DType, device: Device) -> Result<Tensor> {
         let numel = checked_numel("eye", &[n, n])?;
-        crate::cpu::check_alloc(numel.saturating_mul(8))?;
+        check_alloc(numel.saturating_mul(8))?;
         let mut v = vec![0.0; numel];
         for i in 0..n {
             v[i * n + i] = 1.0;
@@ -199,7 +193,7 @@ impl Tensor {
             bail!(DType, "rand", "expected a float dtype, got {dtype}");
         }
         let n = checked_numel("rand", shape)?;
-        crate::cpu::check_alloc(n.saturating_mul(8))?;
+        check_alloc(n.saturating_mul(8))?;
         let v = if dtype == DType::F64 { g.uniform53(n) } else { g.uniform(n) };
         // Rounding to f16/bf16 can reach 1.0; keep the half-open interval.
         let storage = CpuStorage::from_f64(dtype, &v);
@@ -217,7 +211,7 @@ impl Tensor {
             bail!(DType, "randn", "expected a float dtype, got {dtype}");
         }
         let n = checked_numel("randn", shape)?;
-        crate::cpu::check_alloc(n.saturating_mul(8))?;
+        check_alloc(n.saturating_mul(8))?;
         Tensor::from_storage(CpuStorage::from_f64(dtype, &g.normal(n)), shape, device)
     }
 
@@ -239,11 +233,11 @@ impl Tensor {
 
     /// The shape.
     pub fn dims(&self) -> &[usize] {
-        self.layout.dims()
+        self.value.layout.dims()
     }
     /// The shape (PyTorch spelling).
     pub fn shape(&self) -> &[usize] {
-        self.layout.dims()
+        self.value.layout.dims()
     }
     /// Size of one dimension (negative counts from the end).
     pub fn size(&self, dim: isize) -> Result<usize> {
@@ -252,52 +246,53 @@ impl Tensor {
     }
     /// Number of dimensions.
     pub fn rank(&self) -> usize {
-        self.layout.dims().len()
+        self.value.layout.dims().len()
     }
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.layout.numel()
+        self.value.layout.numel()
     }
     /// Element type.
     pub fn dtype(&self) -> DType {
-        self.node.dtype
+        self.value.node.dtype
     }
     /// Device.
     pub fn device(&self) -> Device {
-        self.node.device
+        self.value.node.device
     }
     /// Strides in elements.
     pub fn stride(&self) -> &[usize] {
-        self.layout.strides()
+        self.value.layout.strides()
     }
     /// The layout into the node's buffer.
     pub fn layout(&self) -> &Layout {
-        &self.layout
+        &self.value.layout
     }
     /// Row-major contiguous?
     pub fn is_contiguous(&self) -> bool {
-        self.layout.is_contiguous()
+        self.value.layout.is_contiguous()
     }
     /// Whether this tensor's node has been computed.
     pub fn is_realized(&self) -> bool {
-        matches!(&*self.node.state(), State::Realized(_))
+        self.value.is_realized()
     }
     /// Do two tensors share the same underlying buffer (node)?
     pub fn same_storage(&self, other: &Tensor) -> bool {
-        Arc::ptr_eq(&self.node, &other.node)
+        Arc::ptr_eq(&self.value.node, &other.value.node)
     }
 
     // ---- realization and reading ----
 
     /// Compute this tensor's node now (and everything pending below it).
     pub fn realize(&self) -> Result<&Tensor> {
-        crate::graph::realize::realize(&[self])?;
+        crate::realize::realize(&[&self.value])?;
         Ok(self)
     }
 
     /// Realize several tensors in one schedule, sharing their common work.
     pub fn realize_all(tensors: &[&Tensor]) -> Result<()> {
-        crate::graph::realize::realize(tensors)
+        let values: Vec<&Value> = tensors.iter().map(|t| &t.value).collect();
+        crate::realize::realize(&values)
     }
 
     /// The elements in row-major order. `T` must be the tensor's dtype.
@@ -305,38 +300,29 @@ impl Tensor {
         if T::DTYPE != self.dtype() {
             bail!(DType, "to_vec", "the tensor holds {}, asked for {}; use to_dtype first", self.dtype(), T::DTYPE);
         }
-        self.read_host(|s, l| gather_layout(T::slice(s).expect("dtype checked"), l))
+        self.read_host(|s, l| l.gather(T::slice(s).expect("dtype checked")))
     }
 
     /// The elements as f64, whatever the dtype (bools as 0/1).
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         self.read_host(|s, l| {
             let mut out = Vec::with_capacity(l.numel());
-            for_each_offset(l, |o| out.push(s.get_f64(o)));
+            l.for_each_offset(|o| out.push(s.get_f64(o)));
             out
         })
     }
 
-    /// Realize, then look at the values in host memory through a layout: the
-    /// node's own buffer on the CPU; on a GPU, the viewed elements read back
-    /// (made contiguous on the device first when the view is strided).
+    /// Realize, then look at the values in host memory through a layout:
+    /// the node's own buffer where the device is the host, else the viewed
+    /// elements read back (made contiguous on the device first when the
+    /// device cannot read strided views).
     pub(crate) fn read_host<R>(&self, f: impl FnOnce(&CpuStorage, &Layout) -> R) -> Result<R> {
-        match self.device() {
-            Device::Cpu => {
-                self.realize()?;
-                match self.node.buffer().expect("realized") {
-                    Buffer::Cpu(s) => Ok(f(&s, &self.layout)),
-                    Buffer::Gpu(_) => unreachable!("a CPU tensor holds a host buffer"),
-                }
-            }
-            Device::Gpu(i) => {
-                let t = if self.layout.is_contiguous() { self.clone() } else { self.contiguous()? };
-                t.realize()?;
-                let Some(Buffer::Gpu(b)) = t.node.buffer() else { unreachable!("a GPU tensor holds a GPU buffer") };
-                let s = crate::gpu::transfer::download(&crate::gpu::context(i)?, &b, t.layout.offset(), t.numel())?;
-                Ok(f(&s, &Layout::contiguous(t.dims())))
-            }
-        }
+        let exec = executor(self.device())?;
+        let t = if exec.capabilities().strided_reads || self.is_contiguous() { self.clone() } else { self.contiguous()? };
+        t.realize()?;
+        let buf = t.value.node.buffer().expect("realized");
+        let host = exec.read(&buf, &t.value.layout)?;
+        Ok(f(host.storage(), &host.layout))
     }
 
     /// The only element of a one-element tensor.
@@ -362,7 +348,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         device.check_available("to_device")?;
-        let host = self.read_host(|s, l| crate::storage::map_storage!(s, v => StorageElem::wrap(gather_layout(v, l))))?;
+        let host = self.read_host(|s, l| crate::storage::map_storage!(s, v => StorageElem::wrap(l.gather(v))))?;
         let from = self.device();
         Ok(Tensor::from_storage(host, self.dims(), device)?.track(&[self], move |g, _| Ok(vec![Some(g.to_device(from)?)])))
     }
@@ -381,37 +367,16 @@ pub(crate) fn cast_scalar(v: f64, dtype: DType) -> f64 {
     }
 }
 
-/// Visit every offset of a layout in row-major order.
-pub(crate) fn for_each_offset(l: &Layout, mut f: impl FnMut(usize)) {
-    let n = l.numel();
-    if n == 0 {
-        return;
-    }
-    let dims = l.dims();
-    let r = dims.len();
-    let mut idx = vec![0usize; r];
-    let mut off = l.offset;
-    for _ in 0..n {
-        f(off);
-        for k in (0..r).rev() {
-            idx[k] += 1;
-            off += l.strides[k];
-            if idx[k] < dims[k] {
-                break;
-            }
-            off -= l.strides[k] * dims[k];
-            idx[k] = 0;
-        }
-    }
+/// The kernel summaries of the plan that would realize `tensors`, without
+/// running it. Lets tests and tools see what fuses.
+///
+/// The plan is the one the tensors' device would run: on a GPU, row-wise
+/// work such as softmax is one kernel.
+pub fn inspect(tensors: &[&Tensor]) -> Vec<crate::schedule::KernelSummary> {
+    let caps = match tensors.first().map(|t| executor(t.device())) {
+        Some(Ok(e)) => e.capabilities(),
+        _ => crate::backend::Capabilities { row_kernels: false, strided_reads: true },
+    };
+    let values: Vec<&Value> = tensors.iter().map(|t| &t.value).collect();
+    crate::schedule::summarize(&values, caps)
 }
-
-/// Copy the elements a layout sees into a new Vec.
-pub(crate) fn gather_layout<T: Copy>(s: &[T], l: &Layout) -> Vec<T> {
-    if l.is_contiguous() {
-        return s[l.offset..l.offset + l.numel()].to_vec();
-    }
-    let mut out = Vec::with_capacity(l.numel());
-    for_each_offset(l, |o| out.push(s[o]));
-    out
-}
-

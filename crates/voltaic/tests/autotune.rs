@@ -13,7 +13,7 @@ fn tuned_matmul_with_an_epilogue_matches_cpu_and_is_remembered() {
     std::env::set_var("VOLTAIC_AUTOTUNE", "1");
     std::env::set_var("VOLTAIC_CACHE_DIR", &dir);
     assert!(
-        !voltaic::gpu::adapters().is_empty(),
+        !voltaic::backend::adapters().is_empty(),
         "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)"
     );
     let gpu = Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0));

@@ -61,7 +61,7 @@ fn minilm_embeddings_match_the_reference_on_the_cpu() {
 
 #[test]
 fn minilm_embeddings_match_the_reference_on_the_gpu() {
-    assert!(!voltaic::gpu::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
     check(Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0)));
 }
 

@@ -12,7 +12,7 @@ use voltaic::{Conv2dOpts, DType, Device, Reduction, Result, Tensor};
 
 /// The GPU under test; panics (fails the test) when there is none.
 fn gpu() -> Device {
-    let adapters = voltaic::gpu::adapters();
+    let adapters = voltaic::backend::adapters();
     assert!(
         !adapters.is_empty(),
         "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)"
@@ -441,7 +441,7 @@ fn software_adapters_are_not_the_best_device() {
     if std::env::var("VOLTAIC_DEVICE").is_ok() {
         return; // an explicit choice overrides; nothing to check
     }
-    let hardware = voltaic::gpu::adapters().into_iter().find(|a| !a.is_software());
+    let hardware = voltaic::backend::adapters().into_iter().find(|a| !a.is_software());
     match hardware {
         Some(a) => assert_eq!(Device::best(), Device::Gpu(a.index)),
         None => assert_eq!(Device::best(), Device::Cpu),

@@ -7,21 +7,25 @@
 //! holds `SERIAL`), in their own test binary.
 
 use std::sync::Mutex;
-use voltaic::gpu::{stats, GpuStats};
+use voltaic::DeviceStats;
+
+fn stats(i: usize) -> voltaic::Result<DeviceStats> {
+    Device::Gpu(i).stats()
+}
 use voltaic::{inspect, DType, Device, Tensor};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn gpu() -> (Device, usize) {
     assert!(
-        !voltaic::gpu::adapters().is_empty(),
+        !voltaic::backend::adapters().is_empty(),
         "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)"
     );
     let i = std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     (Device::Gpu(i), i)
 }
 
-fn delta(a: &GpuStats, b: &GpuStats) -> (u64, u64, u64) {
+fn delta(a: &DeviceStats, b: &DeviceStats) -> (u64, u64, u64) {
     (b.submissions - a.submissions, b.dispatches - a.dispatches, b.pipelines - a.pipelines)
 }
 

@@ -256,7 +256,7 @@ fn a_long_chain_backpropagates_without_overflowing_the_stack() {
 /// GPU gradients against CPU gradients on the same f32 inputs (lavapipe in CI).
 #[test]
 fn gpu_gradients_match_cpu() {
-    assert!(!voltaic::gpu::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
     let gpu = Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0));
     let mut rng = Rng::new(42);
     let mut t = |d: &[usize]| Tensor::from_vec((0..d.iter().product::<usize>()).map(|_| rng.normal() as f32).collect::<Vec<f32>>(), d, Device::Cpu).unwrap();

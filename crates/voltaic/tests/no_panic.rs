@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use proptest::test_runner::{Config, RngSeed};
-use voltaic::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use voltaic::primitive::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use voltaic::{Conv2dOpts, DType, Device, Generator, Reduction, Result, Tensor};
 
 const DTYPES: [DType; 7] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::U32, DType::Bool];

@@ -306,7 +306,7 @@ fn the_data_loader_shuffles_by_seed_and_covers_every_item() {
 /// A short training run gives the same losses, step by step, on CPU and GPU.
 #[test]
 fn training_gives_the_same_losses_on_cpu_and_gpu() {
-    assert!(!voltaic::gpu::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
     let gpu = Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0));
     let data = Arc::new(Dataset {
         // Each image is its class times 25 plus a little texture: learnable.

@@ -132,7 +132,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut meta = serde_json::Map::new();
     meta.insert("device".into(), json!(device.to_string()));
     if let voltaic::Device::Gpu(i) = device {
-        if let Some(a) = voltaic::gpu::adapters().into_iter().find(|a| a.index == i) {
+        if let Some(a) = voltaic::backend::adapters().into_iter().find(|a| a.index == i) {
             meta.insert("adapter".into(), json!(a.name));
             meta.insert("backend".into(), json!(a.backend));
             meta.insert("driver".into(), json!(a.driver));

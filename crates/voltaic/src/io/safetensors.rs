@@ -109,7 +109,7 @@ pub fn convert(dt: St, b: &[u8]) -> std::result::Result<CpuStorage, String> {
 /// The file dtype and little-endian bytes of a tensor's values. Integer
 /// tensors named in `as_i64` are written as I64 (PyTorch's `num_batches_tracked`).
 fn encode(t: &Tensor, as_i64: bool) -> Result<(St, Vec<u8>)> {
-    let host = t.read_host(|s, l| crate::storage::map_storage!(s, v => crate::storage::StorageElem::wrap(crate::tensor::gather_layout(v, l))))?;
+    let host = t.read_host(|s, l| crate::storage::map_storage!(s, v => crate::storage::StorageElem::wrap(l.gather(v))))?;
     Ok(match host {
         CpuStorage::I32(v) if as_i64 => (St::I64, v.iter().flat_map(|&x| (x as i64).to_le_bytes()).collect()),
         CpuStorage::F32(v) => (St::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),

@@ -3,8 +3,8 @@
 
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::graph::Op;
-use crate::op::{BinaryOp, CmpOp, Domain, UnaryOp};
+use crate::graph::OpKind;
+use crate::primitive::{binary_table, cmp_table, unary_table, BinaryOp, CmpOp, Domain, MapOp, UnaryOp};
 use crate::shape::broadcast_shapes;
 use crate::tensor::{cast_scalar, Tensor};
 
@@ -77,7 +77,7 @@ impl IntoOperand for bool {
 impl Tensor {
     /// A 0-d constant of `dtype` on `like`'s device (broadcasts anywhere).
     pub(crate) fn constant(v: f64, dtype: DType, like: &Tensor) -> Result<Tensor> {
-        Tensor::from_op(Op::Const(cast_scalar(v, dtype)), dtype, like.device(), vec![])
+        Tensor::from_op(OpKind::Const(cast_scalar(v, dtype)), &[], dtype, like.device(), vec![])
     }
 
     pub(crate) fn check_same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
@@ -99,7 +99,7 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        let out = Tensor::from_op(Op::Cast(self.clone()), dtype, self.device(), self.dims().to_vec())?;
+        let out = Tensor::from_op(OpKind::Map(MapOp::Cast), &[self], dtype, self.device(), self.dims().to_vec())?;
         if !dtype.is_float() {
             return Ok(out);
         }
@@ -126,7 +126,7 @@ impl Tensor {
             }
         };
         let dt = x.dtype();
-        let out = Tensor::from_op(Op::Unary(op, x.clone()), dt, self.device(), self.dims().to_vec())?;
+        let out = Tensor::from_op(OpKind::Map(MapOp::Unary(op)), &[&x], dt, self.device(), self.dims().to_vec())?;
         if !dt.is_float() {
             return Ok(out);
         }
@@ -148,7 +148,7 @@ impl Tensor {
         };
         let a = self.to_dtype(dt)?.broadcast_to(&dims)?;
         let b = rhs.to_dtype(dt)?.broadcast_to(&dims)?;
-        let out = Tensor::from_op(Op::Binary(op, a.clone(), b.clone()), dt, self.device(), dims)?;
+        let out = Tensor::from_op(OpKind::Map(MapOp::Binary(op)), &[&a, &b], dt, self.device(), dims)?;
         if !dt.is_float() {
             return Ok(out);
         }
@@ -167,7 +167,7 @@ impl Tensor {
         let dt = DType::promote(self.dtype(), rhs.dtype());
         let a = self.to_dtype(dt)?.broadcast_to(&dims)?;
         let b = rhs.to_dtype(dt)?.broadcast_to(&dims)?;
-        Tensor::from_op(Op::Cmp(op, a, b), DType::Bool, self.device(), dims)
+        Tensor::from_op(OpKind::Map(MapOp::Cmp(op)), &[&a, &b], DType::Bool, self.device(), dims)
     }
 
     /// `self ? on_true : on_false` elementwise (PyTorch `torch.where(cond, a, b)`),
@@ -183,7 +183,7 @@ impl Tensor {
         let c = cond.broadcast_to(&dims)?;
         let a = a.to_dtype(dt)?.broadcast_to(&dims)?;
         let b = b.to_dtype(dt)?.broadcast_to(&dims)?;
-        let out = Tensor::from_op(Op::Where(c.clone(), a.clone(), b.clone()), dt, self.device(), dims)?;
+        let out = Tensor::from_op(OpKind::Map(MapOp::Where), &[&c, &a, &b], dt, self.device(), dims)?;
         let c = c.detach();
         Ok(out.track(&[&a, &b], move |g, _| Ok(vec![Some(c.where_cond(g, 0.0)?), Some(c.where_cond(0.0, g)?)])))
     }
@@ -202,121 +202,79 @@ impl Tensor {
     }
 }
 
-macro_rules! unary_methods {
-    ($($(#[$m:meta])* $name:ident => $op:ident;)*) => {
+/// The unary primitives' methods and gradients, from the op table.
+macro_rules! unary_ops {
+    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$gx:ident, $gy:ident, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
         impl Tensor {
             $(
                 $(#[$m])*
-                pub fn $name(&self) -> Result<Tensor> {
-                    self.unary(UnaryOp::$op)
+                pub fn $method(&self) -> Result<Tensor> {
+                    self.unary(UnaryOp::$T)
                 }
             )*
         }
+        impl UnaryOp {
+            /// The gradient with respect to the input, from the detached input
+            /// `x`, output `y` and output gradient `g`.
+            #[allow(unused_variables)]
+            pub(crate) fn grad(self, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Tensor> {
+                match self {
+                    $( UnaryOp::$T => { let ($gx, $gy, $gg) = (x, y, g); $grad } )*
+                }
+            }
+        }
     };
 }
-unary_methods! {
-    /// `-x`
-    neg => Neg;
-    /// `|x|`
-    abs => Abs;
-    /// `e^x`
-    exp => Exp;
-    /// natural logarithm
-    log => Log;
-    /// `ln(1 + x)`
-    log1p => Log1p;
-    /// `e^x - 1`
-    expm1 => Expm1;
-    /// square root
-    sqrt => Sqrt;
-    /// `1 / sqrt(x)`
-    rsqrt => Rsqrt;
-    /// `1 / x`
-    recip => Recip;
-    /// sine
-    sin => Sin;
-    /// cosine
-    cos => Cos;
-    /// hyperbolic tangent
-    tanh => Tanh;
-    /// logistic sigmoid
-    sigmoid => Sigmoid;
-    /// `max(x, 0)`
-    relu => Relu;
-    /// the error function
-    erf => Erf;
-    /// round down
-    floor => Floor;
-    /// round up
-    ceil => Ceil;
-    /// round half to even
-    round => Round;
-    /// -1, 0 or 1
-    sign => Sign;
-    /// logical not (nonzero is true)
-    logical_not => Not;
-}
+unary_table!(unary_ops);
 
-macro_rules! binary_methods {
-    ($($(#[$m:meta])* $name:ident => $op:ident;)*) => {
+/// The binary primitives' methods and gradients, from the op table.
+macro_rules! binary_ops {
+    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$ga:ident, $gb:ident, $gy:ident, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
         impl Tensor {
             $(
                 $(#[$m])*
-                pub fn $name<R: IntoOperand>(&self, rhs: R) -> Result<Tensor> {
-                    self.binary(BinaryOp::$op, rhs)
+                pub fn $method<R: IntoOperand>(&self, rhs: R) -> Result<Tensor> {
+                    self.binary(BinaryOp::$T, rhs)
                 }
             )*
         }
+        impl BinaryOp {
+            /// The gradients with respect to both operands (of the output's
+            /// shape), from the detached operands, output `y` and output gradient `g`.
+            #[allow(unused_variables)]
+            pub(crate) fn grad(self, a: &Tensor, b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+                match self {
+                    $( BinaryOp::$T => { let ($ga, $gb, $gy, $gg) = (a, b, y, g); $grad } )*
+                }
+            }
+        }
     };
 }
-binary_methods! {
-    /// `self + rhs` with broadcasting
-    add => Add;
-    /// `self - rhs` with broadcasting
-    sub => Sub;
-    /// `self * rhs` with broadcasting
-    mul => Mul;
-    /// true division `self / rhs` (integers give f32)
-    div => Div;
-    /// `self ^ rhs`
-    pow => Pow;
-    /// remainder with the sign of the divisor (PyTorch `remainder`)
-    rem => Rem;
-    /// elementwise maximum (NaN propagates)
-    maximum => Maximum;
-    /// elementwise minimum (NaN propagates)
-    minimum => Minimum;
-    /// logical and (nonzero is true)
-    logical_and => And;
-    /// logical or (nonzero is true)
-    logical_or => Or;
-}
+binary_table!(binary_ops);
 
-macro_rules! cmp_methods {
-    ($($(#[$m:meta])* $name:ident => $op:ident;)*) => {
+/// The comparisons' methods, from the op table.
+macro_rules! cmp_ops {
+    ($( $(#[$m:meta])* $V:ident $method:ident $name:literal $wgsl:literal; )*) => {
         impl Tensor {
             $(
                 $(#[$m])*
-                pub fn $name<R: IntoOperand>(&self, rhs: R) -> Result<Tensor> {
-                    self.compare(CmpOp::$op, rhs)
+                pub fn $method<R: IntoOperand>(&self, rhs: R) -> Result<Tensor> {
+                    self.compare(CmpOp::$V, rhs)
                 }
             )*
         }
     };
 }
-cmp_methods! {
-    /// `self == rhs`
-    eq => Eq;
-    /// `self != rhs`
-    ne => Ne;
-    /// `self < rhs`
-    lt => Lt;
-    /// `self <= rhs`
-    le => Le;
-    /// `self > rhs`
-    gt => Gt;
-    /// `self >= rhs`
-    ge => Ge;
+cmp_table!(cmp_ops);
+
+impl Tensor {
+    /// Maximum/minimum gradients: the winner takes the gradient `self`,
+    /// ties split it evenly (as PyTorch).
+    pub(crate) fn split_ties(&self, a_wins: &Tensor, tie: &Tensor, b_wins: &Tensor) -> Result<(Tensor, Tensor)> {
+        let dt = self.dtype();
+        let half = tie.to_dtype(dt)?.mul(0.5)?;
+        Ok((self.mul(&a_wins.to_dtype(dt)?.add(&half)?)?, self.mul(&b_wins.to_dtype(dt)?.add(&half)?)?))
+    }
 }
 
 impl Tensor {

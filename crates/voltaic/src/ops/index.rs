@@ -4,7 +4,8 @@
 
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::graph::Op;
+use crate::graph::OpKind;
+use crate::primitive::IndexOp;
 use crate::shape::norm_axis;
 use crate::tensor::Tensor;
 
@@ -39,7 +40,7 @@ impl Tensor {
         if self.rank() == 0 {
             return self.reshape_dims(&[1])?.gather(0, &index.reshape_dims(&[1])?)?.reshape_dims(&[]);
         }
-        let out = Tensor::from_op(Op::Gather(d, self.clone(), index.clone()), self.dtype(), self.device(), index.dims().to_vec())?;
+        let out = Tensor::from_op(OpKind::Index(IndexOp::Gather { dim: d }), &[self, index], self.dtype(), self.device(), index.dims().to_vec())?;
         let (idx, dims) = (index.detach(), self.dims().to_vec());
         Ok(out.track(&[self], move |g, _| Ok(vec![Some(Tensor::zeros(&dims, g.dtype(), g.device())?.scatter_add(d as isize, &idx, g)?)])))
     }
@@ -79,7 +80,8 @@ impl Tensor {
         }
         let src = src.to_dtype(self.dtype())?;
         let out = Tensor::from_op(
-            Op::ScatterAdd(d, self.clone(), index.clone(), src.clone()),
+            OpKind::Index(IndexOp::ScatterAdd { dim: d }),
+            &[self, index, &src],
             self.dtype(),
             self.device(),
             self.dims().to_vec(),
@@ -108,7 +110,7 @@ impl Tensor {
         let d = norm_axis("index_select", dim, self.rank())?;
         let mut dims = self.dims().to_vec();
         dims[d] = index.numel();
-        let out = Tensor::from_op(Op::IndexSelect(d, self.clone(), index.clone()), self.dtype(), self.device(), dims)?;
+        let out = Tensor::from_op(OpKind::Index(IndexOp::IndexSelect { dim: d }), &[self, &index], self.dtype(), self.device(), dims)?;
         let (idx, src) = (index.detach(), self.dims().to_vec());
         Ok(out.track(&[self], move |g, _| {
             // Scatter the rows back: the 1-D index, expanded along every other dim.

@@ -2,7 +2,8 @@
 
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::graph::Op;
+use crate::graph::OpKind;
+use crate::primitive::IndexOp;
 use crate::shape::norm_axis;
 use crate::tensor::Tensor;
 
@@ -39,7 +40,8 @@ impl Tensor {
         dims[d] = tensors.iter().map(|t| t.dims()[d]).sum();
         let parts = tensors.iter().map(|t| t.to_dtype(dt)).collect::<Result<Vec<_>>>()?;
         let sizes: Vec<usize> = parts.iter().map(|t| t.dims()[d]).collect();
-        let out = Tensor::from_op(Op::Cat(d, parts.clone()), dt, first.device(), dims)?;
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        let out = Tensor::from_op(OpKind::Index(IndexOp::Cat { dim: d }), &refs, dt, first.device(), dims)?;
         Ok(out.track(&parts.iter().collect::<Vec<_>>(), move |g, _| {
             let mut at = 0;
             let mut grads = Vec::with_capacity(sizes.len());

@@ -2,7 +2,7 @@
 
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::graph::Op;
+use crate::graph::OpKind;
 use crate::shape::broadcast_shapes;
 use crate::tensor::Tensor;
 
@@ -52,7 +52,7 @@ impl Tensor {
         let (a, b) = (a0.broadcast_to(&da)?, b0.broadcast_to(&db)?);
         let mut dims = batch.clone();
         dims.extend([m, n]);
-        let out = Tensor::from_op(Op::Matmul(a.clone(), b.clone()), dt, self.device(), dims.clone())?;
+        let out = Tensor::from_op(OpKind::Matmul, &[&a, &b], dt, self.device(), dims.clone())?;
         let out = if dt.is_float() {
             // Gradients for the operands as given (before broadcasting), so a
             // matrix shared across the batch gets its gradient from one large

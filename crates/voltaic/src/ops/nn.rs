@@ -2,7 +2,8 @@
 
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::graph::{Op, UnfoldParams};
+use crate::graph::OpKind;
+use crate::primitive::{IndexOp, UnfoldParams};
 use crate::rng;
 use crate::tensor::Tensor;
 
@@ -41,7 +42,7 @@ pub enum Reduction {
 /// `[N, C, kh, kw, oh, ow]` back at the input position it was read from.
 fn fold(g: &Tensor, p: &UnfoldParams, h: usize, w: usize) -> Result<Tensor> {
     let d = g.dims();
-    Tensor::from_op(Op::Fold(g.clone(), *p, [h, w]), g.dtype(), g.device(), vec![d[0], d[1], h, w])
+    Tensor::from_op(OpKind::Index(IndexOp::Fold { params: *p, hw: [h, w] }), &[g], g.dtype(), g.device(), vec![d[0], d[1], h, w])
 }
 
 impl Tensor {
@@ -77,7 +78,7 @@ impl Tensor {
         for i in 0..2 {
             p.stride[i] = p.stride[i].min(d[2 + i] + 2 * p.padding[i]);
         }
-        let out = Tensor::from_op(Op::Unfold(self.clone(), p, pad), self.dtype(), self.device(), dims)?;
+        let out = Tensor::from_op(OpKind::Index(IndexOp::Unfold { params: p, pad }), &[self], self.dtype(), self.device(), dims)?;
         if !self.dtype().is_float() {
             return Ok(out);
         }

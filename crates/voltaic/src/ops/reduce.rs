@@ -3,12 +3,42 @@
 
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::graph::Op;
-use crate::op::{BinaryOp, ReduceOp};
+use crate::graph::OpKind;
+use crate::primitive::{reduce_table, BinaryOp, IndexOp, ReduceOp};
 use crate::shape::{norm_axes, norm_axis};
 use crate::tensor::Tensor;
 
+/// The reductions' gradients, from the op table.
+macro_rules! reduce_grads {
+    ($( $(#[$m:meta])* $V:ident $name:literal $identity:expr, $combine:ident, $arg:literal, |$x:ident, $y:ident, $g:ident, $axes:ident| $grad:expr; )*) => {
+        impl ReduceOp {
+            /// The gradient with respect to the input `x`, from the output `y`
+            /// and its gradient `g`, both broadcast to `x`'s shape.
+            #[allow(unused_variables)]
+            fn grad(self, x: &Tensor, y: &Tensor, g: &Tensor, axes: &[isize]) -> Result<Tensor> {
+                match self {
+                    $( ReduceOp::$V => { let ($x, $y, $g, $axes) = (x, y, g, axes); $grad } )*
+                }
+            }
+        }
+    };
+}
+reduce_table!(reduce_grads);
+
 impl Tensor {
+    /// Gradient of a product over `axes`: `g * y / x` (zeros in the input
+    /// give NaN here, where PyTorch special-cases them).
+    pub(crate) fn prod_grad(&self, y: &Tensor, g: &Tensor, _axes: &[isize]) -> Result<Tensor> {
+        g.mul(y)?.div(self)
+    }
+
+    /// Gradient of a maximum or minimum over `axes`: ties share it evenly.
+    pub(crate) fn extreme_grad(&self, y: &Tensor, g: &Tensor, axes: &[isize]) -> Result<Tensor> {
+        let hit = self.eq(y)?.to_dtype(g.dtype())?;
+        let count = hit.sum(axes, true)?;
+        g.mul(&hit)?.div(&count.broadcast_to(self.dims())?)
+    }
+
     /// Record a reduction. The result keeps the reduced dims (size 1) when
     /// `keepdim`, otherwise drops them.
     pub fn reduce(&self, op: ReduceOp, axes: &[isize], keepdim: bool) -> Result<Tensor> {
@@ -31,7 +61,7 @@ impl Tensor {
         // elementwise chain; the gradient is recorded here either way.
         let t = match crate::autograd::no_grad(|| x.detach().reduce_unrolled(op, &axes, reduced))? {
             Some(t) => t,
-            None => Tensor::from_op(Op::Reduce(op, x.clone(), axes.clone()), dt, self.device(), out_dims)?,
+            None => Tensor::from_op(OpKind::Reduce(op, axes.clone()), &[&x], dt, self.device(), out_dims)?,
         };
         let t = if op.is_arg() || !dt.is_float() {
             t
@@ -40,18 +70,8 @@ impl Tensor {
             let axes: Vec<isize> = axes.iter().map(|&a| a as isize).collect();
             t.track(&[&x], move |g, _| {
                 let full = xd.dims();
-                let g = g.broadcast_to(full)?;
-                Ok(vec![Some(match op {
-                    ReduceOp::Sum => g,
-                    // Zeros in the input give NaN here, where PyTorch special-cases them.
-                    ReduceOp::Prod => g.mul(&yd.broadcast_to(full)?)?.div(&xd)?,
-                    // Max and min: ties share the gradient evenly.
-                    _ => {
-                        let hit = xd.eq(&yd.broadcast_to(full)?)?.to_dtype(g.dtype())?;
-                        let count = hit.sum(&axes, true)?;
-                        g.mul(&hit)?.div(&count.broadcast_to(full)?)?
-                    }
-                })])
+                let (g, y) = (g.broadcast_to(full)?, yd.broadcast_to(full)?);
+                Ok(vec![Some(op.grad(&xd, &y, &g, &axes)?)])
             })
         };
         if keepdim {
@@ -231,7 +251,7 @@ impl Tensor {
         let d = norm_axis("cumsum", dim, self.rank())?;
         let x = if self.dtype() == DType::Bool { self.to_dtype(DType::I32)? } else { self.clone() };
         let dt = x.dtype();
-        let out = Tensor::from_op(Op::Cumsum(d, x.clone()), dt, self.device(), self.dims().to_vec())?;
+        let out = Tensor::from_op(OpKind::Index(IndexOp::Cumsum { dim: d }), &[&x], dt, self.device(), self.dims().to_vec())?;
         if !dt.is_float() {
             return Ok(out);
         }

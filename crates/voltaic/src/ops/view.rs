@@ -3,7 +3,7 @@
 //! leave no other way).
 
 use crate::error::{bail, Result};
-use crate::graph::Op;
+use crate::graph::OpKind;
 use crate::shape::{checked_numel, norm_axis};
 use crate::tensor::Tensor;
 
@@ -11,10 +11,10 @@ impl Tensor {
     /// A contiguous tensor with the same values: `self` when already
     /// contiguous, otherwise a copy.
     pub fn contiguous(&self) -> Result<Tensor> {
-        if self.layout.is_contiguous() {
+        if self.value.layout.is_contiguous() {
             return Ok(self.clone());
         }
-        let out = Tensor::from_op(Op::Copy(self.clone()), self.dtype(), self.device(), self.dims().to_vec())?;
+        let out = Tensor::from_op(OpKind::Copy, &[self], self.dtype(), self.device(), self.dims().to_vec())?;
         Ok(out.track(&[self], |g, _| Ok(vec![Some(g.clone())])))
     }
 
@@ -58,11 +58,11 @@ impl Tensor {
                 self.numel()
             );
         }
-        let (src, l) = match self.layout.reshape(dims) {
+        let (src, l) = match self.value.layout.reshape(dims) {
             Some(l) => (self.clone(), l),
             None => {
                 let c = self.contiguous()?;
-                let l = c.layout.reshape(dims).expect("contiguous layouts reshape");
+                let l = c.value.layout.reshape(dims).expect("contiguous layouts reshape");
                 (c, l)
             }
         };
@@ -92,7 +92,7 @@ impl Tensor {
         for (i, &p) in perm.iter().enumerate() {
             inverse[p] = i as isize;
         }
-        Ok(self.with_layout(self.layout.permute(&perm)).track(&[self], move |g, _| Ok(vec![Some(g.permute(&inverse)?)])))
+        Ok(self.with_layout(self.value.layout.permute(&perm)).track(&[self], move |g, _| Ok(vec![Some(g.permute(&inverse)?)])))
     }
 
     /// Swap two dimensions.
@@ -102,7 +102,7 @@ impl Tensor {
         let mut perm: Vec<usize> = (0..r).collect();
         perm.swap(a, b);
         let (a, b) = (a as isize, b as isize);
-        Ok(self.with_layout(self.layout.permute(&perm)).track(&[self], move |g, _| Ok(vec![Some(g.transpose(a, b)?)])))
+        Ok(self.with_layout(self.value.layout.permute(&perm)).track(&[self], move |g, _| Ok(vec![Some(g.transpose(a, b)?)])))
     }
 
     /// Transpose of a matrix; 0-d and 1-d tensors are returned as they are (PyTorch `t`).
@@ -121,7 +121,7 @@ impl Tensor {
         }
         checked_numel("broadcast_to", dims)?;
         let src = self.dims().to_vec();
-        Ok(self.with_layout(self.layout.broadcast_to("broadcast_to", dims)?).track(&[self], move |g, _| Ok(vec![Some(g.sum_to(&src)?)])))
+        Ok(self.with_layout(self.value.layout.broadcast_to("broadcast_to", dims)?).track(&[self], move |g, _| Ok(vec![Some(g.sum_to(&src)?)])))
     }
 
     /// PyTorch `expand`: like `broadcast_to`, with -1 keeping a dimension.
@@ -154,7 +154,7 @@ impl Tensor {
         if start.checked_add(len).is_none_or(|e| e > size) {
             bail!(Index, "narrow", "range {start}..{} is out of bounds for dim {d} of size {size}", start.saturating_add(len));
         }
-        Ok(self.with_layout(self.layout.slice(d, start, len, 1)).track(&[self], move |g, _| Ok(vec![Some(g.embed(d, start, 1, size)?)])))
+        Ok(self.with_layout(self.value.layout.slice(d, start, len, 1)).track(&[self], move |g, _| Ok(vec![Some(g.embed(d, start, 1, size)?)])))
     }
 
     /// Python slicing `x[start:end:step]` along `dim`: negative start and end
@@ -171,7 +171,7 @@ impl Tensor {
         // With at most one element the step is never taken; a huge one would overflow the stride.
         let step = if len <= 1 { 1 } else { step };
         let size = size as usize;
-        Ok(self.with_layout(self.layout.slice(d, s as usize, len, step)).track(&[self], move |g, _| Ok(vec![Some(g.embed(d, s as usize, step, size)?)])))
+        Ok(self.with_layout(self.value.layout.slice(d, s as usize, len, step)).track(&[self], move |g, _| Ok(vec![Some(g.embed(d, s as usize, step, size)?)])))
     }
 
     /// Remove dimension `dim` if it has size 1 (otherwise unchanged, as PyTorch).
@@ -180,12 +180,12 @@ impl Tensor {
         if self.dims()[d] != 1 {
             return Ok(self.clone());
         }
-        Ok(self.with_layout(self.layout.squeeze(d)).track(&[self], reshape_back(self.dims())))
+        Ok(self.with_layout(self.value.layout.squeeze(d)).track(&[self], reshape_back(self.dims())))
     }
 
     /// Remove every dimension of size 1.
     pub fn squeeze_all(&self) -> Result<Tensor> {
-        let mut l = self.layout.clone();
+        let mut l = self.value.layout.clone();
         for d in (0..self.rank()).rev() {
             if l.dims()[d] == 1 {
                 l = l.squeeze(d);
@@ -197,7 +197,7 @@ impl Tensor {
     /// Insert a dimension of size 1 at `dim` (in `-rank-1..=rank`).
     pub fn unsqueeze(&self, dim: isize) -> Result<Tensor> {
         let d = norm_axis("unsqueeze", dim, self.rank() + 1)?;
-        Ok(self.with_layout(self.layout.unsqueeze(d)).track(&[self], reshape_back(self.dims())))
+        Ok(self.with_layout(self.value.layout.unsqueeze(d)).track(&[self], reshape_back(self.dims())))
     }
 
     /// Merge dims `start..=end` into one.

@@ -1,0 +1,317 @@
+//! The index-like kernels: gather, scatter_add, index_select, cumsum, cat,
+//! unfold and fold.
+
+use super::input;
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::ir::Strided as View;
+use crate::layout::{unravel, Layout};
+use crate::primitive::{IndexOp, UnfoldParams};
+use crate::storage::{map_storage, CpuStorage, StorageElem};
+use half::{bf16, f16};
+
+/// Run an index-like kernel over its operands.
+pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DType, numel: usize) -> Result<CpuStorage> {
+    Ok(match *op {
+        IndexOp::Gather { dim } => gather(dim, &args[0], &args[1], inputs)?,
+        IndexOp::ScatterAdd { dim } => scatter_add(dim, &args[0], &args[1], &args[2], inputs)?,
+        IndexOp::IndexSelect { dim } => index_select(dim, &args[0], &args[1], inputs)?,
+        IndexOp::Cumsum { dim } => cumsum(dim, &args[0], inputs),
+        IndexOp::Cat { dim } => cat(dim, args, inputs, dtype, numel),
+        IndexOp::Unfold { params, pad } => unfold(&args[0], &params, pad, inputs),
+        IndexOp::Fold { params, hw } => fold(&args[0], &params, hw, inputs),
+    })
+}
+
+/// Index values of an i32 or u32 tensor, in layout order.
+fn indices(v: &View, inputs: &[&CpuStorage]) -> Vec<i64> {
+    let s = input(v, inputs);
+    let mut out = Vec::with_capacity(v.layout.numel());
+    match s {
+        CpuStorage::I32(x) => v.layout.for_each_offset(|o| out.push(x[o] as i64)),
+        CpuStorage::U32(x) => v.layout.for_each_offset(|o| out.push(x[o] as i64)),
+        _ => unreachable!("index dtype is checked when the op is recorded"),
+    }
+    out
+}
+
+fn check(op: &'static str, i: i64, size: usize, dim: usize) -> Result<usize> {
+    if i < 0 || i as usize >= size {
+        bail!(Index, op, "index {i} is out of range for dimension {dim} of size {size}");
+    }
+    Ok(i as usize)
+}
+
+fn typed<T: StorageElem>(s: &CpuStorage) -> &[T] {
+    T::slice(s).expect("dtype matches")
+}
+
+/// `out[p] = input[p with p[dim] = index[p]]`, `out` shaped like `index`.
+fn gather(dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
+    let idx = indices(index, inputs);
+    let src = input(inp, inputs);
+    let dims = index.layout.dims();
+    let size = inp.layout.dims()[dim];
+    let mut pos = vec![0; dims.len()];
+    let mut offs = Vec::with_capacity(idx.len());
+    for (i, &ix) in idx.iter().enumerate() {
+        unravel(i, dims, &mut pos);
+        pos[dim] = check("gather", ix, size, dim)?;
+        offs.push(inp.layout.offset_of(&pos));
+    }
+    Ok(map_storage!(src, s => StorageElem::wrap(offs.iter().map(|&o| s[o]).collect())))
+}
+
+/// Rows of `input` along `dim` chosen by a 1-D index.
+fn index_select(dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
+    let idx = indices(index, inputs);
+    let l = &inp.layout;
+    let size = l.dims()[dim];
+    for &i in &idx {
+        check("index_select", i, size, dim)?;
+    }
+    let mut out_dims = l.dims().to_vec();
+    out_dims[dim] = idx.len();
+    let src = input(inp, inputs);
+    let n: usize = out_dims.iter().product();
+    let mut pos = vec![0; out_dims.len()];
+    let offs: Vec<usize> = (0..n)
+        .map(|i| {
+            unravel(i, &out_dims, &mut pos);
+            pos[dim] = idx[pos[dim]] as usize;
+            l.offset_of(&pos)
+        })
+        .collect();
+    Ok(map_storage!(src, s => StorageElem::wrap(offs.iter().map(|&o| s[o]).collect())))
+}
+
+/// Addition for every storage type (bool: or).
+trait AddElem: Copy {
+    fn add(self, o: Self) -> Self;
+}
+impl AddElem for f32 {
+    fn add(self, o: f32) -> f32 {
+        self + o
+    }
+}
+impl AddElem for f64 {
+    fn add(self, o: f64) -> f64 {
+        self + o
+    }
+}
+impl AddElem for i32 {
+    fn add(self, o: i32) -> i32 {
+        self.wrapping_add(o)
+    }
+}
+impl AddElem for u32 {
+    fn add(self, o: u32) -> u32 {
+        self.wrapping_add(o)
+    }
+}
+impl AddElem for bool {
+    fn add(self, o: bool) -> bool {
+        self | o
+    }
+}
+impl AddElem for f16 {
+    fn add(self, o: f16) -> f16 {
+        f16::from_f32(self.to_f32() + o.to_f32())
+    }
+}
+impl AddElem for bf16 {
+    fn add(self, o: bf16) -> bf16 {
+        bf16::from_f32(self.to_f32() + o.to_f32())
+    }
+}
+
+fn copy_out<T: Copy>(s: &[T], l: &Layout) -> Vec<T> {
+    l.gather(s)
+}
+
+/// `out = input; out[p with p[dim] = index[p]] += src[p]` for every `p` of `index`.
+fn scatter_add(dim: usize, inp: &View, index: &View, src: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
+    let idx = indices(index, inputs);
+    let out_dims = inp.layout.dims().to_vec();
+    let ostrides = crate::shape::Shape::new(&out_dims).contiguous_strides();
+    let size = out_dims[dim];
+    let dims = index.layout.dims();
+    let mut pos = vec![0; dims.len()];
+    let mut pairs = Vec::with_capacity(idx.len());
+    for (i, &ix) in idx.iter().enumerate() {
+        unravel(i, dims, &mut pos);
+        let soff = src.layout.offset_of(&pos);
+        pos[dim] = check("scatter_add", ix, size, dim)?;
+        let doff: usize = pos.iter().zip(&ostrides).map(|(p, s)| p * s).sum();
+        pairs.push((doff, soff));
+    }
+    fn go<T: AddElem + StorageElem>(base: &[T], l: &Layout, s: &[T], pairs: &[(usize, usize)]) -> CpuStorage {
+        let mut out = copy_out(base, l);
+        for &(d, so) in pairs {
+            out[d] = out[d].add(s[so]);
+        }
+        T::wrap(out)
+    }
+    let (b, s) = (input(inp, inputs), input(src, inputs));
+    Ok(map_storage!(b, bv => go(bv, &inp.layout, typed(s), &pairs)))
+}
+
+/// Inclusive prefix sum along `dim`.
+fn cumsum(dim: usize, inp: &View, inputs: &[&CpuStorage]) -> CpuStorage {
+    let l = &inp.layout;
+    let dims = l.dims();
+    let len = dims[dim];
+    let n: usize = dims.iter().product();
+    let inner: usize = dims[dim + 1..].iter().product();
+    let outer = if len * inner == 0 { 0 } else { n / (len * inner) };
+    fn go<T: AddElem + StorageElem + Default>(s: &[T], l: &Layout, outer: usize, len: usize, inner: usize) -> CpuStorage {
+        let mut out = copy_out(s, l);
+        for o in 0..outer {
+            for i in 1..len {
+                for j in 0..inner {
+                    let at = (o * len + i) * inner + j;
+                    out[at] = out[at - inner].add(out[at]);
+                }
+            }
+        }
+        T::wrap(out)
+    }
+    let s = input(inp, inputs);
+    match s {
+        // Accumulate bools as counts: the op layer casts bool to i32 first.
+        CpuStorage::Bool(_) => unreachable!("cumsum of bool is cast to i32 first"),
+        CpuStorage::F32(v) => go(v, l, outer, len, inner),
+        CpuStorage::F64(v) => go(v, l, outer, len, inner),
+        CpuStorage::I32(v) => go(v, l, outer, len, inner),
+        CpuStorage::U32(v) => go(v, l, outer, len, inner),
+        CpuStorage::F16(v) => go(v, l, outer, len, inner),
+        CpuStorage::BF16(v) => go(v, l, outer, len, inner),
+    }
+}
+
+/// Concatenate along `dim`.
+fn cat(dim: usize, parts: &[View], inputs: &[&CpuStorage], dtype: DType, numel: usize) -> CpuStorage {
+    let mut out = CpuStorage::zeros(dtype, numel);
+    let first = parts[0].layout.dims();
+    let outer: usize = first[..dim].iter().product();
+    let total_dim: usize = parts.iter().map(|p| p.layout.dims()[dim]).sum();
+    let inner: usize = first[dim + 1..].iter().product();
+    map_storage!(&mut out, o => {
+        let mut at = 0usize;
+        for p in parts {
+            let v = copy_out(typed(input(p, inputs)), &p.layout);
+            let w = p.layout.dims()[dim] * inner;
+            for k in 0..outer {
+                let row = k * total_dim * inner + at;
+                o[row..row + w].copy_from_slice(&v[k * w..(k + 1) * w]);
+            }
+            at += w;
+        }
+    });
+    out
+}
+
+/// im2col: `[N, C, H, W]` to `[N, C, kh, kw, oh, ow]`, out-of-range reads give `pad`.
+/// Each (n, c) plane is one parallel task; rows are copied as runs.
+fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> CpuStorage {
+    use rayon::prelude::*;
+    let l = &inp.layout;
+    let d = l.dims();
+    let (nb, c, h, w) = (d[0], d[1], d[2], d[3]);
+    let [oh, ow] = p.out_hw(h, w).expect("checked when the op is recorded");
+    let [kh, kw] = p.kernel;
+    let st = l.strides().to_vec();
+    let plane = kh * kw * oh * ow;
+    fn go<T: StorageElem>(s: &[T], l: &Layout, st: &[usize], dims: [usize; 8], p: &UnfoldParams, pad: f64) -> CpuStorage {
+        let pad = T::from_f64(pad);
+        let [nb, c, h, w, kh, kw, oh, ow] = dims;
+        let plane = kh * kw * oh * ow;
+        let mut out = vec![pad; nb * c * plane];
+        if plane == 0 {
+            return T::wrap(out);
+        }
+        out.par_chunks_mut(plane).enumerate().for_each(|(nc, dst)| {
+            let (n, ci) = (nc / c, nc % c);
+            let base = l.offset + n * st[0] + ci * st[1];
+            for ki in 0..kh {
+                for kj in 0..kw {
+                    let tap = &mut dst[(ki * kw + kj) * oh * ow..(ki * kw + kj + 1) * oh * ow];
+                    // Output columns whose input column is inside the image.
+                    let off_x = (kj * p.dilation[1]) as isize - p.padding[1] as isize;
+                    let sx = p.stride[1] as isize;
+                    let x0 = if off_x >= 0 { 0 } else { ((-off_x) + sx - 1) / sx } as usize;
+                    let x1 = if (w as isize) <= off_x { 0 } else { ((w as isize - off_x + sx - 1) / sx) as usize }.min(ow);
+                    for y in 0..oh {
+                        let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                        if iy < 0 || iy as usize >= h || x0 >= x1 {
+                            continue;
+                        }
+                        let row = base + iy as usize * st[2];
+                        let dst_row = &mut tap[y * ow..(y + 1) * ow];
+                        for x in x0..x1 {
+                            let ix = (x as isize * sx + off_x) as usize;
+                            dst_row[x] = s[row + ix * st[3]];
+                        }
+                    }
+                }
+            }
+        });
+        T::wrap(out)
+    }
+    let _ = plane;
+    let dims = [nb, c, h, w, kh, kw, oh, ow];
+    map_storage!(input(inp, inputs), s => go(s, l, &st, dims, p, pad))
+}
+
+/// col2im: add each patch entry `[N, C, kh, kw, oh, ow]` back at the input
+/// position it was read from, into `[N, C, H, W]` (padding reads are dropped).
+/// Each (n, c) plane is one parallel task, so no two tasks write one element.
+fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) -> CpuStorage {
+    use rayon::prelude::*;
+    let l = &inp.layout;
+    let d = l.dims().to_vec();
+    let (nb, c, kh, kw, oh, ow) = (d[0], d[1], d[2], d[3], d[4], d[5]);
+    let [h, w] = hw;
+    let st = l.strides().to_vec();
+    fn go<T: StorageElem + AddElem + Default>(s: &[T], l: &Layout, st: &[usize], d: [usize; 8], p: &UnfoldParams) -> CpuStorage {
+        let [nb, c, kh, kw, oh, ow, h, w] = d;
+        let mut out = vec![T::default(); nb * c * h * w];
+        if h * w == 0 {
+            return T::wrap(out);
+        }
+        out.par_chunks_mut(h * w).enumerate().for_each(|(nc, plane)| {
+            let (n, ci) = (nc / c, nc % c);
+            let base = l.offset + n * st[0] + ci * st[1];
+            for ki in 0..kh {
+                for kj in 0..kw {
+                    for y in 0..oh {
+                        let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                        if iy < 0 || iy as usize >= h {
+                            continue;
+                        }
+                        for x in 0..ow {
+                            let ix = (x * p.stride[1] + kj * p.dilation[1]) as isize - p.padding[1] as isize;
+                            if ix < 0 || ix as usize >= w {
+                                continue;
+                            }
+                            let v = s[base + ki * st[2] + kj * st[3] + y * st[4] + x * st[5]];
+                            let o = &mut plane[iy as usize * w + ix as usize];
+                            *o = o.add(v);
+                        }
+                    }
+                }
+            }
+        });
+        T::wrap(out)
+    }
+    let dims = [nb, c, kh, kw, oh, ow, h, w];
+    match input(inp, inputs) {
+        CpuStorage::F32(v) => go(v, l, &st, dims, p),
+        CpuStorage::F64(v) => go(v, l, &st, dims, p),
+        CpuStorage::F16(v) => go(v, l, &st, dims, p),
+        CpuStorage::BF16(v) => go(v, l, &st, dims, p),
+        CpuStorage::I32(v) => go(v, l, &st, dims, p),
+        CpuStorage::U32(v) => go(v, l, &st, dims, p),
+        CpuStorage::Bool(v) => go(v, l, &st, dims, p),
+    }
+}

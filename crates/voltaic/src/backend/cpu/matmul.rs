@@ -1,0 +1,146 @@
+//! Batched matmul through the `gemm` crate (f32, f64, f16), which reads any
+//! strides, so transposed and broadcast inputs are never copied.
+
+use super::input;
+use crate::dtype::DType;
+use crate::ir::Strided as View;
+use crate::layout::unravel;
+use crate::storage::CpuStorage;
+use gemm::Parallelism;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Per-batch element offsets of a `[..., r, c]` layout.
+fn batch_offsets(v: &View) -> Vec<usize> {
+    let l = &v.layout;
+    let r = l.dims().len();
+    let bdims = &l.dims()[..r - 2];
+    let nb: usize = bdims.iter().product();
+    let mut idx = vec![0; bdims.len()];
+    (0..nb)
+        .map(|b| {
+            unravel(b, bdims, &mut idx);
+            l.offset + idx.iter().zip(&l.strides).map(|(i, s)| i * s).sum::<usize>()
+        })
+        .collect()
+}
+
+fn strides(v: &View) -> (isize, isize) {
+    let s = v.layout.strides();
+    let r = s.len();
+    (s[r - 2] as isize, s[r - 1] as isize)
+}
+
+/// Shared pointer for disjoint per-batch writes from rayon tasks.
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
+fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], sb: &[T], out: &mut [T], m: usize, k: usize, n: usize, zero: T, one: T) {
+    let (oa, ob) = (batch_offsets(a), batch_offsets(b));
+    let (a_rs, a_cs) = strides(a);
+    let (b_rs, b_cs) = strides(b);
+    let nb = oa.len();
+    if m == 0 || n == 0 || k == 0 {
+        return; // output is already zeros
+    }
+    let threads = super::threads();
+    let work = m * n * k;
+    // Many small products: one per task; few large ones: gemm's own threads.
+    let (par_batches, inner_par) = if nb >= threads && work < 128 * 128 * 128 {
+        (true, Parallelism::None)
+    } else {
+        (false, if work >= 48 * 48 * 48 { Parallelism::Rayon(threads) } else { Parallelism::None })
+    };
+    let dst = SendPtr(out.as_mut_ptr());
+    let run = |bi: usize| {
+        let dst = dst;
+        // SAFETY: each batch writes its own m*n block of `out`; the input
+        // offsets come from layouts whose span was checked against their buffers.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.0.add(bi * m * n),
+                1,
+                n as isize,
+                false,
+                sa.as_ptr().add(oa[bi]),
+                a_cs,
+                a_rs,
+                sb.as_ptr().add(ob[bi]),
+                b_cs,
+                b_rs,
+                zero,
+                one,
+                false,
+                false,
+                false,
+                inner_par,
+            )
+        }
+    };
+    if par_batches {
+        (0..nb).into_par_iter().for_each(run);
+    } else {
+        (0..nb).for_each(run);
+    }
+}
+
+fn naive<T: Copy>(a: &View, b: &View, sa: &[T], sb: &[T], m: usize, k: usize, n: usize, to: impl Fn(T) -> f64) -> Vec<f64> {
+    let (oa, ob) = (batch_offsets(a), batch_offsets(b));
+    let (a_rs, a_cs) = strides(a);
+    let (b_rs, b_cs) = strides(b);
+    let mut out = vec![0.0; oa.len() * m * n];
+    for bi in 0..oa.len() {
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0;
+                for p in 0..k {
+                    let x = sa[(oa[bi] as isize + i as isize * a_rs + p as isize * a_cs) as usize];
+                    let y = sb[(ob[bi] as isize + p as isize * b_rs + j as isize * b_cs) as usize];
+                    s += to(x) * to(y);
+                }
+                out[(bi * m + i) * n + j] = s;
+            }
+        }
+    }
+    out
+}
+
+/// Run a matmul kernel.
+pub(crate) fn run(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
+    let (x, y) = (input(a, inputs), input(b, inputs));
+    let nb = batch_offsets(a).len();
+    // gemm overwrites every element unless the inner dim is empty.
+    let mut out = if k > 0 { super::pool::take(dtype, nb * m * n) } else { super::pool::take_zeroed(dtype, nb * m * n) };
+    match (x, y, &mut out) {
+        (CpuStorage::F32(sa), CpuStorage::F32(sb), CpuStorage::F32(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0),
+        (CpuStorage::F64(sa), CpuStorage::F64(sb), CpuStorage::F64(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0),
+        (CpuStorage::F16(sa), CpuStorage::F16(sb), CpuStorage::F16(o)) => {
+            gemm_batched(a, b, sa, sb, o, m, k, n, f16::ZERO, f16::ONE)
+        }
+        (CpuStorage::BF16(sa), CpuStorage::BF16(sb), CpuStorage::BF16(o)) => {
+            // No bf16 gemm: compute in f32 from converted copies of the viewed elements.
+            let fa: Vec<f32> = sa.iter().map(|v| v.to_f32()).collect();
+            let fb: Vec<f32> = sb.iter().map(|v| v.to_f32()).collect();
+            let mut fo = vec![0f32; o.len()];
+            gemm_batched(a, b, &fa, &fb, &mut fo, m, k, n, 0.0, 1.0);
+            for (d, s) in o.iter_mut().zip(fo) {
+                *d = bf16::from_f32(s);
+            }
+        }
+        (CpuStorage::I32(sa), CpuStorage::I32(sb), CpuStorage::I32(o)) => {
+            let r = naive(a, b, sa, sb, m, k, n, |v| v as f64);
+            o.iter_mut().zip(r).for_each(|(d, s)| *d = s as i64 as i32);
+        }
+        (CpuStorage::U32(sa), CpuStorage::U32(sb), CpuStorage::U32(o)) => {
+            let r = naive(a, b, sa, sb, m, k, n, |v| v as f64);
+            o.iter_mut().zip(r).for_each(|(d, s)| *d = s as i64 as u32);
+        }
+        _ => unreachable!("matmul dtypes are checked when the op is recorded"),
+    }
+    out
+}

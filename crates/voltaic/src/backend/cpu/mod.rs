@@ -1,0 +1,148 @@
+//! The CPU executor: runs plans with rayon and gemm.
+
+pub(crate) mod elementwise;
+pub(crate) mod index;
+pub(crate) mod matmul;
+pub(crate) mod pool;
+pub(crate) mod reduce;
+
+use super::{Buffer, Capabilities, DeviceStats, Executor, HostData, HostView, MemoryStats};
+use crate::error::{bail, Result};
+use crate::ir::{Kernel, KernelKind, Plan, SlotSource, Strided};
+use crate::layout::Layout;
+use crate::storage::{check_alloc, CpuStorage};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// The process's CPU executor.
+pub(crate) struct CpuExecutor {
+    kernels: AtomicU64,
+}
+
+/// The CPU executor (one per process: rayon's pool is shared anyway).
+pub(crate) fn executor() -> Arc<dyn Executor> {
+    static EXEC: OnceLock<Arc<CpuExecutor>> = OnceLock::new();
+    EXEC.get_or_init(|| Arc::new(CpuExecutor { kernels: AtomicU64::new(0) })).clone()
+}
+
+impl Executor for CpuExecutor {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { row_kernels: false, strided_reads: true }
+    }
+
+    fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+        if inputs.len() != plan.input_count() {
+            bail!(Device, "realize", "internal: a plan of {} inputs was run with {}", plan.input_count(), inputs.len());
+        }
+        let mut bufs: Vec<Option<Arc<pool::HostBuf>>> = Vec::with_capacity(plan.slots.len());
+        for s in &plan.slots {
+            bufs.push(match s.source {
+                SlotSource::Input(k) => match &inputs[k] {
+                    Buffer::Host(b) => Some(b.clone()),
+                    _ => bail!(Device, "realize", "a buffer of another device reached the CPU executor; move tensors with to_device"),
+                },
+                SlotSource::Kernel => None,
+            });
+        }
+        // Outputs are taken as their kernels finish: a later kernel may free them.
+        let mut outs: Vec<Option<Arc<pool::HostBuf>>> = vec![None; plan.outputs.len()];
+        let profile = super::profiling();
+        let mut times = vec![];
+        for (k, kernel) in plan.kernels.iter().enumerate() {
+            let t0 = std::time::Instant::now();
+            let out = Arc::new(pool::HostBuf::new(run_kernel(kernel, &bufs)?));
+            if profile {
+                times.push((t0.elapsed().as_secs_f64() * 1e6, kernel.numel, format!("{} ({})", kernel.kind.name(), kernel.ops.join(" "))));
+            }
+            for (o, &slot) in outs.iter_mut().zip(&plan.outputs) {
+                if slot == kernel.out {
+                    *o = Some(out.clone());
+                }
+            }
+            bufs[kernel.out] = Some(out);
+            for &s in &plan.free_after[k] {
+                bufs[s] = None;
+            }
+        }
+        self.kernels.fetch_add(plan.kernels.len() as u64, Ordering::Relaxed);
+        if profile && !times.is_empty() {
+            eprintln!("voltaic profile (cpu):");
+            for (us, n, label) in &times {
+                eprintln!("  {us:>10.1} us  {n:>12} elements  {label}");
+            }
+        }
+        outs.into_iter()
+            .zip(&plan.outputs)
+            .map(|(o, &slot)| match o.or_else(|| bufs[slot].clone()) {
+                Some(b) => Ok(Buffer::Host(b)),
+                None => bail!(Device, "realize", "internal: output slot {slot} of the plan was never computed"),
+            })
+            .collect()
+    }
+
+    fn upload(&self, data: CpuStorage) -> Result<Buffer> {
+        Ok(Buffer::Host(Arc::new(pool::HostBuf::new(data))))
+    }
+
+    fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView> {
+        match buf {
+            Buffer::Host(b) => Ok(HostView { data: HostData::Shared(b.clone()), layout: layout.clone() }),
+            _ => bail!(Device, "to_vec", "a buffer of another device reached the CPU executor"),
+        }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn stats(&self) -> DeviceStats {
+        DeviceStats {
+            dispatches: self.kernels.load(Ordering::Relaxed),
+            memory: MemoryStats { cached: pool::cached_bytes() as u64, ..Default::default() },
+            ..Default::default()
+        }
+    }
+
+    fn empty_cache(&self) -> Result<()> {
+        pool::empty_cache();
+        Ok(())
+    }
+}
+
+/// Run one kernel; `bufs` holds every live slot of the plan.
+fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStorage> {
+    check_alloc(k.numel * k.dtype.size_in_bytes())?;
+    let live = |s: usize| -> &CpuStorage { bufs[s].as_ref().expect("input slot is live") };
+    let inputs: Vec<&CpuStorage> = k.inputs.iter().map(|&s| live(s)).collect();
+    let out = match &k.kind {
+        KernelKind::Elementwise { expr, shape } => elementwise::run(expr, shape, &inputs, k.dtype),
+        KernelKind::Reduce { op, expr, shape, outer, inner } => reduce::run(*op, expr, shape, *outer, *inner, &inputs, k.dtype),
+        KernelKind::Matmul { a, b, batch: _, m, k: kk, n, epilogue } => match epilogue {
+            None => matmul::run(a, b, *m, *kk, *n, &inputs, k.dtype),
+            Some(e) => {
+                // The product first, then the epilogue with it as one more input.
+                let product = matmul::run(a, b, *m, *kk, *n, &inputs, e.acc_dtype);
+                let mut expr = e.expr.clone();
+                expr.loads[e.acc].input = inputs.len();
+                let mut all = inputs.clone();
+                all.push(&product);
+                elementwise::run(&expr, &e.shape, &all, k.dtype)
+            }
+        },
+        KernelKind::Index { op, args } => index::run(op, args, &inputs, k.dtype, k.numel)?,
+        // The CPU keeps reductions as their own kernels (rows are in cache anyway).
+        KernelKind::Rows { .. } => bail!(Device, "realize", "a row-fused kernel reached the CPU executor"),
+    };
+    debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
+    Ok(out)
+}
+
+/// The storage a strided operand reads.
+pub(crate) fn input<'a>(v: &Strided, inputs: &[&'a CpuStorage]) -> &'a CpuStorage {
+    inputs[v.input]
+}
+
+/// Number of worker threads.
+pub(crate) fn threads() -> usize {
+    rayon::current_num_threads().max(1)
+}

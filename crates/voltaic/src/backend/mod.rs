@@ -1,0 +1,176 @@
+//! The one seam to the devices.
+//!
+//! Everything above this module (graph, scheduler, tensors) works with
+//! [`Device`] values, [`Buffer`]s it cannot look into, and the [`Executor`]
+//! interface: run a plan, upload, read back, synchronize, memory and device
+//! capabilities. This module is the only code that matches on the device;
+//! each executor lives in its own folder (`cpu/`, `wgpu/`) and never names
+//! another. Adding an executor means adding a folder, one arm in
+//! [`executor`] and, if it owns a new kind of memory, one arm of [`Buffer`].
+
+pub(crate) mod cpu;
+pub(crate) mod wgpu;
+
+pub use self::wgpu::{adapters, AdapterReport};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::ir::Plan;
+use crate::layout::Layout;
+use crate::storage::CpuStorage;
+use std::sync::Arc;
+
+/// A realized buffer, owned by the executor of its device.
+#[derive(Clone, Debug)]
+pub(crate) enum Buffer {
+    /// Host memory (the CPU executor).
+    Host(Arc<cpu::pool::HostBuf>),
+    /// A pooled wgpu buffer.
+    Wgpu(Arc<self::wgpu::pool::GpuBuf>),
+}
+
+/// What an executor offers the scheduler and the tensor layer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Capabilities {
+    /// Row-wise work (softmax, layer norm) is lowered to one-pass `Rows`
+    /// kernels: worth it where a second read of a row costs memory
+    /// bandwidth (a GPU); on a CPU the row stays in cache anyway.
+    pub row_kernels: bool,
+    /// Reads can walk any layout; otherwise a strided view is made
+    /// contiguous on the device before it is read back.
+    pub strided_reads: bool,
+}
+
+/// Bytes a device holds through Voltaic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes in buffers that tensors (or running kernels) hold.
+    pub in_use: u64,
+    /// Bytes in freed buffers kept for reuse.
+    pub cached: u64,
+    /// Buffers created since the device was opened.
+    pub allocations: u64,
+}
+
+/// Counters of one device, for tests and profiles.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceStats {
+    /// Queue submissions so far (0 on the CPU).
+    pub submissions: u64,
+    /// Kernels (GPU: compute dispatches) run so far.
+    pub dispatches: u64,
+    /// Distinct kernels compiled so far (0 on the CPU).
+    pub pipelines: u64,
+    /// Memory held through the device's pool.
+    pub memory: MemoryStats,
+}
+
+/// Values read back to the host, seen through a layout: the buffer itself
+/// where the device is the host, else a copy.
+pub(crate) struct HostView {
+    data: HostData,
+    pub layout: Layout,
+}
+
+enum HostData {
+    Shared(Arc<cpu::pool::HostBuf>),
+    Owned(CpuStorage),
+}
+
+impl HostView {
+    /// The values (read through `layout`).
+    pub fn storage(&self) -> &CpuStorage {
+        match &self.data {
+            HostData::Shared(b) => b,
+            HostData::Owned(s) => s,
+        }
+    }
+}
+
+/// A device's executor.
+pub(crate) trait Executor: Send + Sync {
+    /// What the executor offers.
+    fn capabilities(&self) -> Capabilities;
+    /// Run `plan` with `inputs` (one per input slot, in order); returns the
+    /// buffers of `plan.outputs`, in order.
+    fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>>;
+    /// A new buffer holding `data`.
+    fn upload(&self, data: CpuStorage) -> Result<Buffer>;
+    /// The elements `layout` sees of `buf`, on the host. Without
+    /// `strided_reads` the layout must be contiguous.
+    fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView>;
+    /// Wait until all work submitted to the device has finished.
+    fn synchronize(&self) -> Result<()>;
+    /// Counters and memory.
+    fn stats(&self) -> DeviceStats;
+    /// Give cached memory back to the system.
+    fn empty_cache(&self) -> Result<()>;
+    /// Write on-disk caches (compiled kernels) now.
+    fn save_caches(&self) {}
+}
+
+/// The executor of `device`, opening the device on first use.
+pub(crate) fn executor(device: Device) -> Result<Arc<dyn Executor>> {
+    match device {
+        Device::Cpu => Ok(cpu::executor()),
+        Device::Gpu(i) => Ok(self::wgpu::context(i)?),
+    }
+}
+
+/// Whether `VOLTAIC_PROFILE` asks for per-kernel times (read once).
+pub(crate) fn profiling() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
+}
+
+/// Write the on-disk caches of every open device now (they are also written
+/// every few seconds while kernels compile). Call before a short program exits.
+pub fn save_caches() {
+    self::wgpu::save_caches();
+}
+
+impl Device {
+    /// The best device available: a real GPU when wgpu finds one, otherwise
+    /// the native CPU executor. A software adapter (lavapipe, llvmpipe) is
+    /// never chosen here: ask for it with `VOLTAIC_DEVICE=gpu` (`cpu`,
+    /// `gpu`, `gpu:N`), which overrides the choice.
+    pub fn best() -> Device {
+        if let Ok(s) = std::env::var("VOLTAIC_DEVICE") {
+            if let Ok(d) = Device::parse(&s) {
+                return d;
+            }
+        }
+        match adapters().iter().find(|a| !a.is_software()) {
+            Some(a) => Device::Gpu(a.index),
+            None => Device::Cpu,
+        }
+    }
+
+    /// Bytes held on this device through Voltaic's buffer pool.
+    pub fn memory_stats(self) -> Result<MemoryStats> {
+        Ok(executor(self)?.stats().memory)
+    }
+
+    /// Counters of this device: submissions, kernels run, pipelines compiled, memory.
+    pub fn stats(self) -> Result<DeviceStats> {
+        Ok(executor(self)?.stats())
+    }
+
+    /// Give the buffers cached for reuse back to the system.
+    pub fn empty_cache(self) -> Result<()> {
+        executor(self)?.empty_cache()
+    }
+
+    /// Wait until all work submitted to this device has finished.
+    pub fn synchronize(self) -> Result<()> {
+        executor(self)?.synchronize()
+    }
+
+    /// Fail unless tensors can be created and computed on this device.
+    pub(crate) fn check_available(self, op: &'static str) -> Result<()> {
+        executor(self).map(|_| ()).map_err(|e| match e {
+            Error::Device { msg, .. } => Error::Device { op, msg },
+            e => e,
+        })
+    }
+}

@@ -1,0 +1,253 @@
+//! Matmul kernel choice by measurement, remembered per adapter and driver.
+//!
+//! The first time a matmul shape meets a hardware GPU, each candidate plan
+//! (tile sizes, or the split-K column kernel for few rows) runs a few times
+//! on scratch buffers and the fastest is kept, in memory and in a small text
+//! file under the user's cache directory, so later runs pay nothing. Software
+//! adapters (lavapipe) and `VOLTAIC_AUTOTUNE=0` use the shape heuristic.
+
+use super::codegen::elem_bytes;
+use super::context::GpuContext;
+use super::matmul::{default_variant, Tile, Variant, TILES};
+use super::pool::alloc;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::ir::{Kernel, KernelKind};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// What decides the best plan: shape, operand layouts and dtype.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    a_kfast: bool,
+    b_nfast: bool,
+    dtype: DType,
+}
+
+impl Key {
+    fn line(&self) -> String {
+        format!("{} {} {} {} {} {} {}", self.batch, self.m, self.k, self.n, self.a_kfast as u8, self.b_nfast as u8, self.dtype)
+    }
+}
+
+fn plan_text(p: &Variant) -> String {
+    match p {
+        Variant::Tiled(t) => format!("tiled {} {} {} {} {}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
+        Variant::Columns { splits } => format!("columns {splits}"),
+        Variant::Coop => "coop".into(),
+        Variant::CoopWide => "coopwide".into(),
+        Variant::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
+    }
+}
+
+fn tile_flags(t: &Tile) -> &'static str {
+    match (t.double, t.warps) {
+        (true, true) => " double warps",
+        (true, false) => " double",
+        (false, true) => " warps",
+        (false, false) => "",
+    }
+}
+
+fn parse_line(line: &str) -> Option<(Key, Variant)> {
+    let w: Vec<&str> = line.split_whitespace().collect();
+    let num = |i: usize| w.get(i)?.parse::<usize>().ok();
+    let dtype = crate::dtype::DType::ALL.into_iter().find(|d| Some(&d.name()) == w.get(6))?;
+    let double = w.contains(&"double");
+    let warps = w.contains(&"warps");
+    let key = Key { batch: num(0)?, m: num(1)?, k: num(2)?, n: num(3)?, a_kfast: num(4)? == 1, b_nfast: num(5)? == 1, dtype };
+    let plan = match *w.get(7)? {
+        "tiled" => Variant::Tiled(Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }),
+        "columns" => Variant::Columns { splits: num(8)? },
+        "coop" => Variant::Coop,
+        "coopwide" => Variant::CoopWide,
+        "splitk" => Variant::SplitK { tile: Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
+        _ => return None,
+    };
+    Some((key, plan))
+}
+
+/// The key of a matmul kernel, and whether its `b` walks n fastest.
+pub(crate) fn key_of(k: &Kernel) -> Option<Key> {
+    let KernelKind::Matmul { a, b, batch, m, k: kk, n, .. } = &k.kind else { return None };
+    let r = a.layout.dims().len();
+    let (sam, sak) = (a.layout.strides()[r - 2], a.layout.strides()[r - 1]);
+    let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
+    Some(Key { batch: *batch, m: *m, k: *kk, n: *n, a_kfast: sak == 1 && sam != 1, b_nfast: sbn == 1 || sbk != 1, dtype: k.dtype })
+}
+
+/// Remembered plans of one device.
+pub(crate) struct Tuner {
+    plans: Mutex<HashMap<Key, Variant>>,
+    file: Option<PathBuf>,
+    enabled: bool,
+}
+
+/// A file name part that names this adapter and driver.
+pub(crate) fn device_tag(info: &wgpu::AdapterInfo) -> String {
+    let raw = format!("{:?}-{:x}-{:x}-{}-{}", info.backend, info.vendor, info.device, info.driver, info.driver_info);
+    raw.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect()
+}
+
+impl Tuner {
+    pub(crate) fn new(info: &wgpu::AdapterInfo) -> Tuner {
+        let software = info.device_type == wgpu::DeviceType::Cpu;
+        let enabled = match std::env::var("VOLTAIC_AUTOTUNE") {
+            Ok(v) => v != "0" && !v.is_empty(),
+            Err(_) => !software,
+        };
+        let file = crate::files::cache_dir().map(|d| d.join(format!("matmul-{}.txt", device_tag(info))));
+        let mut plans = HashMap::new();
+        if let Some(f) = &file {
+            if let Ok(text) = std::fs::read_to_string(f) {
+                plans.extend(text.lines().filter_map(parse_line));
+            }
+        }
+        Tuner { plans: Mutex::new(plans), file, enabled }
+    }
+
+    fn remember(&self, key: Key, plan: Variant) {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        plans.insert(key, plan);
+        if let Some(f) = &self.file {
+            let text: String = plans.iter().map(|(k, p)| format!("{} {}\n", k.line(), plan_text(p))).collect();
+            // A cache that cannot be written only costs a re-tune next time.
+            let _ = crate::files::write_atomic(f, text.as_bytes());
+        }
+    }
+}
+
+/// The plan for matmul kernel `k`: remembered, measured now, or the default.
+pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)]) -> Result<Option<Variant>> {
+    let Some(key) = key_of(k) else { return Ok(None) };
+    if let Some(p) = super::matmul::FORCE.with(|f| f.get()) {
+        return Ok(Some(p));
+    }
+    if let Some(p) = ctx.tuner.plans.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(Some(*p));
+    }
+    let coop = key.dtype == DType::F16 && ctx.caps.coop_f16 && key.m >= 64 && key.n >= 64;
+    let default = if coop { Variant::CoopWide } else { default_variant(key.batch, key.m, key.k, key.n, key.b_nfast) };
+    // Too small to matter, or tuning is off: the heuristic.
+    let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
+    if !ctx.tuner.enabled || flops < 1e7 {
+        return Ok(Some(default));
+    }
+    let best = measure(ctx, k, inputs, &key, default)?;
+    if std::env::var_os("VOLTAIC_AUTOTUNE_LOG").is_some() {
+        eprintln!("voltaic autotune: {} -> {}", key.line(), plan_text(&best));
+    }
+    ctx.tuner.remember(key, best);
+    Ok(Some(best))
+}
+
+fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
+    let mut c = vec![default];
+    if key.dtype == DType::F16 && ctx.caps.coop_f16 {
+        c.push(Variant::Coop);
+        c.push(Variant::CoopWide);
+    }
+    for t in TILES {
+        let threads = (t.bm / t.tm) * (t.bn / t.tn);
+        let shared = t.shared_bytes();
+        if threads as u32 <= 1024 && shared as u32 <= ctx.caps.workgroup_storage {
+            c.push(Variant::Tiled(*t));
+        }
+    }
+    // Too few output tiles to fill the GPU and a long inner dim: split it.
+    for t in [TILES[4], TILES[6]] {
+        let tiles = key.batch * key.m.div_ceil(t.bm) * key.n.div_ceil(t.bn);
+        if tiles < 128 {
+            for s in [2, 4, 8, 16] {
+                if key.k / s >= 64 && tiles * s <= 1024 {
+                    c.push(Variant::SplitK { tile: t, splits: s });
+                }
+            }
+        }
+    }
+    if key.m <= 8 && key.b_nfast {
+        for s in [1, 4, 16, 32, 64, 128, 256] {
+            if s == 1 || key.k / s >= 16 {
+                c.push(Variant::Columns { splits: s });
+            }
+        }
+    }
+    c.dedup();
+    c
+}
+
+/// Time every candidate on scratch buffers; the fastest wins.
+fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, default: Variant) -> Result<Variant> {
+    let bufs: Vec<super::pool::GpuBuf> =
+        inputs.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
+    // Zero them: uninitialised memory could hold NaN or denormals.
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    for b in &bufs {
+        enc.clear_buffer(b.raw(), 0, None);
+    }
+    ctx.submit(enc.finish())?;
+    let out = alloc(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(k.dtype))?;
+    // An epilogue (bias, GELU) may read constants: bind the kernel's own.
+    let consts = k.kind.consts();
+    let mut runs = vec![];
+    for plan in candidates(ctx, key, default) {
+        // A candidate the driver refuses is skipped; only the default must compile.
+        let compiled = match super::exec::compile(ctx, k, inputs, Some(plan)) {
+            Ok(c) => c,
+            Err(e) if plan != default => {
+                if std::env::var_os("VOLTAIC_AUTOTUNE_LOG").is_some() {
+                    eprintln!("voltaic autotune: {} skipped: {e}", plan_text(&plan));
+                }
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw(), &consts)?;
+        runs.push((plan, encoded, f64::INFINITY, 0usize));
+    }
+    let time = |encoded: &[super::exec::Encoded], reps: usize| -> Result<f64> {
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            for _ in 0..reps {
+                for e in encoded {
+                    super::exec::dispatch(&mut pass, e);
+                }
+            }
+        }
+        let t = Instant::now();
+        let idx = ctx.submit(enc.finish())?;
+        ctx.wait(Some(idx))?;
+        Ok(t.elapsed().as_secs_f64() / reps as f64)
+    };
+    for r in runs.iter_mut() {
+        let first = time(&r.1, 1)?;
+        r.3 = ((0.01 / first.max(1e-6)) as usize).clamp(2, 200);
+    }
+    // Rounds over every candidate, each keeping its best time: a clock that
+    // ramps or a neighbour's burst during one candidate's turn does not decide.
+    for _ in 0..3 {
+        for r in runs.iter_mut() {
+            r.2 = r.2.min(time(&r.1, r.3)?);
+        }
+    }
+    let mut best = (f64::INFINITY, default);
+    // VOLTAIC_AUTOTUNE_LOG=2 also lists every candidate's time.
+    let detail = std::env::var("VOLTAIC_AUTOTUNE_LOG").is_ok_and(|v| v == "2");
+    for r in &runs {
+        if detail {
+            eprintln!("voltaic autotune: {}   {:<28} {:>10.1} us", key.line(), plan_text(&r.0), r.2 * 1e6);
+        }
+        if r.2 < best.0 {
+            best = (r.2, r.0);
+        }
+    }
+    ctx.clear_in_flight();
+    Ok(best.1)
+}

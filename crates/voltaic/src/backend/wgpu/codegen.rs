@@ -1,0 +1,484 @@
+//! WGSL generation: bindings, element types, index arithmetic through
+//! layouts, and fused elementwise expressions.
+//!
+//! Shapes, strides and offsets are written into the source as constants, so
+//! the compiler sees divisions by constants and drops dead dims; the source
+//! text is the pipeline cache key. Every buffer is read and written through
+//! accessor functions (`ld_x(i)`, `st_x(i, v)`) that convert between the
+//! storage type and the compute type and, for buffers larger than one
+//! binding allows, pick the chunk that holds element `i`.
+
+use super::context::Caps;
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::ir::{Expr, Instr};
+use crate::layout::Layout;
+use crate::primitive::{BinaryOp, CmpOp, MapOp, WGSL_HELPERS};
+use std::fmt::Write;
+
+/// The buffer a binding refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Src {
+    /// The kernel's input with this index.
+    Input(usize),
+    /// The kernel's output.
+    Output,
+    /// A scratch buffer of the kernel's program.
+    Scratch(usize),
+    /// The device's index-error flags.
+    IndexError,
+    /// The kernel's constants (see `ir::KernelKind::consts`).
+    Consts,
+}
+
+/// One binding: a byte range (chunk) of a buffer.
+#[derive(Clone, Debug)]
+pub(crate) struct Bind {
+    pub src: Src,
+    pub chunk: usize,
+    pub chunk_bytes: u64,
+    pub read_only: bool,
+}
+
+/// One compute dispatch.
+#[derive(Clone, Debug)]
+pub(crate) struct Dispatch {
+    pub source: String,
+    pub binds: Vec<Bind>,
+    /// Workgroups to launch (spread over x and y by the executor).
+    pub groups: u64,
+    pub label: String,
+}
+
+/// What a kernel needs run: dispatches in order, and the scratch buffers
+/// (dtype, elements) they share.
+#[derive(Default, Debug)]
+pub(crate) struct WgslProgram {
+    pub dispatches: Vec<Dispatch>,
+    pub scratch: Vec<(DType, usize)>,
+}
+
+/// Bytes one element takes in a GPU buffer. bool and bf16 take a 32-bit word
+/// (WGSL has no 8- or 16-bit integer storage); f16 is packed when the
+/// adapter has SHADER_F16.
+pub(crate) fn elem_bytes(dt: DType) -> u64 {
+    match dt {
+        DType::F16 => 2,
+        DType::F64 => 8,
+        _ => 4,
+    }
+}
+
+/// Fail for dtypes this adapter cannot hold.
+pub(crate) fn check_dtype(caps: &Caps, dt: DType, op: &'static str) -> Result<()> {
+    match dt {
+        DType::F64 => bail!(
+            DType,
+            op,
+            "f64 is not supported on the GPU (WGSL has no portable f64); use f32, or keep f64 tensors on the CPU"
+        ),
+        DType::F16 if !caps.f16 => bail!(
+            DType,
+            op,
+            "f16 needs the adapter feature SHADER_F16, which this adapter lacks; use f32 or bf16"
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// WGSL type of an element in storage.
+pub(crate) fn storage_ty(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::I32 => "i32",
+        DType::U32 | DType::Bool | DType::BF16 => "u32",
+        DType::F64 => "f64",
+    }
+}
+
+/// WGSL type arithmetic on an element happens in.
+pub(crate) fn compute_ty(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 | DType::F16 | DType::BF16 => "f32",
+        DType::I32 => "i32",
+        DType::U32 => "u32",
+        DType::Bool => "bool",
+        DType::F64 => "f64",
+    }
+}
+
+fn from_storage(dt: DType, e: &str) -> String {
+    match dt {
+        DType::F16 => format!("f32({e})"),
+        DType::BF16 => format!("bitcast<f32>({e})"),
+        DType::Bool => format!("({e} != 0u)"),
+        _ => e.to_string(),
+    }
+}
+
+fn to_storage(dt: DType, e: &str) -> String {
+    match dt {
+        DType::F16 => format!("f16({e})"),
+        DType::BF16 => format!("bitcast<u32>(bf16r_({e}))"),
+        DType::Bool => format!("select(0u, 1u, {e})"),
+        _ => e.to_string(),
+    }
+}
+
+/// Round an f32 compute value to what `dt` can hold (a no-op but for half types).
+pub(crate) fn round_to(dt: DType, e: &str) -> String {
+    match dt {
+        DType::F16 => format!("f16r_({e})"),
+        DType::BF16 => format!("bf16r_({e})"),
+        _ => e.to_string(),
+    }
+}
+
+/// The WGSL of binary primitive `op` on compute values `a` and `b` of dtype `dt`.
+pub(crate) fn binary_expr(op: BinaryOp, dt: DType, a: &str, b: &str) -> String {
+    let ty = compute_ty(dt);
+    let t = if ty == "f32" { op.wgsl() } else { op.wgsl_int() };
+    round_to(dt, &t.replace("{T}", ty).replace("{a}", a).replace("{b}", b))
+}
+
+/// A WGSL literal of `v` in the compute type of `dt` (exact, infinities and NaN included).
+pub(crate) fn literal(v: f64, dt: DType) -> String {
+    match compute_ty(dt) {
+        "f32" => format!("bitcast<f32>(0x{:08x}u)", (v as f32).to_bits()),
+        "i32" => format!("bitcast<i32>(0x{:08x}u)", v as i32 as u32),
+        "u32" => format!("{}u", v as u32),
+        "bool" => (v != 0.0).to_string(),
+        _ => "0.0".into(),
+    }
+}
+
+/// Convert a compute value of dtype `from` to dtype `to`, with Rust `as` semantics.
+pub(crate) fn cast(from: DType, to: DType, e: &str) -> String {
+    let (f, t) = (compute_ty(from), compute_ty(to));
+    let v = match (f, t) {
+        _ if f == t => e.to_string(),
+        ("f32", "i32") => format!("f2i_({e})"),
+        ("f32", "u32") => format!("f2u_({e})"),
+        // NaN is true, as in Rust (`!=` is unordered, but not every driver keeps that).
+        ("f32", "bool") => format!("({e} != 0.0 || isnan_({e}))"),
+        ("i32", "bool") => format!("({e} != 0)"),
+        ("u32", "bool") => format!("({e} != 0u)"),
+        ("bool", _) => format!("select({t}(0), {t}(1), {e})"),
+        _ => format!("{t}({e})"),
+    };
+    round_to(to, &v)
+}
+
+/// A shader under construction: bindings with their accessors, and the body.
+pub(crate) struct Shader<'c> {
+    caps: &'c Caps,
+    decls: String,
+    binds: Vec<Bind>,
+    f16: bool,
+    tmp: usize,
+    consts: bool,
+    /// Index in the kernel's constants of the next expression's first constant.
+    const_base: usize,
+    enables: Vec<&'static str>,
+}
+
+impl<'c> Shader<'c> {
+    pub(crate) fn new(caps: &'c Caps) -> Shader<'c> {
+        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0, consts: false, const_base: 0, enables: vec![] }
+    }
+
+    /// Where the constants of the expressions emitted next start among the
+    /// kernel's (a kernel with several expressions numbers them in
+    /// `KernelKind::exprs` order).
+    pub(crate) fn set_const_base(&mut self, base: usize) {
+        self.const_base = base;
+    }
+
+    /// A fresh temporary name.
+    pub(crate) fn tmp(&mut self) -> String {
+        self.tmp += 1;
+        format!("t{}", self.tmp)
+    }
+
+    /// Bind an array of `numel` elements of `dt` as `name`, with accessor
+    /// `ld_{name}(i)` and, when writable, `st_{name}(i, v)`.
+    pub(crate) fn array(&mut self, src: Src, name: &str, dt: DType, numel: usize, writable: bool) {
+        let eb = elem_bytes(dt);
+        let chunk_bytes = self.caps.chunk_bytes();
+        let per = (chunk_bytes / eb) as usize;
+        let chunks = numel.div_ceil(per).max(1);
+        self.f16 |= dt == DType::F16;
+        let (st, ct) = (storage_ty(dt), compute_ty(dt));
+        let mode = if writable { "read_write" } else { "read" };
+        let d = &mut self.decls;
+        for c in 0..chunks {
+            let b = self.binds.len();
+            let _ = writeln!(d, "@group(0) @binding({b}) var<storage, {mode}> {name}_{c}: array<{st}>;");
+            self.binds.push(Bind { src, chunk: c, chunk_bytes, read_only: !writable });
+        }
+        // Chunk c holds elements [c * per, (c + 1) * per).
+        let pick = |d: &mut String, each: &dyn Fn(&mut String, usize)| {
+            if chunks == 1 {
+                let _ = writeln!(d, "    let j = i;");
+                each(d, 0);
+            } else {
+                let _ = writeln!(d, "    let c = i / {per}u;\n    let j = i - c * {per}u;");
+                for c in 0..chunks - 1 {
+                    let _ = write!(d, "    if (c == {c}u) {{ ");
+                    each(d, c);
+                    let _ = writeln!(d, " }}");
+                }
+                each(d, chunks - 1);
+            }
+        };
+        let _ = writeln!(d, "fn ld_{name}(i: u32) -> {ct} {{");
+        pick(d, &|d, c| {
+            let _ = write!(d, "    return {};", from_storage(dt, &format!("{name}_{c}[j]")));
+        });
+        let _ = writeln!(d, "\n}}");
+        if writable {
+            let _ = writeln!(d, "fn st_{name}(i: u32, v: {ct}) {{");
+            pick(d, &|d, c| {
+                let _ = write!(d, "    {name}_{c}[j] = {}; return;", to_storage(dt, "v"));
+            });
+            let _ = writeln!(d, "\n}}");
+        }
+    }
+
+    /// Bind a whole buffer (one chunk) as `var name: ty` with no accessor,
+    /// for kernels that read it in their own way (vec4 loads).
+    pub(crate) fn bind_raw(&mut self, src: Src, name: &str, ty: &str, writable: bool) {
+        let b = self.binds.len();
+        let mode = if writable { "read_write" } else { "read" };
+        let _ = writeln!(self.decls, "@group(0) @binding({b}) var<storage, {mode}> {name}: {ty};");
+        self.binds.push(Bind { src, chunk: 0, chunk_bytes: self.caps.chunk_bytes(), read_only: !writable });
+    }
+
+    /// Bind the kernel's constants as `kconst` (32-bit words), once.
+    fn use_consts(&mut self) {
+        if !self.consts {
+            self.consts = true;
+            let b = self.binds.len();
+            let _ = writeln!(self.decls, "@group(0) @binding({b}) var<storage, read> kconst: array<u32>;");
+            self.binds.push(Bind { src: Src::Consts, chunk: 0, chunk_bytes: self.caps.chunk_bytes(), read_only: true });
+        }
+    }
+
+    /// Bind the device's index-error flags as `ierr`, with
+    /// `bad_index(op, index, size)` to report an out-of-range index.
+    pub(crate) fn index_errors(&mut self) {
+        let b = self.binds.len();
+        let _ = writeln!(
+            self.decls,
+            "@group(0) @binding({b}) var<storage, read_write> ierr: array<atomic<u32>, 4>;
+fn bad_index(op: u32, index: i32, size: u32) {{
+    atomicStore(&ierr[1], bitcast<u32>(index));
+    atomicStore(&ierr[2], size);
+    atomicStore(&ierr[3], op);
+    atomicMax(&ierr[0], 1u);
+}}"
+        );
+        self.binds.push(Bind { src: Src::IndexError, chunk: 0, chunk_bytes: 16, read_only: false });
+    }
+
+    /// A WGSL extension the kernel needs (`enable ...;` at the top).
+    pub(crate) fn enable(&mut self, ext: &'static str) {
+        if !self.enables.contains(&ext) {
+            self.enables.push(ext);
+        }
+    }
+
+    /// Extra module-scope declarations (workgroup arrays, helper functions).
+    pub(crate) fn decl(&mut self, s: &str) {
+        self.decls.push_str(s);
+        self.decls.push('\n');
+    }
+
+    /// The finished dispatch: `body` runs with `group` (the linear workgroup
+    /// index) and `lid` (the invocation index inside it) in scope.
+    pub(crate) fn finish(self, label: String, wg: u32, groups: u64, body: &str) -> Dispatch {
+        let mut src = String::new();
+        if self.f16 || body.contains("f16(") {
+            src.push_str("enable f16;\n");
+        }
+        for e in &self.enables {
+            src.push_str(&format!("enable {e};\n"));
+        }
+        src.push_str(&self.decls);
+        let main = format!(
+            "@compute @workgroup_size({wg})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+    let group = wid.x + wid.y * nwg.x;
+{body}}}
+"
+        );
+        // Helpers the text calls, and those they call in turn.
+        let mut text = format!("{src}{main}");
+        let mut helpers = String::new();
+        loop {
+            let before = helpers.len();
+            for (name, code) in WGSL_HELPERS {
+                let used = text.contains(&format!("{name}(")) || helpers.contains(&format!("{name}("));
+                if used && !helpers.contains(&format!("fn {name}(")) {
+                    helpers.push_str(code);
+                    helpers.push('\n');
+                }
+            }
+            if helpers.len() == before {
+                break;
+            }
+        }
+        text = format!("{src}{helpers}{main}");
+        if text.contains("f16(") && !text.starts_with("enable f16;") {
+            text = format!("enable f16;\n{text}");
+        }
+        Dispatch { source: text, binds: self.binds, groups, label }
+    }
+}
+
+/// Index arithmetic of one kernel: the digits of a linear index over the
+/// kernel's iteration dims, computed once and shared by every load.
+pub(crate) struct Indexer {
+    dims: Vec<usize>,
+    lin: String,
+    digits: Option<Vec<String>>,
+}
+
+impl Indexer {
+    pub(crate) fn new(dims: &[usize], lin: &str) -> Indexer {
+        Indexer { dims: dims.to_vec(), lin: lin.to_string(), digits: None }
+    }
+
+    fn digits(&mut self, out: &mut String, sh: &mut Shader) -> Vec<String> {
+        if self.digits.is_none() {
+            self.digits = Some(unravel(out, sh, &self.lin, &self.dims));
+        }
+        self.digits.clone().expect("set above")
+    }
+
+    /// Offset (a WGSL u32 expression) that `path` gives for the current index.
+    pub(crate) fn offset(&mut self, out: &mut String, sh: &mut Shader, path: &[Layout]) -> String {
+        let first = &path[0];
+        let mut cur = if first.is_contiguous() {
+            plus(&self.lin, first.offset())
+        } else {
+            let d = self.digits(out, sh);
+            strided(&d, first)
+        };
+        for l in &path[1..] {
+            let v = sh.tmp();
+            let _ = writeln!(out, "    let {v} = {cur};");
+            cur = if l.is_contiguous() {
+                plus(&v, l.offset())
+            } else {
+                let d = unravel(out, sh, &v, l.dims());
+                strided(&d, l)
+            };
+        }
+        cur
+    }
+}
+
+fn plus(e: &str, off: usize) -> String {
+    if off == 0 {
+        e.to_string()
+    } else {
+        format!("({e} + {off}u)")
+    }
+}
+
+/// Emit the digits of linear index `lin` over `dims` (row-major); returns
+/// their WGSL names ("0u" for size-1 dims).
+pub(crate) fn unravel(out: &mut String, sh: &mut Shader, lin: &str, dims: &[usize]) -> Vec<String> {
+    let mut names = vec!["0u".to_string(); dims.len()];
+    let mut inner = 1usize;
+    let first_big = dims.iter().position(|&d| d != 1);
+    for k in (0..dims.len()).rev() {
+        if dims[k] != 1 {
+            let v = sh.tmp();
+            let q = if inner == 1 { lin.to_string() } else { format!("({lin} / {inner}u)") };
+            // The outermost non-trivial digit needs no modulo: the index is in range.
+            let e = if Some(k) == first_big { q } else { format!("({q} % {}u)", dims[k]) };
+            let _ = writeln!(out, "    let {v} = {e};");
+            names[k] = v;
+        }
+        inner = inner.saturating_mul(dims[k]);
+    }
+    names
+}
+
+/// `offset + sum(digit * stride)` for a layout over the given digits.
+pub(crate) fn strided(digits: &[String], l: &Layout) -> String {
+    let mut terms = vec![format!("{}u", l.offset())];
+    for ((d, &s), &n) in digits.iter().zip(l.strides()).zip(l.dims()) {
+        if s != 0 && n != 1 {
+            terms.push(if s == 1 { d.clone() } else { format!("{d} * {s}u") });
+        }
+    }
+    format!("({})", terms.join(" + "))
+}
+
+/// Emit the fused expression at the indexer's current index; returns the
+/// WGSL name of its value (in the compute type of `expr.dtype()`). Loads
+/// read `ld_in{k}` for kernel input `k`.
+pub(crate) fn emit_expr(out: &mut String, sh: &mut Shader, ix: &mut Indexer, expr: &Expr) -> Result<String> {
+    emit_expr_with(out, sh, ix, expr, &[])
+}
+
+/// [`emit_expr`] with some loads replaced by given WGSL values (a matmul
+/// epilogue's product).
+pub(crate) fn emit_expr_with(out: &mut String, sh: &mut Shader, ix: &mut Indexer, expr: &Expr, values: &[(usize, String)]) -> Result<String> {
+    let mut names: Vec<String> = Vec::with_capacity(expr.instrs.len());
+    for (i, (ins, dt)) in expr.instrs.iter().enumerate() {
+        let name = format!("v{i}");
+        let ty = compute_ty(*dt);
+        let operand_dt = |a: usize| expr.instrs[a].1;
+        let val = match ins {
+            Instr::Load(l) if values.iter().any(|(i, _)| i == l) => values.iter().find(|(i, _)| i == l).map(|(_, v)| v.clone()).expect("found"),
+            Instr::Load(l) => {
+                let load = &expr.loads[*l];
+                let off = ix.offset(out, sh, &load.path);
+                format!("ld_in{}({off})", load.input)
+            }
+            // Constants are read from a small buffer: kernels that differ only
+            // in constants (a learning rate that changes every step) share one pipeline.
+            Instr::Const(c) => {
+                sh.use_consts();
+                let k = sh.const_base + *c;
+                match ty {
+                    "f32" => format!("bitcast<f32>(kconst[{k}])"),
+                    "i32" => format!("bitcast<i32>(kconst[{k}])"),
+                    "u32" => format!("kconst[{k}]"),
+                    _ => format!("(kconst[{k}] != 0u)"),
+                }
+            }
+            Instr::Map(op, args) => {
+                let arg = |k: usize| &names[args[k]];
+                match op {
+                    MapOp::Unary(op) => {
+                        let t = if ty == "f32" { op.wgsl() } else { op.wgsl_int() };
+                        round_to(*dt, &t.replace("{T}", ty).replace("{x}", arg(0)))
+                    }
+                    MapOp::Binary(op) => binary_expr(*op, *dt, arg(0), arg(1)),
+                    MapOp::Cmp(op) => {
+                        let (x, y) = (arg(0), arg(1));
+                        let odt = operand_dt(args[0]);
+                        if odt == DType::Bool && !matches!(op, CmpOp::Eq | CmpOp::Ne) {
+                            format!("(u32({x}) {} u32({y}))", op.wgsl())
+                        } else if compute_ty(odt) == "f32" && *op == CmpOp::Ne {
+                            format!("({x} != {y} || isnan_({x}) || isnan_({y}))")
+                        } else {
+                            format!("({x} {} {y})", op.wgsl())
+                        }
+                    }
+                    MapOp::Where => format!("select({}, {}, {})", arg(2), arg(1), arg(0)),
+                    MapOp::Cast => cast(operand_dt(args[0]), *dt, arg(0)),
+                }
+            }
+        };
+        let _ = writeln!(out, "    let {name}: {ty} = {val};");
+        names.push(name);
+    }
+    Ok(names.pop().unwrap_or_else(|| "0".into()))
+}

@@ -1,0 +1,469 @@
+//! One wgpu device: what the adapter can do, the pipeline cache, the buffer
+//! pool, and how its failures become [`Error`](crate::Error) values.
+
+use super::pool::Pool;
+use crate::error::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// What Voltaic uses of an adapter, read once when the device is opened.
+#[derive(Clone, Debug)]
+pub(crate) struct Caps {
+    /// `SHADER_F16`: f16 storage and arithmetic in shaders.
+    pub f16: bool,
+    /// `TIMESTAMP_QUERY`: per-kernel GPU times for `VOLTAIC_PROFILE`.
+    pub timestamps: bool,
+    /// Largest byte range one storage binding may cover.
+    pub max_binding: u64,
+    /// Largest buffer the device can create.
+    pub max_buffer: u64,
+    /// Storage buffers one shader may bind.
+    pub max_storage_buffers: u32,
+    /// Alignment of a binding's offset.
+    pub offset_align: u64,
+    /// Workgroups per dispatch dimension.
+    pub max_groups: u32,
+    /// Workgroup shared memory in bytes.
+    pub workgroup_storage: u32,
+    /// Cooperative matrices (tensor cores) of 16x16x16 f16 with f32
+    /// accumulation, on subgroups of 32.
+    pub coop_f16: bool,
+}
+
+impl Caps {
+    /// Bytes one binding chunk of a large buffer covers: the largest
+    /// multiple of the offset alignment that fits in one binding.
+    pub fn chunk_bytes(&self) -> u64 {
+        (self.max_binding / self.offset_align) * self.offset_align
+    }
+}
+
+/// Submissions allowed in flight before the host waits for the oldest, so a
+/// loop that never reads cannot queue unbounded work (and memory).
+/// `VOLTAIC_MAX_IN_FLIGHT` overrides it (for measurements).
+fn max_in_flight() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("VOLTAIC_MAX_IN_FLIGHT").ok().and_then(|v| v.parse().ok()).filter(|&n| n >= 1).unwrap_or(8))
+}
+
+/// Dispatches of small realizations that share one command buffer before it
+/// is submitted (`VOLTAIC_BATCH_DISPATCHES`; 1 submits every realization).
+fn batch_dispatches() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("VOLTAIC_BATCH_DISPATCHES").ok().and_then(|v| v.parse().ok()).unwrap_or(64).max(1))
+}
+
+/// Freed bytes held back from reuse (see `Pool`) past which pending work is
+/// submitted, so batching never costs much memory.
+const MAX_DEFERRED_BYTES: u64 = 64 << 20;
+
+/// Small realizations encoded but not yet submitted: one command buffer and
+/// one compute pass that later realizations append to. Submitting costs the
+/// host more than a small kernel costs the GPU, so a loop of small
+/// realizations submits once per batch; any read, wait or other submission
+/// submits this first.
+struct Pending {
+    encoder: wgpu::CommandEncoder,
+    pass: Option<wgpu::ComputePass<'static>>,
+    dispatches: usize,
+}
+
+impl Pending {
+    fn finish(mut self) -> wgpu::CommandBuffer {
+        drop(self.pass.take());
+        self.encoder.finish()
+    }
+}
+
+/// How long a wait checks the device without blocking before it sleeps
+/// (`VOLTAIC_SPIN_WAIT_US` overrides it; 0 sleeps at once).
+fn spin_wait() -> std::time::Duration {
+    static D: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *D.get_or_init(|| {
+        let us = std::env::var("VOLTAIC_SPIN_WAIT_US").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+        std::time::Duration::from_micros(us)
+    })
+}
+
+/// An open wgpu device with everything Voltaic keeps per device.
+pub(crate) struct GpuContext {
+    pub index: usize,
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub caps: Caps,
+    pub pool: Arc<Mutex<Pool>>,
+    pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    pipeline_cache: Option<wgpu::PipelineCache>,
+    /// Set by the device-lost callback.
+    lost: Arc<Mutex<Option<String>>>,
+    /// Errors that escaped every error scope (kept, never panicked on).
+    uncaptured: Arc<Mutex<Vec<String>>>,
+    in_flight: Mutex<VecDeque<wgpu::SubmissionIndex>>,
+    /// Submissions the device has finished (counted by callbacks that run
+    /// when the device is polled).
+    finished: Arc<AtomicU64>,
+    pending: Mutex<Option<Pending>>,
+    /// A small buffer that index kernels flag out-of-range indices in; read
+    /// with every transfer to the host.
+    pub index_error: wgpu::Buffer,
+    /// Mappable buffers kept for reading results back.
+    pub staging: Mutex<Vec<wgpu::Buffer>>,
+    /// Compiled kernels by signature (see `exec::compile`).
+    pub compiled_kernels: Mutex<HashMap<u64, Vec<(super::exec::Signature, Arc<super::exec::Compiled>)>>>,
+    /// Matmul plans chosen by measurement.
+    pub tuner: super::autotune::Tuner,
+    /// Where the driver's pipeline cache is kept between runs.
+    pipeline_cache_file: Option<std::path::PathBuf>,
+    last_cache_save: Mutex<Option<std::time::Instant>>,
+    /// Pipelines compiled, submissions and dispatches so far (for tests and profiles).
+    pub compiled: AtomicU64,
+    pub submissions: AtomicU64,
+    pub dispatches: AtomicU64,
+}
+
+impl GpuContext {
+    /// Open a device on `adapter`, asking for every limit it offers and the
+    /// features Voltaic can use.
+    pub(crate) fn open(index: usize, adapter: &wgpu::Adapter) -> Result<GpuContext> {
+        let info = adapter.get_info();
+        let have = adapter.features();
+        // Tensor cores through cooperative matrices, where the adapter offers
+        // 16x16x16 f16 with f32 accumulation on subgroups of 32 (the layout the
+        // kernel assumes). VOLTAIC_COOP=0 turns them off.
+        let coop = have.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+            && std::env::var("VOLTAIC_COOP").map(|v| v != "0").unwrap_or(true)
+            && info.subgroup_min_size == 32
+            && info.subgroup_max_size == 32
+            && adapter.cooperative_matrix_properties().iter().any(|p| {
+                (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+                    && p.ab_type == wgpu::CooperativeScalarType::F16
+                    && p.cr_type == wgpu::CooperativeScalarType::F32
+            });
+        let wanted = wgpu::Features::SHADER_F16
+            | wgpu::Features::SUBGROUP
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
+            | wgpu::Features::PIPELINE_CACHE;
+        let mut features = have & wanted;
+        if coop {
+            features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
+        let limits = adapter.limits();
+        let desc = wgpu::DeviceDescriptor {
+            label: Some("voltaic"),
+            required_features: features,
+            required_limits: limits.clone(),
+            // SAFETY: the experimental feature is only the cooperative matrix
+            // extension, used by one kernel that the tests check on such adapters.
+            experimental_features: if coop { unsafe { wgpu::ExperimentalFeatures::enabled() } } else { wgpu::ExperimentalFeatures::disabled() },
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        };
+        let (device, queue) = pollster::block_on(adapter.request_device(&desc))
+            .map_err(|e| Error::Backend(format!("gpu:{index} ({}): cannot open the device: {e}", info.name)))?;
+        let lost = Arc::new(Mutex::new(None));
+        let l2 = lost.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            *l2.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{reason:?}: {msg}"));
+        });
+        let uncaptured = Arc::new(Mutex::new(Vec::new()));
+        let u2 = uncaptured.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            u2.lock().unwrap_or_else(|p| p.into_inner()).push(e.to_string());
+        }));
+        let caps = Caps {
+            f16: features.contains(wgpu::Features::SHADER_F16),
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
+            max_buffer: limits.max_buffer_size,
+            max_storage_buffers: limits.max_storage_buffers_per_shader_stage,
+            offset_align: limits.min_storage_buffer_offset_alignment.max(4) as u64,
+            max_groups: limits.max_compute_workgroups_per_dimension,
+            workgroup_storage: limits.max_compute_workgroup_storage_size,
+            coop_f16: coop && features.contains(wgpu::Features::SHADER_F16),
+        };
+        let pipeline_cache_file = wgpu::util::pipeline_cache_key(&info)
+            .and_then(|k| Some(crate::files::cache_dir()?.join(format!("{k}-{}.bin", super::autotune::device_tag(&info)))));
+        let pipeline_cache = features.contains(wgpu::Features::PIPELINE_CACHE).then(|| {
+            let data = pipeline_cache_file.as_ref().and_then(|f| std::fs::read(f).ok());
+            // SAFETY: the data, if any, is what `get_data` returned for this
+            // adapter and driver in an earlier run (the file name holds both);
+            // with `fallback` the driver drops data it does not accept.
+            unsafe {
+                device.create_pipeline_cache(&wgpu::PipelineCacheDescriptor {
+                    label: Some("voltaic"),
+                    data: data.as_deref(),
+                    fallback: true,
+                })
+            }
+        });
+        let index_error = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("voltaic index errors"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Ok(GpuContext {
+            compiled_kernels: Mutex::new(HashMap::new()),
+            staging: Mutex::new(Vec::new()),
+            tuner: super::autotune::Tuner::new(&info),
+            pipeline_cache_file,
+            last_cache_save: Mutex::new(None),
+            index,
+            pool: Arc::new(Mutex::new(Pool::new(caps.max_buffer))),
+            device,
+            queue,
+            info,
+            caps,
+            pipelines: Mutex::new(HashMap::new()),
+            pipeline_cache,
+            lost,
+            uncaptured,
+            in_flight: Mutex::new(VecDeque::new()),
+            finished: Arc::new(AtomicU64::new(0)),
+            pending: Mutex::new(None),
+            index_error,
+            compiled: AtomicU64::new(0),
+            submissions: AtomicU64::new(0),
+            dispatches: AtomicU64::new(0),
+        })
+    }
+
+    /// `Err` once the device is lost: nothing more can run on it.
+    pub(crate) fn check_alive(&self) -> Result<()> {
+        if let Some(why) = self.lost.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            return Err(Error::Backend(format!("gpu:{} ({}) was lost: {why}", self.index, self.info.name)));
+        }
+        Ok(())
+    }
+
+    /// The compute pipeline for a WGSL source, compiled once per device.
+    /// `read_only` gives each binding's access; the layout is explicit so
+    /// that a binding the shader happens not to use is still accepted.
+    pub(crate) fn pipeline(&self, source: &str, read_only: &[bool]) -> Result<Arc<wgpu::ComputePipeline>> {
+        if let Some(p) = self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).get(source) {
+            return Ok(p.clone());
+        }
+        let (p, err) = self.scoped(|| {
+            // SAFETY: every index a generated kernel computes is in bounds by
+            // construction (index tensors are checked in the kernel), and its
+            // loops are bounded; naga's per-access clamping and loop counters
+            // would only cost time. Storage buffers keep the driver's robust
+            // access where the adapter has it.
+            let module = unsafe {
+                self.device.create_shader_module_trusted(
+                    wgpu::ShaderModuleDescriptor { label: None, source: wgpu::ShaderSource::Wgsl(source.into()) },
+                    wgpu::ShaderRuntimeChecks::unchecked(),
+                )
+            };
+            let entries: Vec<wgpu::BindGroupLayoutEntry> = read_only
+                .iter()
+                .enumerate()
+                .map(|(i, &ro)| wgpu::BindGroupLayoutEntry {
+                    binding: i as u32,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: wgpu::BufferBindingType::Storage { read_only: ro },
+                        has_dynamic_offset: false,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                })
+                .collect();
+            let bgl = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: None, entries: &entries });
+            let layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: None,
+                bind_group_layouts: &[Some(&bgl)],
+                immediate_size: 0,
+            });
+            let p = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: None,
+                layout: Some(&layout),
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: self.pipeline_cache.as_ref(),
+            });
+            // A driver that fails to compile the shader (seen on the H100:
+            // "NVVM compilation failed") leaves an invalid pipeline without an
+            // error here; touching it raises one inside this scope, so the
+            // failure is this kernel's, not the next operation's.
+            let _ = p.get_bind_group_layout(0);
+            p
+        });
+        if let Some(e) = err {
+            return Err(Error::Backend(format!("compiling a kernel on gpu:{}: {e}\n--- WGSL ---\n{source}", self.index)));
+        }
+        self.compiled.fetch_add(1, Ordering::Relaxed);
+        self.save_pipeline_cache(false);
+        let p = Arc::new(p);
+        self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).insert(source.to_string(), p.clone());
+        Ok(p)
+    }
+
+    /// Write the driver's pipeline cache to disk (at most every few seconds
+    /// unless `now`), so the next run skips compiling.
+    pub(crate) fn save_pipeline_cache(&self, now: bool) {
+        let (Some(cache), Some(file)) = (&self.pipeline_cache, &self.pipeline_cache_file) else { return };
+        let mut last = self.last_cache_save.lock().unwrap_or_else(|e| e.into_inner());
+        if !now && last.is_some_and(|t| t.elapsed().as_secs_f64() < 5.0) {
+            return;
+        }
+        *last = Some(std::time::Instant::now());
+        if let Some(data) = cache.get_data() {
+            // A cache that cannot be written only costs compile time later.
+            let _ = crate::files::write_atomic(file, &data);
+        }
+    }
+
+    /// Run `f` inside error scopes for out-of-memory, validation and internal
+    /// errors, returning its value and the first error raised.
+    pub(crate) fn scoped<T>(&self, f: impl FnOnce() -> T) -> (T, Option<Error>) {
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let val = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let int = self.device.push_error_scope(wgpu::ErrorFilter::Internal);
+        let out = f();
+        let e_int = pollster::block_on(int.pop());
+        let e_val = pollster::block_on(val.pop());
+        let e_oom = pollster::block_on(oom.pop());
+        let err = match (e_oom, e_val, e_int) {
+            (Some(e), _, _) => Some(Error::OutOfMemory(format!("gpu:{}: {e}", self.index))),
+            (_, Some(e), _) | (_, _, Some(e)) => Some(Error::Backend(format!("gpu:{}: {e}", self.index))),
+            _ => None,
+        };
+        (out, err.or_else(|| self.take_uncaptured()))
+    }
+
+    /// An error that escaped every error scope since the last call, if any.
+    pub(crate) fn take_uncaptured(&self) -> Option<Error> {
+        let mut u = self.uncaptured.lock().unwrap_or_else(|e| e.into_inner());
+        if u.is_empty() {
+            return None;
+        }
+        let msg = u.join("; ");
+        u.clear();
+        Some(Error::Backend(format!("gpu:{}: {msg}", self.index)))
+    }
+
+    /// Append dispatches to the pending command buffer (`encode` records
+    /// them into its compute pass); submits it when `now` (large work, which
+    /// should start at once), when the GPU has nothing else to do (as of the
+    /// last poll), when the batch is full, or when too much memory waits on it.
+    pub(crate) fn encode_pending(&self, dispatches: usize, now: bool, encode: impl FnOnce(&mut wgpu::ComputePass<'static>)) -> Result<()> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let p = pending.get_or_insert_with(|| {
+            // Before anything this work uses can be freed.
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).defer();
+            let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
+            let pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None }).forget_lifetime();
+            Pending { encoder, pass: Some(pass), dispatches: 0 }
+        });
+        encode(p.pass.as_mut().expect("an open pass"));
+        p.dispatches += dispatches;
+        let full = p.dispatches >= batch_dispatches()
+            || self.pool.lock().unwrap_or_else(|e| e.into_inner()).deferred_bytes() > MAX_DEFERRED_BYTES;
+        let idle = self.submissions.load(Ordering::Relaxed) <= self.finished.load(Ordering::Acquire);
+        if now || full || idle {
+            self.submit_locked(&mut pending, None)?;
+        }
+        Ok(())
+    }
+
+    /// Submit the pending command buffer, if any.
+    pub(crate) fn flush(&self) -> Result<Option<wgpu::SubmissionIndex>> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if pending.is_none() {
+            return Ok(None);
+        }
+        self.submit_locked(&mut pending, None).map(Some)
+    }
+
+    /// Submit a command buffer, after the pending one (in the same
+    /// submission); waits for the oldest submission when too many are in
+    /// flight.
+    pub(crate) fn submit(&self, cmd: wgpu::CommandBuffer) -> Result<wgpu::SubmissionIndex> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        self.submit_locked(&mut pending, Some(cmd))
+    }
+
+    fn submit_locked(&self, pending: &mut Option<Pending>, cmd: Option<wgpu::CommandBuffer>) -> Result<wgpu::SubmissionIndex> {
+        let first = pending.take().map(Pending::finish);
+        let had_pending = first.is_some();
+        let idx = self.queue.submit(first.into_iter().chain(cmd));
+        if had_pending {
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
+        }
+        let finished = self.finished.clone();
+        self.queue.on_submitted_work_done(move || {
+            finished.fetch_add(1, Ordering::Release);
+        });
+        let submitted = self.submissions.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        q.push_back(idx.clone());
+        let limit = max_in_flight() as u64;
+        if q.len() as u64 > limit {
+            let oldest = q.pop_front().expect("non-empty");
+            drop(q);
+            // Poll until enough have finished before sleeping in the driver:
+            // waking from that sleep can take longer than the queued work
+            // lasts, and the GPU would idle (see `spin_until`).
+            let done = |_| submitted.saturating_sub(self.finished.load(Ordering::Acquire)) <= limit;
+            if !self.spin_until(&done)? {
+                self.wait(Some(oldest))?;
+            }
+        } else {
+            drop(q);
+            // Now and then, let wgpu retire finished work so its bookkeeping
+            // does not grow (polling every time costs more than it saves).
+            if self.submissions.load(Ordering::Relaxed) % 16 == 0 {
+                let _ = self.device.poll(wgpu::PollType::Poll);
+            }
+        }
+        Ok(idx)
+    }
+
+    /// Block until a submission (or all work) has finished.
+    pub(crate) fn wait(&self, idx: Option<wgpu::SubmissionIndex>) -> Result<()> {
+        if idx.is_none() {
+            self.flush()?;
+        }
+        // A full wait first polls without blocking for a short while: see `spin_until`.
+        if idx.is_none() && self.spin_until(&|status| matches!(status, wgpu::PollStatus::QueueEmpty))? {
+            return self.check_alive();
+        }
+        self.device
+            .poll(wgpu::PollType::Wait { submission_index: idx, timeout: None })
+            .map_err(|e| Error::Backend(format!("gpu:{}: waiting for the device failed: {e}", self.index)))?;
+        self.check_alive()
+    }
+
+    /// Poll the device without blocking until `done` (given each poll's
+    /// status) holds or `spin_wait()` has passed; whether it held. A blocking
+    /// wait sleeps in the driver, and on some machines waking up from it
+    /// costs 0.1 to 1 ms, far more than the small kernels a read usually
+    /// waits for; PyTorch's CUDA synchronisation spins the same way. Only
+    /// plain polls are used: wgpu 30 can panic when threads race waits with
+    /// a zero timeout on one device.
+    pub(crate) fn spin_until(&self, done: &dyn Fn(wgpu::PollStatus) -> bool) -> Result<bool> {
+        let start = std::time::Instant::now();
+        let limit = spin_wait();
+        while start.elapsed() < limit {
+            let status = self
+                .device
+                .poll(wgpu::PollType::Poll)
+                .map_err(|e| Error::Backend(format!("gpu:{}: polling the device failed: {e}", self.index)))?;
+            if done(status) {
+                return Ok(true);
+            }
+            std::hint::spin_loop();
+        }
+        Ok(false)
+    }
+
+    /// Forget submissions known to be finished (after a full wait).
+    pub(crate) fn clear_in_flight(&self) {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}

@@ -1,0 +1,317 @@
+//! Running a plan on a GPU: one command encoder, one submission.
+
+use super::codegen::{check_dtype, elem_bytes, Bind, Src};
+use super::context::GpuContext;
+use super::pool::{alloc, GpuBuf};
+use crate::backend::Buffer;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::ir::{Kernel, KernelKind, Plan, SlotSource};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// One dispatch of a kernel, compiled.
+pub(crate) struct CompiledDispatch {
+    pipeline: Arc<wgpu::ComputePipeline>,
+    binds: Vec<Bind>,
+    grid: (u32, u32),
+    label: String,
+}
+
+/// A kernel compiled for one device: its dispatches and scratch buffers.
+pub(crate) struct Compiled {
+    dispatches: Vec<CompiledDispatch>,
+    scratch: Vec<(DType, usize)>,
+}
+
+impl Compiled {
+    /// The label of the first dispatch, for profiles.
+    pub(crate) fn label(&self) -> Option<&str> {
+        self.dispatches.first().map(|d| d.label.as_str())
+    }
+}
+
+/// What a compiled kernel depends on besides the device: its structure,
+/// not its constants' values (see `ir::Expr`).
+#[derive(PartialEq, Hash)]
+pub(crate) struct Signature {
+    kind: KernelKind,
+    inputs: Vec<(DType, usize)>,
+    dtype: DType,
+    numel: usize,
+    variant: Option<super::matmul::Variant>,
+}
+
+/// Kernel `k` compiled for `ctx`: from the device's cache when an equal
+/// kernel was compiled before (a training loop generates and compiles each
+/// kernel once), else generated and compiled now.
+pub(crate) fn compile(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], variant: Option<super::matmul::Variant>) -> Result<Arc<Compiled>> {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    // A fast hasher: this runs on every realization, over whole kernels.
+    let mut h = foldhash::fast::FixedState::default().build_hasher();
+    (&k.kind, inputs, k.dtype, k.numel, variant).hash(&mut h);
+    let key = h.finish();
+    let same = |s: &Signature| s.kind == k.kind && s.inputs == inputs && s.dtype == k.dtype && s.numel == k.numel && s.variant == variant;
+    if let Some(v) = ctx.compiled_kernels.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        if let Some((_, c)) = v.iter().find(|(s, _)| same(s)) {
+            return Ok(c.clone());
+        }
+    }
+    let prog = super::kernels::program(&ctx.caps, k, inputs, variant)?;
+    let mut dispatches = Vec::with_capacity(prog.dispatches.len());
+    for d in prog.dispatches {
+        if d.binds.len() > ctx.caps.max_storage_buffers as usize {
+            return Err(Error::Backend(format!(
+                "{}: the kernel binds {} buffers but gpu:{} allows {} per shader",
+                d.label,
+                d.binds.len(),
+                ctx.index,
+                ctx.caps.max_storage_buffers
+            )));
+        }
+        let read_only: Vec<bool> = d.binds.iter().map(|b| b.read_only).collect();
+        let pipeline = ctx.pipeline(&d.source, &read_only)?;
+        dispatches.push(CompiledDispatch { pipeline, binds: d.binds, grid: grid(ctx, d.groups)?, label: d.label });
+    }
+    let c = Arc::new(Compiled { dispatches, scratch: prog.scratch });
+    let sig = Signature { kind: k.kind.clone(), inputs: inputs.to_vec(), dtype: k.dtype, numel: k.numel, variant };
+    ctx.compiled_kernels.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_default().push((sig, c.clone()));
+    Ok(c)
+}
+
+/// Constants as the 32-bit words kernels read them as.
+pub(crate) fn const_words(values: &[(f64, DType)]) -> Vec<u8> {
+    use super::codegen::compute_ty;
+    values
+        .iter()
+        .flat_map(|&(v, dt)| {
+            let w: u32 = match compute_ty(dt) {
+                "f32" => (v as f32).to_bits(),
+                "i32" => v as i32 as u32,
+                "u32" => v as u32,
+                _ => (v != 0.0) as u32,
+            };
+            w.to_le_bytes()
+        })
+        .collect()
+}
+
+/// One dispatch with its buffers bound, waiting for the pass.
+pub(crate) struct Encoded {
+    pipeline: Arc<wgpu::ComputePipeline>,
+    bind_group: wgpu::BindGroup,
+    grid: (u32, u32),
+    /// Scratch buffers the dispatch binds; they go back to the pool with it.
+    _scratch: Arc<Vec<GpuBuf>>,
+}
+
+/// Bind every dispatch of a compiled kernel: `input(i)` is the buffer of
+/// the kernel's input `i`. Scratch buffers are taken from the pool.
+pub(crate) fn bind<'b>(
+    ctx: &'b GpuContext,
+    c: &Compiled,
+    input: &dyn Fn(usize) -> &'b wgpu::Buffer,
+    out: &'b wgpu::Buffer,
+    consts: &[(f64, DType)],
+) -> Result<Vec<Encoded>> {
+    let mut scratch: Vec<GpuBuf> = c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
+    // The constants travel in their own small buffer, written before the submit.
+    let consts_buf = if consts.is_empty() {
+        None
+    } else {
+        let words = const_words(consts);
+        let b = alloc(ctx, DType::U32, consts.len(), words.len() as u64)?;
+        ctx.queue.write_buffer(b.raw(), 0, &words);
+        scratch.push(b);
+        Some(scratch.len() - 1)
+    };
+    let scratch = Arc::new(scratch);
+    let mut encoded = Vec::with_capacity(c.dispatches.len());
+    for d in &c.dispatches {
+        if consts_buf.is_none() && d.binds.iter().any(|b| matches!(b.src, Src::Consts)) {
+            return Err(Error::Backend(format!("kernel {} reads constants but none were given", d.label)));
+        }
+        let buffer_of = |b: &Bind| -> &wgpu::Buffer {
+            match b.src {
+                Src::Input(i) => input(i),
+                Src::Output => out,
+                Src::Scratch(i) => scratch[i].raw(),
+                Src::IndexError => &ctx.index_error,
+                // Checked above: a kernel that reads constants has them.
+                Src::Consts => consts_buf.map(|c| scratch[c].raw()).unwrap_or(&ctx.index_error),
+            }
+        };
+        let entries: Vec<wgpu::BindGroupEntry> = d
+            .binds
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let buf = buffer_of(b);
+                let offset = b.chunk as u64 * b.chunk_bytes;
+                let size = b.chunk_bytes.min(buf.size() - offset);
+                wgpu::BindGroupEntry {
+                    binding: i as u32,
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: buf,
+                        offset,
+                        size: std::num::NonZeroU64::new(size),
+                    }),
+                }
+            })
+            .collect();
+        let bind_group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &d.pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        encoded.push(Encoded { pipeline: d.pipeline.clone(), bind_group, grid: d.grid, _scratch: scratch.clone() });
+    }
+    Ok(encoded)
+}
+
+/// Run `plan` on `ctx` with `inputs`; returns the buffers of `plan.outputs`.
+pub(crate) fn run_plan(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+    ctx.check_alive()?;
+    // Allocation and compilation run in error scopes of their own; a
+    // validation error while binding or encoding (a bug, not bad input)
+    // reaches the uncaptured-error record, checked here. No scopes around the
+    // whole encoding: pushing and popping them costs on every realization.
+    let res = encode_and_submit(ctx, plan, inputs);
+    if let Some(e) = ctx.take_uncaptured() {
+        return Err(e);
+    }
+    res
+}
+
+fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+    if inputs.len() != plan.input_count() {
+        return Err(Error::Backend(format!("internal: a plan of {} inputs was run with {}", plan.input_count(), inputs.len())));
+    }
+    let mut bufs: Vec<Option<Arc<GpuBuf>>> = Vec::with_capacity(plan.slots.len());
+    // Buffers freed while encoding; they return to the pool after the submit.
+    let mut retired: Vec<GpuBuf> = Vec::new();
+    for s in &plan.slots {
+        bufs.push(match s.source {
+            SlotSource::Input(k) => match &inputs[k] {
+                Buffer::Wgpu(b) => Some(b.clone()),
+                _ => {
+                    return Err(Error::Device {
+                        op: "realize",
+                        msg: format!("a buffer of another device reached gpu:{}; move tensors with to_device", ctx.index),
+                    })
+                }
+            },
+            SlotSource::Kernel => None,
+        });
+    }
+    // Outputs are taken as their kernels are encoded: a later kernel may free them.
+    let mut outs: Vec<Option<Arc<GpuBuf>>> = vec![None; plan.outputs.len()];
+    let mut encoded: Vec<(Encoded, usize)> = Vec::new();
+    let mut labels: Vec<String> = Vec::new();
+    for (ki, k) in plan.kernels.iter().enumerate() {
+        check_dtype(&ctx.caps, k.dtype, k.kind.name())?;
+        let inputs: Vec<_> = k.inputs.iter().map(|&s| (plan.slots[s].dtype, plan.slots[s].numel)).collect();
+        for &(dt, _) in &inputs {
+            check_dtype(&ctx.caps, dt, k.kind.name())?;
+        }
+        let bytes = k.numel as u64 * elem_bytes(k.dtype);
+        let out = Arc::new(match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {
+            Some(i) => retired.swap_remove(i).reuse(k.dtype, k.numel),
+            None => alloc(ctx, k.dtype, k.numel, bytes)?,
+        });
+        let variant = super::autotune::variant_for(ctx, k, &inputs)?;
+        let compiled = compile(ctx, k, &inputs, variant)?;
+        let input_buf = |i: usize| bufs[k.inputs[i]].as_ref().expect("inputs are live").raw();
+        for e in bind(ctx, &compiled, &input_buf, out.raw(), &k.kind.consts())? {
+            encoded.push((e, ki));
+        }
+        labels.push(compiled.label().unwrap_or(k.kind.name()).to_string());
+        for (o, &slot) in outs.iter_mut().zip(&plan.outputs) {
+            if slot == k.out {
+                *o = Some(out.clone());
+            }
+        }
+        bufs[k.out] = Some(out);
+        // A buffer whose last reader is encoded may hold the output of a later
+        // kernel of this same pass (wgpu orders that write after these reads).
+        // It must not reach the shared pool before this submission does: another
+        // thread could take it and submit a write that runs before our reads.
+        for &s in &plan.free_after[ki] {
+            if let Some(b) = bufs[s].take() {
+                if let Ok(b) = Arc::try_unwrap(b) {
+                    retired.push(b);
+                }
+            }
+        }
+    }
+    let outs = outs
+        .into_iter()
+        .zip(&plan.outputs)
+        .map(|(o, &slot)| match o.or_else(|| bufs[slot].clone()) {
+            Some(b) => Ok(Buffer::Wgpu(b)),
+            None => Err(Error::Backend(format!("internal: output slot {slot} of the plan was never computed"))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if encoded.is_empty() {
+        return Ok(outs);
+    }
+    ctx.dispatches.fetch_add(encoded.len() as u64, Ordering::Relaxed);
+    if !(crate::backend::profiling() && ctx.caps.timestamps) {
+        ctx.encode_pending(encoded.len(), is_large(plan), |pass| {
+            for (e, _) in &encoded {
+                dispatch(pass, e);
+            }
+        })?;
+        return Ok(outs);
+    }
+    // Profiling: a pass per kernel, each bracketed by timestamps, submitted
+    // and read back at once.
+    let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
+    let t = super::transfer::Timing::new(ctx, plan.kernels.len());
+    for ki in 0..plan.kernels.len() {
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: None,
+            timestamp_writes: Some(t.writes(ki)),
+        });
+        for (e, _) in encoded.iter().filter(|(_, k)| *k == ki) {
+            dispatch(&mut pass, e);
+        }
+    }
+    t.resolve(&mut encoder);
+    let idx = ctx.submit(encoder.finish())?;
+    let rows: Vec<(String, usize)> = plan.kernels.iter().zip(&labels).map(|(k, l)| (l.clone(), k.numel)).collect();
+    t.report(ctx, idx, &rows)?;
+    Ok(outs)
+}
+
+/// Whether a plan moves enough data (or does enough arithmetic) that the
+/// GPU should start on it at once rather than wait for a batch (about a
+/// tenth of a millisecond of work on a large GPU): below that, a submission
+/// costs the host, and the GPU between submissions, more than the kernels take.
+fn is_large(plan: &Plan) -> bool {
+    let mut elements = 0usize;
+    for k in &plan.kernels {
+        elements += k.numel + k.inputs.iter().map(|&s| plan.slots[s].numel).sum::<usize>();
+        if let KernelKind::Matmul { batch, m, k: kk, n, .. } = &k.kind {
+            elements += batch * m * kk * n / 64;
+        }
+    }
+    elements > 1 << 26
+}
+
+pub(crate) fn dispatch(pass: &mut wgpu::ComputePass<'_>, e: &Encoded) {
+    pass.set_pipeline(&e.pipeline);
+    pass.set_bind_group(0, &e.bind_group, &[]);
+    pass.dispatch_workgroups(e.grid.0, e.grid.1, 1);
+}
+
+/// Spread `groups` workgroups over x and y within the adapter's per-dimension limit.
+fn grid(ctx: &GpuContext, groups: u64) -> Result<(u32, u32)> {
+    let max = ctx.caps.max_groups as u64;
+    let x = groups.clamp(1, max);
+    let y = groups.div_ceil(x).max(1);
+    if y > max {
+        return Err(Error::Backend(format!("a dispatch of {groups} workgroups exceeds gpu:{}'s grid of {max} x {max}", ctx.index)));
+    }
+    Ok((x as u32, y as u32))
+}

@@ -1,0 +1,73 @@
+//! One WGSL renderer per kernel kind of the IR.
+//!
+//! Elementwise, reduction and row kernels splice the fused expressions from
+//! `codegen`; matmul (`../matmul.rs`) and the index-like kernels read their
+//! inputs through strided views.
+
+mod elementwise;
+mod index;
+mod reduce;
+mod rows;
+
+use super::codegen::{Shader, Src, WgslProgram};
+use super::context::Caps;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::ir::{Kernel, KernelKind};
+
+/// Invocations per workgroup of the one-thread-per-element kernels.
+pub(crate) const WG: u32 = 256;
+/// Elements each thread of an elementwise kernel computes.
+pub(crate) const PER: u32 = 4;
+
+/// The program that computes kernel `k`; `inputs` gives each input's dtype
+/// and element count. `variant` picks the matmul kernel (the shape
+/// heuristic when `None`).
+pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], variant: Option<super::matmul::Variant>) -> Result<WgslProgram> {
+    let mut p = WgslProgram::default();
+    if k.numel == 0 {
+        return Ok(p);
+    }
+    let g = Gen { caps, inputs, out: (k.dtype, k.numel) };
+    match &k.kind {
+        KernelKind::Elementwise { expr, shape } => p.dispatches.push(g.elementwise(expr, shape)?),
+        KernelKind::Reduce { op, expr, shape, outer, inner } => g.reduce(&mut p, *op, expr, shape, *outer, *inner)?,
+        KernelKind::Matmul { a, b, batch, m, k: kk, n, epilogue } => {
+            let r = b.layout.dims().len();
+            let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
+            let variant = variant.unwrap_or_else(|| super::matmul::default_variant(*batch, *m, *kk, *n, sbn == 1 || sbk != 1));
+            g.matmul(&mut p, a, b, *m, *kk, *n, variant, epilogue.as_ref())?
+        }
+        KernelKind::Index { op, args } => g.index(&mut p, op, args),
+        KernelKind::Rows { outer, inner, stages, out } => p.dispatches.push(g.rows(*outer, *inner, stages, out)?),
+    }
+    Ok(p)
+}
+
+/// Generates the programs of one kernel.
+pub(crate) struct Gen<'a> {
+    pub caps: &'a Caps,
+    pub inputs: &'a [(DType, usize)],
+    pub out: (DType, usize),
+}
+
+pub(crate) fn groups(n: usize, per: u32) -> u64 {
+    (n as u64).div_ceil(per as u64)
+}
+
+impl Gen<'_> {
+    pub(crate) fn shader(&self) -> Shader<'_> {
+        Shader::new(self.caps)
+    }
+
+    pub(crate) fn bind_inputs(&self, sh: &mut Shader, which: &[usize]) {
+        for &k in which {
+            let (dt, n) = self.inputs[k];
+            sh.array(Src::Input(k), &format!("in{k}"), dt, n, false);
+        }
+    }
+
+    pub(crate) fn bind_out(&self, sh: &mut Shader) {
+        sh.array(Src::Output, "out", self.out.0, self.out.1, true);
+    }
+}

@@ -1,0 +1,203 @@
+//! Reduction kernels: a thread per output for short or strided rows, a
+//! workgroup per output otherwise, split over several workgroups (plus a
+//! combining pass) for few long rows. The fold and identity come from the
+//! op table (`ReduceOp::combine`, `ReduceOp::identity`).
+
+use super::{groups, Gen, PER, WG};
+use crate::backend::wgpu::codegen::{binary_expr, cast, compute_ty, emit_expr, literal, Dispatch, Indexer, Shader, Src, WgslProgram};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::ir::Expr;
+use crate::primitive::ReduceOp;
+use std::fmt::Write;
+
+impl Gen<'_> {
+    pub(crate) fn reduce(&self, p: &mut WgslProgram, op: ReduceOp, expr: &Expr, shape: &[usize], outer: usize, inner: usize) -> Result<()> {
+        let vdt = expr.dtype();
+        // Bools reduce as 0/1 counters.
+        let adt = if vdt == DType::Bool { DType::U32 } else { vdt.compute() };
+        let r = Reduction { op, adt, vdt, out: self.out.0 };
+        // Reading along the reduced dim with stride 1 favours a workgroup per
+        // output; short or strided rows favour a thread per output, whose
+        // neighbours then read neighbouring memory.
+        // Loads that broadcast along the reduced dims (stride 0) do not count.
+        let inner_contig = expr.loads.iter().all(|l| l.path.len() == 1 && matches!(l.path[0].strides().last(), Some(0 | 1)));
+        if inner <= 64 || (!inner_contig && outer >= 1024) {
+            p.dispatches.push(self.reduce_rows(&r, expr, shape, outer, inner)?);
+            return Ok(());
+        }
+        // Few long rows: split each over several workgroups, then combine.
+        let splits = if outer >= 1024 { 1 } else { (inner / 8192).clamp(1, 2048usize.div_ceil(outer).max(1)) };
+        let chunk = inner.div_ceil(splits);
+        p.dispatches.push(self.reduce_groups(&r, expr, shape, outer, inner, splits, chunk)?);
+        if splits > 1 {
+            p.scratch.push((adt, outer * splits));
+            p.scratch.push((DType::U32, outer * splits));
+            p.dispatches.push(self.reduce_partials(&r, outer, splits));
+        }
+        Ok(())
+    }
+
+    /// One thread per output, looping over the reduced elements.
+    fn reduce_rows(&self, r: &Reduction, expr: &Expr, shape: &[usize], outer: usize, inner: usize) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        let used: Vec<usize> = (0..self.inputs.len()).collect();
+        self.bind_inputs(&mut sh, &used);
+        self.bind_out(&mut sh);
+        r.decl(&mut sh);
+        let mut b = format!("    let o = group * {WG}u + lid;\n    if (o >= {outer}u) {{ return; }}\n");
+        let _ = writeln!(b, "    var acc: {} = {};\n    var ai: u32 = 0xffffffffu;", r.acc_ty(), r.identity());
+        let _ = writeln!(b, "    for (var j = 0u; j < {inner}u; j = j + 1u) {{\n    let l = o * {inner}u + j;");
+        let mut ix = Indexer::new(shape, "l");
+        let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+        let _ = writeln!(b, "    {}\n    }}", r.fold("acc", "ai", &r.value(&v), "j"));
+        let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
+        Ok(sh.finish(format!("reduce_rows {} {outer}x{inner}", r.op.name()), WG, groups(outer, WG), &b))
+    }
+
+    /// A workgroup per (output, split), tree-combined in shared memory.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_groups(&self, r: &Reduction, expr: &Expr, shape: &[usize], outer: usize, inner: usize, splits: usize, chunk: usize) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        let used: Vec<usize> = (0..self.inputs.len()).collect();
+        self.bind_inputs(&mut sh, &used);
+        if splits == 1 {
+            self.bind_out(&mut sh);
+        } else {
+            sh.array(Src::Scratch(0), "pv", r.adt, outer * splits, true);
+            sh.array(Src::Scratch(1), "pi", DType::U32, outer * splits, true);
+        }
+        r.decl(&mut sh);
+        let at = r.acc_ty();
+        sh.decl(&format!("var<workgroup> sv: array<{at}, {WG}>;\nvar<workgroup> si: array<u32, {WG}>;"));
+        let total = outer * splits;
+        let mut b = format!("    if (group >= {total}u) {{ return; }}\n    let o = group / {splits}u;\n    let s = group % {splits}u;\n");
+        let _ = writeln!(b, "    let j0 = s * {chunk}u;\n    let j1 = min(j0 + {chunk}u, {inner}u);");
+        // PER independent accumulators, so PER loads are in flight per thread.
+        for k in 0..PER {
+            let _ = writeln!(b, "    var acc{k}: {at} = {};\n    var ai{k}: u32 = 0xffffffffu;", r.identity());
+        }
+        let _ = writeln!(b, "    for (var j = j0 + lid; j < j1; j = j + {}u) {{", WG * PER);
+        for k in 0..PER {
+            let _ = writeln!(b, "    {{\n    let jj = j + {}u;\n    if (jj < j1) {{\n    let l = o * {inner}u + jj;", WG * k);
+            let mut ix = Indexer::new(shape, "l");
+            let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+            let _ = writeln!(b, "    {}\n    }}\n    }}", r.fold(&format!("acc{k}"), &format!("ai{k}"), &r.value(&v), "jj"));
+        }
+        let _ = writeln!(b, "    }}\n    var acc = acc0;\n    var ai = ai0;");
+        for k in 1..PER {
+            let _ = writeln!(b, "    {}", r.fold("acc", "ai", &format!("acc{k}"), &format!("ai{k}")));
+        }
+        let _ = writeln!(b, "    sv[lid] = acc;\n    si[lid] = ai;\n    workgroupBarrier();");
+        let _ = writeln!(
+            b,
+            "    for (var w = {}u; w > 0u; w = w >> 1u) {{
+        if (lid < w) {{
+            var x = sv[lid];
+            var xi = si[lid];
+            {}
+            sv[lid] = x;
+            si[lid] = xi;
+        }}
+        workgroupBarrier();
+    }}",
+            WG / 2,
+            r.fold("x", "xi", "sv[lid + w]", "si[lid + w]")
+        );
+        if splits == 1 {
+            let _ = writeln!(b, "    if (lid == 0u) {{ st_out(o, {}); }}", r.finish("sv[0]", "si[0]"));
+        } else {
+            let _ = writeln!(b, "    if (lid == 0u) {{ st_pv(group, sv[0]); st_pi(group, si[0]); }}");
+        }
+        Ok(sh.finish(format!("reduce {} {outer}x{inner} in {splits} splits", r.op.name()), WG, total as u64, &b))
+    }
+
+    /// Combine the per-split partials of each output, in split order.
+    fn reduce_partials(&self, r: &Reduction, outer: usize, splits: usize) -> Dispatch {
+        let mut sh = self.shader();
+        sh.array(Src::Scratch(0), "pv", r.adt, outer * splits, false);
+        sh.array(Src::Scratch(1), "pi", DType::U32, outer * splits, false);
+        self.bind_out(&mut sh);
+        r.decl(&mut sh);
+        let mut b = format!("    let o = group * {WG}u + lid;\n    if (o >= {outer}u) {{ return; }}\n");
+        let _ = writeln!(b, "    var acc: {} = {};\n    var ai: u32 = 0xffffffffu;", r.acc_ty(), r.identity());
+        let _ = writeln!(
+            b,
+            "    for (var s = 0u; s < {splits}u; s = s + 1u) {{\n        {}\n    }}",
+            r.fold("acc", "ai", &format!("ld_pv(o * {splits}u + s)"), &format!("ld_pi(o * {splits}u + s)"))
+        );
+        let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
+        sh.finish(format!("reduce_partials {}", r.op.name()), WG, groups(outer, WG), &b)
+    }
+}
+
+/// The WGSL pieces of one reduction over an accumulator type, built from
+/// the op table: the identity and the combining primitive.
+pub(crate) struct Reduction {
+    pub op: ReduceOp,
+    /// Accumulator dtype (f32, i32 or u32).
+    pub adt: DType,
+    /// Dtype of the reduced values.
+    pub vdt: DType,
+    /// Output dtype.
+    pub out: DType,
+}
+
+impl Reduction {
+    pub(crate) fn acc_ty(&self) -> &'static str {
+        compute_ty(self.adt)
+    }
+
+    /// The identity in the accumulator type.
+    pub(crate) fn identity(&self) -> String {
+        literal(self.op.identity_for(self.adt), self.adt)
+    }
+
+    /// A reduced value in the accumulator type.
+    fn value(&self, v: &str) -> String {
+        if self.vdt == DType::Bool {
+            format!("select(0u, 1u, {v})")
+        } else {
+            v.to_string()
+        }
+    }
+
+    /// Helper functions the fold uses: `better` for arg reductions.
+    fn decl(&self, sh: &mut Shader) {
+        if !self.op.is_arg() {
+            return;
+        }
+        let t = self.acc_ty();
+        let same = |x: &str, y: &str| if t == "f32" { format!("({x} == {y} || (isnan_({x}) && isnan_({y})))") } else { format!("({x} == {y})") };
+        let c = binary_expr(self.op.combine(), self.adt, "av", "bv");
+        sh.decl(&format!(
+            "fn better(av: {t}, ai: u32, bv: {t}, bi: u32) -> bool {{
+    // Does (bv, bi) replace (av, ai)? When combining them gives bv; ties go to the lower index.
+    if (bi == 0xffffffffu) {{ return false; }}
+    if (ai == 0xffffffffu) {{ return true; }}
+    if {} {{ return bi < ai; }}
+    let c = {c};
+    return {};
+}}",
+            same("av", "bv"),
+            same("c", "bv"),
+        ));
+    }
+
+    /// Statement folding value `v` (index `vi`) into accumulator `a` (index `ai`).
+    pub(crate) fn fold(&self, a: &str, ai: &str, v: &str, vi: &str) -> String {
+        if self.op.is_arg() {
+            return format!("{{ let vv = {v}; let vi = {vi}; if (better({a}, {ai}, vv, vi)) {{ {a} = vv; {ai} = vi; }} }}");
+        }
+        format!("{a} = {};", binary_expr(self.op.combine(), self.adt, a, v))
+    }
+
+    /// The output value from the final accumulator.
+    pub(crate) fn finish(&self, a: &str, ai: &str) -> String {
+        if self.op.is_arg() {
+            // An empty reduction is refused when recorded; 0 is never seen.
+            return format!("select(i32({ai}), 0, {ai} == 0xffffffffu)");
+        }
+        cast(self.adt, self.out, a)
+    }
+}

@@ -1,0 +1,218 @@
+//! The wgpu executor: the scheduler's kernels as generated WGSL, run on any
+//! GPU that wgpu reaches (Vulkan, Metal, DX12, GL).
+//!
+//! A realization encodes every kernel of its plan into one command encoder
+//! and submits once; buffers come from a size-bucketed pool and return to it
+//! after their last consumer; pipelines are compiled once per distinct
+//! kernel source. Failures (validation, out of memory, device loss) come
+//! back as [`Error`](crate::Error) values.
+
+pub(crate) mod autotune;
+pub(crate) mod codegen;
+pub(crate) mod context;
+pub(crate) mod exec;
+pub(crate) mod kernels;
+pub(crate) mod matmul;
+pub(crate) mod pool;
+pub(crate) mod transfer;
+
+use super::{Buffer, Capabilities, DeviceStats, Executor, HostData, HostView};
+use crate::error::{Error, Result};
+use crate::ir::Plan;
+use crate::layout::Layout;
+use crate::storage::CpuStorage;
+use context::GpuContext;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// An adapter wgpu found, with what Voltaic uses of it.
+#[derive(Clone, Debug)]
+pub struct AdapterReport {
+    /// Index for `Device::Gpu(index)`.
+    pub index: usize,
+    /// Adapter name (e.g. `NVIDIA H100 80GB HBM3`, `llvmpipe (LLVM 15.0.6, 256 bits)`).
+    pub name: String,
+    /// Backend (`Vulkan`, `Metal`, `Dx12`, `Gl`).
+    pub backend: String,
+    /// `DiscreteGpu`, `IntegratedGpu`, `VirtualGpu`, `Cpu` (a software adapter) or `Other`.
+    pub device_type: String,
+    /// Driver name and version.
+    pub driver: String,
+    /// Features Voltaic uses that the adapter has.
+    pub features: Vec<&'static str>,
+    /// Limits Voltaic uses, by name.
+    pub limits: Vec<(&'static str, u64)>,
+}
+
+impl AdapterReport {
+    /// A software rasteriser such as lavapipe: used only when asked for.
+    pub fn is_software(&self) -> bool {
+        self.device_type == "Cpu"
+    }
+}
+
+struct Registry {
+    adapters: Vec<wgpu::Adapter>,
+    contexts: Mutex<HashMap<usize, Arc<GpuContext>>>,
+}
+
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| {
+        // WGPU_BACKEND (e.g. `vulkan`) narrows the search, as in every wgpu
+        // program. Otherwise the native APIs first; GL only where they find
+        // nothing (probing EGL is slow and noisy on headless machines).
+        let find = |backends: wgpu::Backends| {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+            desc.backends = backends;
+            desc.flags = wgpu::InstanceFlags::empty().with_env();
+            let instance = wgpu::Instance::new(desc);
+            pollster::block_on(instance.enumerate_adapters(backends))
+        };
+        let mut adapters = match wgpu::Backends::from_env() {
+            Some(b) => find(b),
+            None => {
+                let primary = find(wgpu::Backends::PRIMARY);
+                if primary.is_empty() { find(wgpu::Backends::GL) } else { primary }
+            }
+        };
+        // Real GPUs first, then the native APIs before GL: gpu:0 is the best.
+        let rank = |a: &wgpu::Adapter| {
+            let i = a.get_info();
+            let t = match i.device_type {
+                wgpu::DeviceType::DiscreteGpu => 0,
+                wgpu::DeviceType::IntegratedGpu => 1,
+                wgpu::DeviceType::VirtualGpu => 2,
+                wgpu::DeviceType::Other => 3,
+                wgpu::DeviceType::Cpu => 4,
+            };
+            (t, matches!(i.backend, wgpu::Backend::Gl) as u8)
+        };
+        adapters.sort_by_key(rank);
+        Registry { adapters, contexts: Mutex::new(HashMap::new()) }
+    })
+}
+
+/// Every adapter wgpu finds, best first (`gpu:0` is the first).
+pub fn adapters() -> Vec<AdapterReport> {
+    registry()
+        .adapters
+        .iter()
+        .enumerate()
+        .map(|(index, a)| {
+            let i = a.get_info();
+            let f = a.features();
+            let l = a.limits();
+            let named = [
+                (wgpu::Features::SHADER_F16, "shader-f16"),
+                (wgpu::Features::SUBGROUP, "subgroup"),
+                (wgpu::Features::TIMESTAMP_QUERY, "timestamp-query"),
+                (wgpu::Features::PIPELINE_CACHE, "pipeline-cache"),
+                (wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX, "cooperative-matrix"),
+                (wgpu::Features::SHADER_F64, "shader-f64"),
+            ];
+            AdapterReport {
+                index,
+                name: i.name.clone(),
+                backend: format!("{:?}", i.backend),
+                device_type: format!("{:?}", i.device_type),
+                driver: format!("{} {}", i.driver, i.driver_info).trim().to_string(),
+                features: named.iter().filter(|(x, _)| f.contains(*x)).map(|(_, n)| *n).collect(),
+                limits: vec![
+                    ("max_buffer_size", l.max_buffer_size),
+                    ("max_storage_buffer_binding_size", l.max_storage_buffer_binding_size),
+                    ("max_storage_buffers_per_shader_stage", l.max_storage_buffers_per_shader_stage as u64),
+                    ("max_compute_workgroups_per_dimension", l.max_compute_workgroups_per_dimension as u64),
+                    ("max_compute_invocations_per_workgroup", l.max_compute_invocations_per_workgroup as u64),
+                    ("max_compute_workgroup_storage_size", l.max_compute_workgroup_storage_size as u64),
+                ],
+            }
+        })
+        .collect()
+}
+
+/// The open device `gpu:index`, opened on first use.
+pub(crate) fn context(index: usize) -> Result<Arc<GpuContext>> {
+    let reg = registry();
+    let mut ctxs = reg.contexts.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = ctxs.get(&index) {
+        c.check_alive()?;
+        return Ok(c.clone());
+    }
+    let Some(adapter) = reg.adapters.get(index) else {
+        let n = reg.adapters.len();
+        return Err(Error::Device {
+            op: "device",
+            msg: if n == 0 {
+                format!(
+                    "gpu:{index} is not available: wgpu found no GPU adapter (on Linux install a Vulkan driver, e.g. \
+                     `apt-get install libvulkan1 mesa-vulkan-drivers`, which includes the lavapipe software adapter)"
+                )
+            } else {
+                format!("gpu:{index} is not available: wgpu found {n} adapter(s), gpu:0 to gpu:{}", n - 1)
+            },
+        });
+    };
+    let ctx = Arc::new(GpuContext::open(index, adapter)?);
+    ctxs.insert(index, ctx.clone());
+    Ok(ctx)
+}
+
+/// Write each open device's pipeline cache to disk now (it is also written
+/// every few seconds while kernels compile).
+pub(crate) fn save_caches() {
+    let reg = registry();
+    for c in reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        Executor::save_caches(&**c);
+    }
+}
+
+impl Executor for GpuContext {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { row_kernels: true, strided_reads: false }
+    }
+
+    fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+        exec::run_plan(self, plan, inputs)
+    }
+
+    fn upload(&self, data: CpuStorage) -> Result<Buffer> {
+        Ok(Buffer::Wgpu(Arc::new(transfer::upload(self, &data)?)))
+    }
+
+    fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView> {
+        let Buffer::Wgpu(b) = buf else {
+            return Err(Error::Device { op: "to_vec", msg: format!("a buffer of another device reached gpu:{}", self.index) });
+        };
+        if !layout.is_contiguous() {
+            return Err(Error::Backend(format!("gpu:{}: internal: a strided view was read without making it contiguous", self.index)));
+        }
+        let s = transfer::download(self, b, layout.offset(), layout.numel())?;
+        Ok(HostView { data: HostData::Owned(s), layout: Layout::contiguous(layout.dims()) })
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.wait(None)?;
+        self.clear_in_flight();
+        Ok(())
+    }
+
+    fn stats(&self) -> DeviceStats {
+        DeviceStats {
+            submissions: self.submissions.load(Ordering::Relaxed),
+            dispatches: self.dispatches.load(Ordering::Relaxed),
+            pipelines: self.compiled.load(Ordering::Relaxed),
+            memory: self.pool.lock().unwrap_or_else(|e| e.into_inner()).stats(),
+        }
+    }
+
+    fn empty_cache(&self) -> Result<()> {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        Ok(())
+    }
+
+    fn save_caches(&self) {
+        self.save_pipeline_cache(true);
+    }
+}

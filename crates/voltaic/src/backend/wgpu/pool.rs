@@ -1,0 +1,196 @@
+//! A size-bucketed pool of GPU storage buffers.
+//!
+//! Sizes round up to one of four steps per power of two (at most 25% waste),
+//! so a loop that allocates the same shapes again finds its buffers cached.
+//! A [`GpuBuf`] returns its buffer to the pool when it is dropped, which the
+//! scheduler arranges to happen right after the buffer's last consumer.
+
+use crate::backend::MemoryStats;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Smallest bucket in bytes.
+const MIN_BUCKET: u64 = 256;
+
+/// Free buffers by bucket size, and the counts behind [`MemoryStats`].
+///
+/// While work is encoded but not yet submitted (`deferring`), freed buffers
+/// wait in `deferred` until the submission: the pending commands may still
+/// use them, and a queue write into one (an upload, a kernel's constants)
+/// would run before those commands, at the start of the submission.
+pub(crate) struct Pool {
+    free: HashMap<u64, Vec<wgpu::Buffer>>,
+    deferring: bool,
+    deferred: Vec<wgpu::Buffer>,
+    deferred_bytes: u64,
+    stats: MemoryStats,
+    max_buffer: u64,
+}
+
+/// The bucket a request of `bytes` is served from.
+pub(crate) fn bucket(bytes: u64) -> u64 {
+    if bytes <= MIN_BUCKET {
+        return MIN_BUCKET;
+    }
+    let p = 63 - (bytes - 1).leading_zeros() as u64; // 2^p < bytes <= 2^(p+1)
+    let step = (1u64 << p) / 4;
+    bytes.div_ceil(step) * step
+}
+
+impl Pool {
+    pub(crate) fn new(max_buffer: u64) -> Pool {
+        Pool { free: HashMap::new(), deferring: false, deferred: Vec::new(), deferred_bytes: 0, stats: MemoryStats::default(), max_buffer }
+    }
+
+    /// Hold freed buffers back from reuse until `release_deferred`.
+    pub(crate) fn defer(&mut self) {
+        self.deferring = true;
+    }
+
+    /// The pending work was submitted: buffers freed meanwhile can be reused
+    /// (the queue orders later work after it).
+    pub(crate) fn release_deferred(&mut self) {
+        self.deferring = false;
+        self.deferred_bytes = 0;
+        for b in self.deferred.drain(..) {
+            self.free.entry(b.size()).or_default().push(b);
+        }
+    }
+
+    /// Bytes freed since the pending work began.
+    pub(crate) fn deferred_bytes(&self) -> u64 {
+        self.deferred_bytes
+    }
+
+    pub(crate) fn stats(&self) -> MemoryStats {
+        self.stats
+    }
+
+    /// Drop every cached buffer.
+    pub(crate) fn clear(&mut self) {
+        // Deferred buffers may be dropped too: wgpu keeps a buffer alive
+        // while encoded commands use it.
+        self.free.clear();
+        self.deferred.clear();
+        self.deferred_bytes = 0;
+        self.stats.cached = 0;
+    }
+}
+
+/// One pooled GPU buffer holding `numel` elements of `dtype`.
+pub(crate) struct GpuBuf {
+    buffer: Option<wgpu::Buffer>,
+    pub numel: usize,
+    pub dtype: DType,
+    pool: Arc<Mutex<Pool>>,
+}
+
+impl std::fmt::Debug for GpuBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuBuf({} x {}, {} bytes)", self.numel, self.dtype, self.size())
+    }
+}
+
+impl GpuBuf {
+    /// The wgpu buffer.
+    pub(crate) fn raw(&self) -> &wgpu::Buffer {
+        self.buffer.as_ref().expect("a live GpuBuf holds its buffer")
+    }
+    /// The same buffer, relabelled to hold `numel` elements of `dtype`
+    /// (which must fit).
+    pub(crate) fn reuse(mut self, dtype: DType, numel: usize) -> GpuBuf {
+        self.dtype = dtype;
+        self.numel = numel;
+        self
+    }
+    /// Bytes of the underlying (bucketed) buffer.
+    pub(crate) fn size(&self) -> u64 {
+        self.raw().size()
+    }
+}
+
+impl Drop for GpuBuf {
+    fn drop(&mut self) {
+        if let Some(b) = self.buffer.take() {
+            let mut p = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+            p.stats.in_use -= b.size();
+            p.stats.cached += b.size();
+            if p.deferring {
+                p.deferred_bytes += b.size();
+                p.deferred.push(b);
+            } else {
+                p.free.entry(b.size()).or_default().push(b);
+            }
+        }
+    }
+}
+
+/// A buffer for `numel` elements of `dtype`, `bytes` long, from the pool of
+/// `ctx` or newly created. Its contents are unspecified.
+pub(crate) fn alloc(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64) -> Result<GpuBuf> {
+    let size = bucket(bytes.max(4));
+    let mut p = ctx.pool.lock().unwrap_or_else(|e| e.into_inner());
+    if size > p.max_buffer {
+        return Err(Error::OutOfMemory(format!(
+            "gpu:{}: a buffer of {numel} {dtype} elements ({bytes} bytes) exceeds the adapter's largest buffer ({} bytes)",
+            ctx.index, p.max_buffer
+        )));
+    }
+    if let Some(b) = p.free.get_mut(&size).and_then(|v| v.pop()) {
+        p.stats.cached -= size;
+        p.stats.in_use += size;
+        return Ok(GpuBuf { buffer: Some(b), numel, dtype, pool: ctx.pool.clone() });
+    }
+    drop(p);
+    let create = || {
+        ctx.scoped(|| {
+            ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        })
+    };
+    let (mut b, mut err) = create();
+    if err.is_some() {
+        // Give the cache back to the device and try once more.
+        let had_cache = {
+            let mut p = ctx.pool.lock().unwrap_or_else(|e| e.into_inner());
+            let had = p.stats.cached > 0;
+            p.clear();
+            had
+        };
+        if had_cache {
+            (b, err) = create();
+        }
+    }
+    if let Some(e) = err {
+        return Err(Error::OutOfMemory(format!(
+            "gpu:{}: cannot allocate {numel} {dtype} elements ({bytes} bytes): {e}",
+            ctx.index
+        )));
+    }
+    let mut p = ctx.pool.lock().unwrap_or_else(|e| e.into_inner());
+    p.stats.allocations += 1;
+    p.stats.in_use += size;
+    Ok(GpuBuf { buffer: Some(b), numel, dtype, pool: ctx.pool.clone() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket;
+
+    #[test]
+    fn buckets_waste_at_most_a_quarter() {
+        for bytes in [1u64, 255, 256, 257, 1000, 1024, 1025, 4096 + 1, 1 << 20, (1 << 20) + 1, 123_456_789] {
+            let b = bucket(bytes);
+            assert!(b >= bytes, "{bytes} -> {b}");
+            assert!(b <= (bytes * 5 / 4).max(256) + 1, "{bytes} -> {b}");
+        }
+        assert_eq!(bucket(1000), 1024);
+        assert_eq!(bucket(1025), 1280);
+    }
+}

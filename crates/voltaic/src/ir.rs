@@ -1,0 +1,229 @@
+//! The kernel IR: what the scheduler hands to an executor.
+//!
+//! A [`Plan`] is a list of [`Kernel`]s over numbered buffer slots: some
+//! slots are inputs (buffers the caller passes to the executor), the others
+//! are written by one kernel each. A kernel writes one contiguous output.
+//! Fused elementwise work is an [`Expr`] (a small SSA program over loads and
+//! constants) that both the CPU interpreter and the WGSL code generator
+//! consume. A plan names no device, buffer or graph node, so executors can
+//! run it with any buffers of the right sizes.
+
+use crate::dtype::DType;
+use crate::layout::Layout;
+use crate::primitive::{IndexOp, MapOp, ReduceOp};
+
+/// Index of a buffer slot in a [`Plan`].
+pub(crate) type Slot = usize;
+
+/// How a load finds its element: `path[0]` maps the kernel's multi-index to a
+/// linear position; each further layout maps that position (unravelled in its
+/// own shape) onward. The last result is the offset in the buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Load {
+    /// Which of the kernel's inputs.
+    pub input: usize,
+    /// The element type stored in the buffer.
+    pub dtype: DType,
+    /// Never empty; `path[0]` has the kernel's iteration shape.
+    pub path: Vec<Layout>,
+}
+
+/// One instruction of a fused expression. Operands are earlier instruction indices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Instr {
+    /// Load number `k` of the expression.
+    Load(usize),
+    /// Constant number `k` of the expression (its value is data, not structure).
+    Const(usize),
+    /// An elementwise primitive over the first `op.arity()` operands.
+    Map(MapOp, [usize; 3]),
+}
+
+impl Instr {
+    /// The operand instructions.
+    pub fn operands(&self) -> &[usize] {
+        match self {
+            Instr::Load(_) | Instr::Const(_) => &[],
+            Instr::Map(op, args) => &args[..op.arity()],
+        }
+    }
+}
+
+/// A fused elementwise program; the last instruction is the result.
+///
+/// Equality and hashing compare the structure (instructions, dtypes and
+/// loads), not the constants' values: two kernels that differ only in a
+/// constant (a learning rate that changes every step) compile to one
+/// pipeline, which reads the values at run time.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Expr {
+    /// Instructions and the dtype of each one's value.
+    pub instrs: Vec<(Instr, DType)>,
+    pub loads: Vec<Load>,
+    /// Values of the constants, each already rounded to its dtype;
+    /// `Instr::Const(k)` instructions number them 0, 1, ... in order.
+    pub consts: Vec<f64>,
+}
+
+impl PartialEq for Expr {
+    fn eq(&self, o: &Expr) -> bool {
+        self.instrs == o.instrs && self.loads == o.loads
+    }
+}
+
+impl std::hash::Hash for Expr {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (&self.instrs, &self.loads).hash(h)
+    }
+}
+
+impl Expr {
+    /// Dtype of the result.
+    pub fn dtype(&self) -> DType {
+        self.instrs.last().map(|i| i.1).unwrap_or(DType::F32)
+    }
+}
+
+/// Elementwise work fused after a matmul: `expr` over `shape` (the product's
+/// elements in order), where load `acc` stands for the product itself and
+/// the other loads read the kernel's inputs.
+#[derive(Clone, Debug, PartialEq, Hash)]
+pub(crate) struct Epilogue {
+    pub expr: Expr,
+    pub shape: Vec<usize>,
+    pub acc: usize,
+    /// The product's dtype (the value is rounded to it before the epilogue).
+    pub acc_dtype: DType,
+}
+
+/// One step of a [`KernelKind::Rows`] kernel, computed for each row.
+#[derive(Clone, Debug, PartialEq, Hash)]
+pub(crate) struct RowStage {
+    /// `Some(op)`: reduce `expr` over the row's `inner` elements (element
+    /// `l = row * inner + j` of `shape`); `None`: evaluate `expr` once per row
+    /// (at `l = row`), or, for the kernel's output stage, at every element.
+    pub op: Option<ReduceOp>,
+    pub expr: Expr,
+    /// Iteration shape of `expr`.
+    pub shape: Vec<usize>,
+    /// Loads that stand for an earlier stage's per-row value: (load, stage).
+    pub from: Vec<(usize, usize)>,
+    /// Dtype of the stage's value.
+    pub dtype: DType,
+}
+
+/// A strided read of a whole input buffer by a kernel that is not fused
+/// elementwise work (matmul operands, index-like ops).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Strided {
+    pub input: usize,
+    pub layout: Layout,
+}
+
+/// What a kernel computes. Equal kinds generate equal code, so executors
+/// cache compiled kernels by it.
+#[derive(Clone, Debug, PartialEq, Hash)]
+pub(crate) enum KernelKind {
+    /// `out[i] = expr(i)` over `shape`.
+    Elementwise { expr: Expr, shape: Vec<usize> },
+    /// Reduce `expr` over the trailing `inner` elements of `shape` (kept dims
+    /// first, reduced dims last), for each of `outer` outputs.
+    Reduce { op: ReduceOp, expr: Expr, shape: Vec<usize>, outer: usize, inner: usize },
+    /// `[batch, m, k] @ [batch, k, n]`; layouts are 3-D with the batch flattened.
+    /// With an epilogue, the elementwise work that consumed the product is
+    /// applied to each result before it is stored.
+    Matmul { a: Strided, b: Strided, batch: usize, m: usize, k: usize, n: usize, epilogue: Option<Epilogue> },
+    /// An index-like primitive over its operands (see [`IndexOp`]).
+    Index { op: IndexOp, args: Vec<Strided> },
+    /// Row-wise work in one pass (softmax, layer norm): for each of `outer`
+    /// rows of `inner` elements, the `stages` in order, then `out` at every
+    /// element of the row. A lowering of reductions and the elementwise work
+    /// around them for executors that gain from it (the GPU: one read of the
+    /// input from memory instead of one per reduction).
+    Rows { outer: usize, inner: usize, stages: Vec<RowStage>, out: RowStage },
+}
+
+impl KernelKind {
+    /// A short kind name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            KernelKind::Elementwise { .. } => "elementwise",
+            KernelKind::Reduce { .. } => "reduce",
+            KernelKind::Matmul { .. } => "matmul",
+            KernelKind::Index { op, .. } => op.name(),
+            KernelKind::Rows { .. } => "rows",
+        }
+    }
+
+    /// The kernel's expressions in a fixed order; their constants, in this
+    /// order, are the kernel's constants.
+    pub fn exprs(&self) -> Vec<&Expr> {
+        match self {
+            KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => vec![expr],
+            KernelKind::Matmul { epilogue: Some(e), .. } => vec![&e.expr],
+            KernelKind::Rows { stages, out, .. } => stages.iter().chain([out]).map(|s| &s.expr).collect(),
+            _ => vec![],
+        }
+    }
+
+    /// Every constant of the kernel with its dtype, in [`KernelKind::exprs`] order.
+    pub fn consts(&self) -> Vec<(f64, DType)> {
+        let mut out = vec![];
+        for e in self.exprs() {
+            for (ins, dt) in &e.instrs {
+                if let Instr::Const(k) = ins {
+                    out.push((e.consts[*k], *dt));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One kernel of a plan.
+#[derive(Clone, Debug)]
+pub(crate) struct Kernel {
+    pub kind: KernelKind,
+    /// Slots read, indexed by `Load::input` / `Strided::input`.
+    pub inputs: Vec<Slot>,
+    pub out: Slot,
+    pub dtype: DType,
+    pub numel: usize,
+    /// Names of the graph ops fused into this kernel, for schedules and profiles.
+    pub ops: Vec<&'static str>,
+}
+
+/// Where a slot's buffer comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SlotSource {
+    /// Buffer number `k` of those the plan is run with.
+    Input(usize),
+    /// Written by a kernel of the plan.
+    Kernel,
+}
+
+/// A buffer slot of a plan.
+#[derive(Clone, Debug)]
+pub(crate) struct SlotInfo {
+    pub source: SlotSource,
+    pub dtype: DType,
+    pub numel: usize,
+}
+
+/// The kernels of one realization, in order, with buffer lifetimes.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Plan {
+    pub slots: Vec<SlotInfo>,
+    pub kernels: Vec<Kernel>,
+    /// Slots whose buffers can be dropped after kernel `i`.
+    pub free_after: Vec<Vec<Slot>>,
+    /// Slots whose buffers the run returns, in this order.
+    pub outputs: Vec<Slot>,
+}
+
+impl Plan {
+    /// Number of input buffers the plan is run with.
+    pub fn input_count(&self) -> usize {
+        self.slots.iter().filter(|s| matches!(s.source, SlotSource::Input(_))).count()
+    }
+}

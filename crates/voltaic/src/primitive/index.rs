@@ -1,0 +1,106 @@
+//! Index-like primitives: ops whose output elements read inputs at computed
+//! positions (gather, index_select, scatter_add, cumsum, cat, unfold, fold).
+//! They share one graph op and one kernel kind; each executor has one
+//! kernel per variant.
+
+/// Parameters of an unfold (im2col) over the last two dims of an NCHW input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct UnfoldParams {
+    /// Window size (rows, cols).
+    pub kernel: [usize; 2],
+    /// Step between windows.
+    pub stride: [usize; 2],
+    /// Padding on each side.
+    pub padding: [usize; 2],
+    /// Spacing between taps.
+    pub dilation: [usize; 2],
+}
+
+impl UnfoldParams {
+    /// Output spatial size for an input of `h` x `w`; `None` when the
+    /// kernel does not fit (or the sizes overflow).
+    pub fn out_hw(&self, h: usize, w: usize) -> Option<[usize; 2]> {
+        let f = |i: usize, n: usize| {
+            let span = self.dilation[i].checked_mul(self.kernel[i].checked_sub(1)?)?.checked_add(1)?;
+            let padded = self.padding[i].checked_mul(2)?.checked_add(n)?;
+            if padded < span {
+                None
+            } else {
+                Some((padded - span) / self.stride[i] + 1)
+            }
+        };
+        Some([f(0, h)?, f(1, w)?])
+    }
+}
+
+/// An index-like primitive and its parameters. Inputs, in order, are given
+/// per variant.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[allow(missing_docs)] // the fields are named by the variants' docs
+pub enum IndexOp {
+    /// `out[p] = input[p with p[dim] = index[p]]`; inputs (input, index).
+    Gather { dim: usize },
+    /// `out = input; out[p with p[dim] = index[p]] += src[p]`; inputs (input, index, src).
+    ScatterAdd { dim: usize },
+    /// Entries of `input` along `dim` at the positions of a 1-D index; inputs (input, index).
+    IndexSelect { dim: usize },
+    /// Inclusive prefix sum along `dim`; input (input).
+    Cumsum { dim: usize },
+    /// Concatenation along `dim`; inputs (parts...).
+    Cat { dim: usize },
+    /// im2col of `[N, C, H, W]` into `[N, C, kh, kw, oh, ow]`, padding with `pad`; input (image).
+    Unfold { params: UnfoldParams, pad: f64 },
+    /// col2im, the adjoint of unfold: patches `[N, C, kh, kw, oh, ow]` added
+    /// back into an `[N, C, H, W]` image of spatial size `hw`; input (patches).
+    Fold { params: UnfoldParams, hw: [usize; 2] },
+}
+
+impl Eq for IndexOp {}
+
+impl std::hash::Hash for IndexOp {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        std::mem::discriminant(self).hash(h);
+        match self {
+            IndexOp::Gather { dim } | IndexOp::ScatterAdd { dim } | IndexOp::IndexSelect { dim } => dim.hash(h),
+            IndexOp::Cumsum { dim } | IndexOp::Cat { dim } => dim.hash(h),
+            IndexOp::Unfold { params, pad } => (params, pad.to_bits()).hash(h),
+            IndexOp::Fold { params, hw } => (params, hw).hash(h),
+        }
+    }
+}
+
+impl IndexOp {
+    /// Name used in errors, schedules and profiles.
+    pub fn name(&self) -> &'static str {
+        match self {
+            IndexOp::Gather { .. } => "gather",
+            IndexOp::ScatterAdd { .. } => "scatter_add",
+            IndexOp::IndexSelect { .. } => "index_select",
+            IndexOp::Cumsum { .. } => "cumsum",
+            IndexOp::Cat { .. } => "cat",
+            IndexOp::Unfold { .. } => "unfold",
+            IndexOp::Fold { .. } => "fold",
+        }
+    }
+
+    /// Code with which a kernel reports an out-of-range index (0: the op
+    /// reads no index tensor).
+    pub fn error_code(&self) -> u32 {
+        match self {
+            IndexOp::Gather { .. } => 1,
+            IndexOp::IndexSelect { .. } => 2,
+            IndexOp::ScatterAdd { .. } => 3,
+            _ => 0,
+        }
+    }
+
+    /// The name behind an error code of [`IndexOp::error_code`].
+    pub fn name_of_error_code(code: u32) -> &'static str {
+        match code {
+            1 => "gather",
+            2 => "index_select",
+            3 => "scatter_add",
+            _ => "index",
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! WGSL helper functions the primitives' templates call, by name.
+
+/// WGSL helper functions that the primitives' templates call, by name. A kernel
+/// includes the ones its body mentions. They exist where WGSL's built-in is
+/// missing (erf, log1p, expm1), not precise enough on every driver (sin, cos
+/// need range reduction; tanh overflows to NaN on some), or not defined where
+/// PyTorch is (pow of a negative base, remainder's sign).
+///
+/// NaN is tested on the bits (`isnan_`), never as `x != x`: some drivers
+/// (Mesa's NIR among them) fold `x != x` to false and `x - x` to 0.
+pub const WGSL_HELPERS: &[(&str, &str)] = &[
+    ("isnan_", "fn isnan_(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }"),
+    ("isinf_", "fn isinf_(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) == 0x7f800000u; }"),
+    ("log1p_", "fn log1p_(x: f32) -> f32 {
+    if (abs(x) < 0.5) {
+        let s = x / (2.0 + x);
+        let s2 = s * s;
+        return 2.0 * s * (1.0 + s2 * (1.0 / 3.0 + s2 * (0.2 + s2 * (1.0 / 7.0 + s2 * (1.0 / 9.0 + s2 * (1.0 / 11.0))))));
+    }
+    return log(1.0 + x);
+}"),
+    ("expm1_", "fn expm1_(x: f32) -> f32 {
+    if (abs(x) < 1.0) {
+        return x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (1.0 / 720.0
+            + x * (1.0 / 5040.0 + x * (1.0 / 40320.0 + x * (1.0 / 362880.0 + x * (1.0 / 3628800.0))))))))));
+    }
+    return exp(x) - 1.0;
+}"),
+    ("tanh_", "fn tanh_(x: f32) -> f32 {
+    let a = abs(x);
+    var t: f32;
+    if (a < 0.5) {
+        let e = expm1_(2.0 * a);
+        t = e / (e + 2.0);
+    } else {
+        t = 1.0 - 2.0 / (exp(2.0 * min(a, 20.0)) + 1.0);
+    }
+    return select(select(t, -t, x < 0.0), x, isnan_(x));
+}"),
+    ("sincos_", "fn sincos_(x: f32, want_cos: bool) -> f32 {
+    // Cody-Waite reduction to [-pi/4, pi/4], then the cephes polynomials.
+    let k = round(x * 0.63661977236758134);
+    let r = ((x - k * 1.5703125) - k * 4.837512969970703125e-4) - k * 7.54978995489188216e-8;
+    let z = r * r;
+    let s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
+    let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
+    var q = i32(k - 4.0 * floor(k * 0.25));
+    if (want_cos) { q = q + 1; }
+    var v: f32;
+    switch (q & 3) {
+        case 0: { v = s; }
+        case 1: { v = c; }
+        case 2: { v = -s; }
+        default: { v = -c; }
+    }
+    // NaN and infinities give NaN.
+    return select(v, bitcast<f32>(0x7fc00000u), isnan_(x) || isinf_(x));
+}"),
+    ("sin_", "fn sin_(x: f32) -> f32 { return sincos_(x, false); }"),
+    ("cos_", "fn cos_(x: f32) -> f32 { return sincos_(x, true); }"),
+    ("expc_", "fn expc_(x: f32) -> f32 {
+    // e^x for moderate finite x, by the steps of the CPU's `fastmath::exp_f32`.
+    let n = round(x * 1.44269504);
+    let r = (x - n * 0.6933594) - n * -2.1219444e-4;
+    var p = 1.9875691e-4;
+    p = p * r + 1.3981999e-3;
+    p = p * r + 8.333452e-3;
+    p = p * r + 4.1665796e-2;
+    p = p * r + 1.6666665e-1;
+    p = p * r + 5.0000001e-1;
+    let y = p * r * r + r + 1.0;
+    return y * bitcast<f32>(u32(i32(n) + 127) << 23u);
+}"),
+    ("erf_", "fn erf_(x: f32) -> f32 {
+    // The steps and coefficients of the CPU's `fastmath::erf_f32`, so the two agree to an ulp.
+    let a = abs(x);
+    if (a < 1.0) {
+        let t = x * x;
+        var y = -9.770091e-6;
+        y = y * t + 0.00011299809;
+        y = y * t + -0.00084884226;
+        y = y * t + 0.005221306;
+        y = y * t + -0.02686552;
+        y = y * t + 0.112837836;
+        y = y * t + -0.37612638;
+        y = y * t + 0.12837917;
+        return x + x * y;
+    }
+    if (isnan_(x)) { return x; }
+    if (a >= 3.92) { return select(1.0, -1.0, x < 0.0); }
+    let s = a - 2.46;
+    var r = 1.6585618e-6;
+    r = r * s + -1.3793861e-5;
+    r = r * s + 8.1019854e-5;
+    r = r * s + -0.00043927957;
+    r = r * s + 0.0022512842;
+    r = r * s + -0.011211665;
+    r = r * s + 0.05743036;
+    r = r * s + -0.3572219;
+    r = r * s + -1.5426176;
+    let v = 1.0 - expc_(r - a * a);
+    return select(v, -v, x < 0.0);
+}"),
+    ("pow_", "fn pow_(a: f32, b: f32) -> f32 {
+    if (b == 0.0 || a == 1.0) { return 1.0; }
+    if (isnan_(a) || isnan_(b)) { return bitcast<f32>(0x7fc00000u); }
+    if (b == 1.0) { return a; }
+    if (b == 2.0) { return a * a; }
+    let m = abs(a);
+    var r: f32;
+    if (m == 0.0) {
+        r = select(0.0, bitcast<f32>(0x7f800000u), b < 0.0);
+    } else if (m == bitcast<f32>(0x7f800000u)) {
+        r = select(m, 0.0, b < 0.0);
+    } else {
+        r = exp2(b * log2(m));
+    }
+    if (a < 0.0 || (a == 0.0 && bitcast<u32>(a) != 0u)) {
+        if (floor(b) != b) {
+            if (a == 0.0) { return r; }
+            return bitcast<f32>(0x7fc00000u);
+        }
+        if (abs(b % 2.0) == 1.0) { r = -r; }
+    }
+    return r;
+}"),
+    ("rem_f32", "fn rem_f32(a: f32, b: f32) -> f32 {
+    let r = a % b;
+    if (r != 0.0 && ((r < 0.0) != (b < 0.0))) { return r + b; }
+    return r;
+}"),
+    ("rem_i32", "fn rem_i32(a: i32, b: i32) -> i32 {
+    if (b == 0) { return 0; }
+    let r = a % b;
+    if (r != 0 && ((r < 0) != (b < 0))) { return r + b; }
+    return r;
+}"),
+    ("rem_u32", "fn rem_u32(a: u32, b: u32) -> u32 {
+    if (b == 0u) { return 0u; }
+    return a % b;
+}"),
+    ("bf16r_", "fn bf16r_(x: f32) -> f32 {
+    // Round to bfloat16, nearest even, as `half` does; NaN stays a quiet NaN.
+    let b = bitcast<u32>(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) { return bitcast<f32>(b | 0x00400000u); }
+    return bitcast<f32>((b + 0x7fffu + ((b >> 16u) & 1u)) & 0xffff0000u);
+}"),
+    ("f16r_", "fn f16r_(x: f32) -> f32 {
+    // Round to IEEE half, nearest even, on the bits: some drivers drop an
+    // f32 -> f16 -> f32 round trip as a no-op, which changes fused results.
+    let b = bitcast<u32>(x);
+    let a = b & 0x7fffffffu;
+    let sign = b & 0x80000000u;
+    if (a >= 0x7f800000u) { return x; }
+    let e = a >> 23u;
+    if (e >= 113u) {
+        let r = (a + 0xfffu + ((a >> 13u) & 1u)) & 0xffffe000u;
+        if (r > 0x477fe000u) { return bitcast<f32>(sign | 0x7f800000u); }
+        return bitcast<f32>(sign | r);
+    }
+    // Below 2^-14 the half spacing is 2^-24: round m * 2^(e - 126) to an integer.
+    if (e < 101u) { return bitcast<f32>(sign); }
+    let m = (a & 0x7fffffu) | 0x800000u;
+    let s = 126u - e;
+    var q = m >> s;
+    let rest = m & ((1u << s) - 1u);
+    let half = 1u << (s - 1u);
+    if (rest > half || (rest == half && (q & 1u) == 1u)) { q = q + 1u; }
+    return bitcast<f32>(sign | bitcast<u32>(f32(q) * 5.9604644775390625e-8));
+}"),
+    ("f2i_", "fn f2i_(x: f32) -> i32 {
+    // Rust `as`: saturate, NaN to 0.
+    if (isnan_(x)) { return 0; }
+    if (x >= 2147483648.0) { return 2147483647; }
+    if (x <= -2147483648.0) { return -2147483647 - 1; }
+    return i32(x);
+}"),
+    ("f2u_", "fn f2u_(x: f32) -> u32 {
+    if (isnan_(x) || x <= 0.0) { return 0u; }
+    if (x >= 4294967296.0) { return 4294967295u; }
+    return u32(x);
+}"),
+];

@@ -1,0 +1,91 @@
+//! Pass 5, epilogue fusion: elementwise work after a matmul runs in the
+//! matmul's stores.
+
+use crate::ir::{Epilogue, KernelKind, Plan, Slot};
+use foldhash::HashSet;
+
+/// Fold an elementwise kernel into the matmul whose product it reads, when
+/// it is that product's only reader, reads it element for element, and
+/// nobody keeps the product: bias adds and activations after a Linear then
+/// run in the matmul's stores, and the product never touches memory.
+pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>) {
+    let kept_slot = |s: Slot| kept.contains(&s);
+    let mut k = 0;
+    while k < plan.kernels.len() {
+        let KernelKind::Elementwise { expr, .. } = &plan.kernels[k].kind else {
+            k += 1;
+            continue;
+        };
+        let numel = plan.kernels[k].numel;
+        // The matmul this kernel reads element for element, if any.
+        let found = expr.loads.iter().enumerate().find_map(|(li, l)| {
+            let slot = plan.kernels[k].inputs[l.input];
+            let mi = plan.kernels[..k].iter().position(|m| m.out == slot)?;
+            let m = &plan.kernels[mi];
+            let identity = l.path.len() == 1 && l.path[0].is_contiguous() && l.path[0].offset == 0 && m.numel == numel;
+            let only_load = expr.loads.iter().filter(|o| o.input == l.input).count() == 1;
+            let readers = plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count();
+            let plain = matches!(m.kind, KernelKind::Matmul { epilogue: None, .. }) && m.dtype.is_float();
+            (identity && only_load && readers == 1 && plain && !kept_slot(slot)).then_some((li, mi))
+        });
+        let Some((acc, mi)) = found else {
+            k += 1;
+            continue;
+        };
+        let e = plan.kernels.remove(k);
+        let mut m = plan.kernels.remove(mi);
+        let KernelKind::Elementwise { mut expr, shape } = e.kind else { unreachable!("matched above") };
+        // Epilogue loads read the matmul kernel's inputs, the product's load included
+        // (its input index is never used: `acc` stands for it).
+        let acc_slot = e.inputs[expr.loads[acc].input];
+        for l in expr.loads.iter_mut() {
+            let slot = e.inputs[l.input];
+            l.input = match m.inputs.iter().position(|&s| s == slot) {
+                Some(p) => p,
+                None if slot == acc_slot => 0,
+                None => {
+                    m.inputs.push(slot);
+                    m.inputs.len() - 1
+                }
+            };
+        }
+        if let KernelKind::Matmul { epilogue, .. } = &mut m.kind {
+            *epilogue = Some(Epilogue { expr, shape, acc, acc_dtype: m.dtype });
+        }
+        m.ops.extend(e.ops);
+        m.out = e.out;
+        m.dtype = e.dtype;
+        // At the elementwise kernel's place: every epilogue input exists by then.
+        plan.kernels.insert(k - 1, m);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::primitive::{BinaryOp, UnaryOp};
+    use crate::schedule::testing::*;
+
+    #[test]
+    fn bias_and_activation_after_a_matmul_become_its_epilogue() {
+        let (x, w, b) = (input(&[4, 8]), input(&[8, 3]), input(&[1, 3]));
+        let y = unary(&binary(&matmul(&x, &w), &broadcast(&b, &[4, 3]), BinaryOp::Add), UnaryOp::Relu);
+        let ks = kinds(&[&y], false);
+        assert_eq!(ks, vec!["matmul"]);
+    }
+
+    #[test]
+    fn a_kept_product_is_not_fused() {
+        let (x, w) = (input(&[4, 8]), input(&[8, 3]));
+        let p = matmul(&x, &w);
+        let y = unary(&p, UnaryOp::Relu);
+        assert_eq!(kinds(&[&y, &p], false), vec!["matmul", "elementwise"]);
+    }
+
+    #[test]
+    fn a_product_read_through_a_transpose_is_not_fused() {
+        let (x, w) = (input(&[4, 8]), input(&[8, 4]));
+        let p = matmul(&x, &w);
+        let y = unary(&transpose(&p), UnaryOp::Relu);
+        assert_eq!(kinds(&[&y], false), vec!["matmul", "elementwise"]);
+    }
+}

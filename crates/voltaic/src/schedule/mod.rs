@@ -1,0 +1,74 @@
+//! The scheduler: turns the pending graph below some values into a
+//! [`Plan`] of kernels, in passes, each in its own file:
+//!
+//! 1. [`collect`]: the pending subgraph in topological order.
+//! 2. [`fuse`]: which elementwise nodes are computed inside their consumers' kernels.
+//! 3. [`lower`]: one kernel per remaining node; fused work becomes expressions.
+//! 4. [`refine`]: loads walk as few, as simple layouts as possible.
+//! 5. [`epilogue`]: elementwise work after a matmul runs in its stores.
+//! 6. [`rows`]: row-wise work becomes one-pass kernels, where the executor
+//!    asks for them (`Capabilities::row_kernels`).
+//! 7. [`lifetimes`]: which buffers are kept, and when the others are freed.
+
+pub(crate) mod collect;
+pub(crate) mod epilogue;
+pub(crate) mod fuse;
+pub(crate) mod lifetimes;
+pub(crate) mod lower;
+pub(crate) mod refine;
+pub(crate) mod rows;
+#[cfg(test)]
+pub(crate) mod testing;
+
+use crate::backend::{Buffer, Capabilities};
+use crate::graph::{Node, Value};
+use crate::ir::Plan;
+use std::sync::Arc;
+
+/// A plan and what ties it to the graph: the buffers it runs with, and the
+/// nodes that receive its outputs (`store[i]` gets `plan.outputs[i]`).
+pub(crate) struct Scheduled {
+    pub plan: Plan,
+    pub inputs: Vec<Buffer>,
+    pub store: Vec<Arc<Node>>,
+}
+
+/// Schedule the realization of `targets` for an executor with `caps`.
+pub(crate) fn schedule(targets: &[&Value], caps: Capabilities) -> Scheduled {
+    let dag = collect::collect(targets);
+    let inline = fuse::inline_decisions(&dag);
+    let survives = lifetimes::survivors(&dag, &inline);
+    let lower::Lowered { mut plan, slot_of, inputs } = lower::lower(&dag, &inline);
+    refine::refine(&mut plan);
+    let (kept, store) = lifetimes::kept_slots(&dag, &slot_of, &survives);
+    epilogue::fuse_epilogues(&mut plan, &kept);
+    if caps.row_kernels {
+        rows::fuse_rows(&mut plan, &kept);
+    }
+    lifetimes::plan_lifetimes(&mut plan, &kept, &store);
+    Scheduled { plan, inputs, store: store.into_iter().map(|(_, n)| n).collect() }
+}
+
+/// A summary of a plan, for tests and tools: one entry per kernel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelSummary {
+    /// Kernel kind (`elementwise`, `reduce`, `matmul`, `rows`, `gather`, ...).
+    pub kind: &'static str,
+    /// Graph ops fused into it, in build order.
+    pub ops: Vec<&'static str>,
+    /// Number of buffers it reads.
+    pub inputs: usize,
+    /// Number of output elements.
+    pub numel: usize,
+}
+
+/// The kernel summaries of the plan that would realize `targets` on an
+/// executor with `caps`, without running it.
+pub(crate) fn summarize(targets: &[&Value], caps: Capabilities) -> Vec<KernelSummary> {
+    schedule(targets, caps)
+        .plan
+        .kernels
+        .iter()
+        .map(|k| KernelSummary { kind: k.kind.name(), ops: k.ops.clone(), inputs: k.inputs.len(), numel: k.numel })
+        .collect()
+}
