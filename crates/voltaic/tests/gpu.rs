@@ -307,6 +307,9 @@ fn matmul_matches_cpu_for_every_form() {
     same("linear + relu", &[a.clone(), b.clone(), randn(&mut rng, &[45], DType::F32)], 1e-5, 1e-5, |t| {
         t[0].matmul(&t[1])?.add(&t[2])?.relu()
     });
+    // Both operands read one buffer (a Gram matrix): it is bound once.
+    same("x^T @ x", &[a.clone()], 1e-5, 1e-5, |t| t[0].t()?.matmul(&t[0]));
+    same("x @ x^T + 1", &[randn(&mut rng, &[6, 70], DType::F32)], 1e-5, 1e-5, |t| t[0].matmul(&t[0].t()?)?.add(1.0));
 }
 
 #[test]

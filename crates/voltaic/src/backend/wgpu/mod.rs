@@ -15,6 +15,8 @@ pub(crate) mod kernels;
 pub(crate) mod matmul;
 pub(crate) mod pool;
 pub(crate) mod transfer;
+#[cfg(test)]
+mod validate;
 
 use super::{Buffer, Capabilities, DeviceStats, Executor, HostData, HostView};
 use crate::error::{Error, Result};

@@ -60,8 +60,13 @@ impl Gen<'_> {
         Shader::new(self.caps)
     }
 
+    /// Bind the kernel's inputs `which` (each once, though a kernel may read
+    /// one buffer twice: `x.t().matmul(&x)`) as `in{k}`.
     pub(crate) fn bind_inputs(&self, sh: &mut Shader, which: &[usize]) {
-        for &k in which {
+        for (i, &k) in which.iter().enumerate() {
+            if which[..i].contains(&k) {
+                continue;
+            }
             let (dt, n) = self.inputs[k];
             sh.array(Src::Input(k), &format!("in{k}"), dt, n, false);
         }
