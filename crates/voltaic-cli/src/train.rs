@@ -147,6 +147,9 @@ pub fn evaluate(model: &Sequential, data: &Arc<Dataset>, device: Device) -> anyh
 
 /// Train for `args.epochs`, calling `on_epoch` after each; returns the per-step
 /// losses read along the way (every `log_every` steps).
+/// One logged step: (epoch as a fraction, training loss).
+pub type StepLoss = (f64, f64);
+
 pub fn train_loop(
     args: &TrainArgs,
     device: Device,
@@ -155,7 +158,7 @@ pub fn train_loop(
     train: &Arc<Dataset>,
     test: Option<&Arc<Dataset>>,
     mut on_epoch: impl FnMut(&EpochStats) -> anyhow::Result<()>,
-) -> anyhow::Result<(Vec<EpochStats>, Vec<(f64, f64)>)> {
+) -> anyhow::Result<(Vec<EpochStats>, Vec<StepLoss>)> {
     let opts = LoaderOpts { batch_size: args.batch_size, shuffle: true, seed: args.seed, mean: MEAN, std: STD, drop_last: false, device };
     let steps_per_epoch = train.len().div_ceil(args.batch_size);
     let total_steps = steps_per_epoch * args.epochs;
@@ -200,7 +203,7 @@ pub fn train_loop(
             window_seen += bs;
             step += 1;
             pb.inc(1);
-            if step % log_every == 0 {
+            if step.is_multiple_of(log_every) {
                 let avg = window.item::<f32>()? as f64 / window_seen as f64;
                 step_losses.push((step as f64 / steps_per_epoch as f64, avg));
                 let rate = seen as f64 / t0.elapsed().as_secs_f64();

@@ -81,7 +81,7 @@ impl Generator {
 static DEFAULT: Mutex<Option<Generator>> = Mutex::new(None);
 
 /// Default seed, used until [`manual_seed`] is called.
-pub const DEFAULT_SEED: u64 = 0x5EED_0F_70_17A1C;
+pub const DEFAULT_SEED: u64 = 0x0005_EED0_F701_7A1C;
 
 /// Reset the default generator to the start of `seed`'s stream (PyTorch's `torch.manual_seed`).
 pub fn manual_seed(seed: u64) {

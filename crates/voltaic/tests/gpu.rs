@@ -4,8 +4,10 @@
 //! These tests need a wgpu adapter. In CI that is Mesa's lavapipe (software
 //! Vulkan); when no adapter is found they fail, they never skip.
 //! `VOLTAIC_TEST_GPU=N` picks another adapter than `gpu:0`.
+#![allow(clippy::cloned_ref_to_slice_refs, reason = "cases pass their inputs as arrays of tensor handles; `&[a.clone()]` reads like the others")]
 
 mod common;
+
 
 use common::{assert_close, idx_tensor, rand_tensor, tensor, Rng};
 use voltaic::{Conv2dOpts, DType, Device, Reduction, Result, Tensor};
@@ -125,7 +127,8 @@ fn binary_ops_broadcast_and_match_cpu() {
     for dt in [DType::F32, DType::I32, DType::U32] {
         let a = randn(&mut rng, &[4, 1, 9], dt);
         let b = transposed(&mut rng, &[6, 1], dt);
-        let ops: &[(&str, fn(&Tensor, &Tensor) -> Result<Tensor>)] = &[
+        type Op = fn(&Tensor, &Tensor) -> Result<Tensor>;
+        let ops: &[(&str, Op)] = &[
             ("add", |a, b| a.add(b)),
             ("sub", |a, b| a.sub(b)),
             ("mul", |a, b| a.mul(b)),
@@ -512,7 +515,7 @@ fn row_wise_work_runs_in_one_kernel_and_matches_cpu() {
     let x = randn(&mut rng, &[20, 30], DType::F32).to_device(gpu()).unwrap();
     let m = x.max(&[-1], true).unwrap();
     let y = x.sub(&m).unwrap().exp().unwrap();
-    let s = y.div(&y.sum(&[-1], true).unwrap()).unwrap();
+    let s = y.div(y.sum(&[-1], true).unwrap()).unwrap();
     let plan = voltaic::inspect(&[&s, &m]);
     assert!(plan.len() >= 2, "a kept max keeps its kernel: {plan:?}");
     voltaic::Tensor::realize_all(&[&s, &m]).unwrap();

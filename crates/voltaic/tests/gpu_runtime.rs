@@ -138,9 +138,9 @@ fn a_training_like_loop_does_not_grow_memory() {
         // Forward, a hand-written gradient of softmax cross-entropy, an SGD step.
         let logits = x.matmul(&w).unwrap();
         let p = logits.softmax(-1).unwrap();
-        let grad_logits = p.sub(&target.one_hot(10).unwrap().to_dtype(DType::F32).unwrap()).unwrap().div(64.0).unwrap();
+        let grad_logits = p.sub(target.one_hot(10).unwrap().to_dtype(DType::F32).unwrap()).unwrap().div(64.0).unwrap();
         let grad_w = x.t().unwrap().matmul(&grad_logits).unwrap();
-        w = w.sub(&grad_w.mul(0.5).unwrap()).unwrap();
+        w = w.sub(grad_w.mul(0.5).unwrap()).unwrap();
         w.realize().unwrap();
         if step == 50 {
             after_warmup = Some(stats(i).unwrap().memory);

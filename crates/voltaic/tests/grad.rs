@@ -58,6 +58,9 @@ fn normal(r: &mut Rng) -> f64 {
 fn positive(r: &mut Rng) -> f64 {
     0.5 + 2.0 * r.uniform()
 }
+/// Draws one input value for a gradient check.
+type Sample = fn(&mut Rng) -> f64;
+
 /// Away from the kinks of abs, relu, sign-like ops at 0.
 fn off_zero(r: &mut Rng) -> f64 {
     let v = 0.2 + r.uniform();
@@ -67,7 +70,7 @@ fn off_zero(r: &mut Rng) -> f64 {
 #[test]
 fn unary_gradients() {
     type F = fn(&Tensor) -> Result<Tensor>;
-    let ops: &[(&str, F, fn(&mut Rng) -> f64)] = &[
+    let ops: &[(&str, F, Sample)] = &[
         ("neg", Tensor::neg, normal),
         ("abs", Tensor::abs, off_zero),
         ("exp", Tensor::exp, normal),
@@ -102,7 +105,7 @@ fn unary_gradients() {
 #[test]
 fn binary_gradients_with_broadcasting() {
     type F = fn(&Tensor, &Tensor) -> Result<Tensor>;
-    let ops: &[(&str, F, fn(&mut Rng) -> f64)] = &[
+    let ops: &[(&str, F, Sample)] = &[
         ("add", |a, b| a.add(b), normal),
         ("sub", |a, b| a.sub(b), normal),
         ("mul", |a, b| a.mul(b), normal),
@@ -219,7 +222,7 @@ fn gradients_accumulate_and_reset() {
     x.zero_grad();
     assert!(x.grad().is_none());
     // Only leaves accumulate; detached values stop the flow.
-    let z = x.mul(&x.detach()).unwrap().sum_all().unwrap();
+    let z = x.mul(x.detach()).unwrap().sum_all().unwrap();
     z.backward().unwrap();
     assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), vec![1.0, 2.0, 3.0]);
     assert!(y.grad().is_none() && !y.is_leaf() && x.is_leaf());

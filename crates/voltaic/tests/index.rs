@@ -28,10 +28,10 @@ fn ref_gather(x: &[f64], xd: &[usize], d: usize, idx: &[i64], id: &[usize]) -> V
 /// Reference scatter_add.
 fn ref_scatter_add(x: &[f64], xd: &[usize], d: usize, idx: &[i64], id: &[usize], src: &[f64], sd: &[usize]) -> Vec<f64> {
     let mut out = x.to_vec();
-    for i in 0..numel(id) {
+    for (i, &ix) in idx.iter().enumerate().take(numel(id)) {
         let mut p = unravel(i, id);
         let s = src[ravel(&p, sd)];
-        p[d] = idx[i] as usize;
+        p[d] = ix as usize;
         out[ravel(&p, xd)] += s;
     }
     out

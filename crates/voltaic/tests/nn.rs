@@ -213,7 +213,9 @@ fn ref_pool(x: &[f64], xd: [usize; 4], k: [usize; 2], s: [usize; 2], p: [usize; 
 #[test]
 fn max_and_avg_pool2d() -> voltaic::Result<()> {
     let mut rng = Rng::new(700);
-    let cases: &[([usize; 4], [usize; 2], Option<[usize; 2]>, [usize; 2])] = &[
+    // (input shape, kernel, stride, padding)
+    type Case = ([usize; 4], [usize; 2], Option<[usize; 2]>, [usize; 2]);
+    let cases: &[Case] = &[
         ([1, 1, 4, 4], [2, 2], None, [0, 0]),
         ([2, 3, 7, 5], [2, 2], None, [0, 0]),
         ([2, 3, 7, 5], [3, 3], Some([1, 1]), [1, 1]),

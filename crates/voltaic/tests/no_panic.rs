@@ -81,10 +81,16 @@ impl Outcome for Result<Vec<Tensor>> {
     }
 }
 
+/// Run `f` (a closure, so that an op's expression can use `?`).
+fn call<T>(f: impl FnOnce() -> T) -> T {
+    f()
+}
+
 macro_rules! op {
     ($name:expr, $e:expr) => {{
         let _ctx = Ctx($name);
-        let r = (|| $e)();
+        // In a closure, so that `$e` may use `?`.
+        let r = call(|| $e);
         Outcome::settle(r, $name);
     }};
 }
@@ -263,7 +269,7 @@ fn run_case(c: &Case) -> Result<()> {
     let isz = c.isz.as_slice();
     let usz_list: Vec<usize> = isz.iter().map(|&v| v.unsigned_abs()).collect();
     // Tensors shaped like `a`, or nearly: more of the ops then get past their shape checks.
-    let a_like = make(&mut rng, &a.dims().to_vec(), dts[1], c.kinds[1])?;
+    let a_like = make(&mut rng, a.dims(), dts[1], c.kinds[1])?;
     let near = near_shape(&mut rng, a.dims(), &c.shapes[1]);
     let a_near = make(&mut rng, &near, dts[2], c.kinds[2])?;
 

@@ -125,7 +125,7 @@ proptest! {
             let p = pos as usize % b.len();
             b[p] = val;
         }
-        if cut as usize % 3 == 0 {
+        if (cut as usize).is_multiple_of(3) {
             b.truncate(cut as usize % b.len());
         }
         let _ = open_bytes(&b, tag);

@@ -122,8 +122,11 @@ fn losses_match_their_formulas() {
     assert!((bce - want).abs() < 1e-12, "{bce} vs {want}");
 }
 
+/// A reference optimizer step: (weights, gradient, step number, state).
+type RefStep<'a> = dyn Fn(&mut Vec<f64>, &[f64], usize, &mut Vec<Vec<f64>>) + 'a;
+
 /// Minimise `sum((w - c)^2)` and compare every step with a plain f64 reference.
-fn run_opt(make: &dyn Fn(Vec<Parameter>) -> Box<dyn Optimizer>, reference: &dyn Fn(&mut Vec<f64>, &[f64], usize, &mut Vec<Vec<f64>>)) {
+fn run_opt(make: &dyn Fn(Vec<Parameter>) -> Box<dyn Optimizer>, reference: &RefStep<'_>) {
     let c = [0.5, -1.0, 2.0];
     let p = Parameter::new(t(&[1.0, 1.0, 1.0], &[3])).unwrap();
     let mut opt = make(vec![p.clone()]);
@@ -131,7 +134,7 @@ fn run_opt(make: &dyn Fn(Vec<Parameter>) -> Box<dyn Optimizer>, reference: &dyn 
     let mut state = vec![];
     for step in 1..=4 {
         opt.zero_grad();
-        p.value().sub(&t(&c, &[3])).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        p.value().sub(t(&c, &[3])).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
         opt.step().unwrap();
         let g: Vec<f64> = w.iter().zip(&c).map(|(w, c)| 2.0 * (w - c)).collect();
         reference(&mut w, &g, step, &mut state);
@@ -311,7 +314,7 @@ fn training_gives_the_same_losses_on_cpu_and_gpu() {
     let data = Arc::new(Dataset {
         // Each image is its class times 25 plus a little texture: learnable.
         pixels: (0..96 * 64).map(|i| ((i / 64) % 10 * 25 + (i * 13) % 20) as u8).collect(),
-        labels: (0..96).map(|i| (i % 10) as i32).collect(),
+        labels: (0..96).map(|i| i % 10).collect(),
         item_dims: vec![1, 8, 8],
     });
     let run = |device: Device| -> Vec<f32> {

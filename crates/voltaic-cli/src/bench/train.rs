@@ -66,6 +66,6 @@ pub fn run_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64,
     }
     let later = model.forward(&x)?.cross_entropy(&y, 0.0, Reduction::Mean)?.item::<f32>()?;
     anyhow::ensure!(later < first, "{name}: the loss did not decrease ({first} -> {later})");
-    let ms = gpu_median_ms(device, runs, false, || step())?;
+    let ms = gpu_median_ms(device, runs, false, step)?;
     Ok((ms, format!("{:.0} samples/s", batch as f64 / (ms / 1e3))))
 }

@@ -1,12 +1,15 @@
 //! The one seam to the devices.
 //!
 //! Everything above this module (graph, scheduler, tensors) works with
-//! [`Device`] values, [`Buffer`]s it cannot look into, and the [`Executor`]
-//! interface: run a plan, upload, read back, synchronize, memory and device
-//! capabilities. This module is the only code that matches on the device;
-//! each executor lives in its own folder (`cpu/`, `wgpu/`) and never names
-//! another. Adding an executor means adding a folder, one arm in
-//! [`executor`] and, if it owns a new kind of memory, one arm of [`Buffer`].
+//! [`Device`] values, buffers it cannot look into (`Buffer`), and the
+//! `Executor` interface: run a plan, upload, read back, synchronize, memory
+//! and device capabilities. This module is the only code that matches on the
+//! device; each executor lives in its own folder (`cpu/`, `wgpu/`) and never
+//! names another. Adding an executor means adding a folder, one arm in
+//! `executor()` and, if it owns a new kind of memory, one arm of `Buffer`.
+//!
+//! Public here: the adapters wgpu finds ([`adapters`]), device counters
+//! ([`DeviceStats`], [`MemoryStats`]) and [`save_caches`].
 
 pub(crate) mod cpu;
 pub(crate) mod wgpu;

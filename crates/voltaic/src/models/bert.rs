@@ -45,7 +45,7 @@ impl BertConfig {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         let c: BertConfig = serde_json::from_str(&text).map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
-        if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
+        if c.num_attention_heads == 0 || !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             bail!(Value, "BertConfig", "hidden_size {} is not divisible by num_attention_heads {}", c.hidden_size, c.num_attention_heads);
         }
         if !matches!(c.hidden_act.as_str(), "gelu" | "gelu_new" | "relu") {
@@ -205,7 +205,7 @@ pub struct SentenceEmbedder {
     /// The encoder.
     pub model: BertModel,
     tokenizer: tokenizers::Tokenizer,
-    /// Longest input in tokens ([CLS] and [SEP] included); longer text is cut.
+    /// Longest input in tokens (`[CLS]` and `[SEP]` included); longer text is cut.
     pub max_len: usize,
     device: Device,
 }
@@ -235,7 +235,7 @@ impl SentenceEmbedder {
         Ok(SentenceEmbedder { model, tokenizer, max_len, device })
     }
 
-    /// Token ids of each sentence, [CLS] and [SEP] included, cut at `max_len`.
+    /// Token ids of each sentence, `[CLS]` and `[SEP]` included, cut at `max_len`.
     pub fn tokenize(&self, sentences: &[&str]) -> Result<Vec<Vec<u32>>> {
         sentences
             .iter()

@@ -35,7 +35,7 @@ impl Module for Linear {
         }
         let y = x.matmul(&w.t()?)?;
         match &self.bias {
-            Some(b) => y.add(&b.value()),
+            Some(b) => y.add(b.value()),
             None => Ok(y),
         }
     }
@@ -61,7 +61,7 @@ pub struct Conv2d {
 impl Conv2d {
     /// PyTorch's default initialisation (uniform in `±1/sqrt(fan_in)`).
     pub fn new(in_channels: usize, out_channels: usize, kernel: [usize; 2], opts: Conv2dOpts, bias: bool, device: Device) -> Result<Conv2d> {
-        if opts.groups == 0 || in_channels % opts.groups != 0 || out_channels % opts.groups != 0 {
+        if opts.groups == 0 || !in_channels.is_multiple_of(opts.groups) || !out_channels.is_multiple_of(opts.groups) {
             bail!(Value, "Conv2d", "channels {in_channels} -> {out_channels} must be divisible by groups {}", opts.groups);
         }
         let fan_in = in_channels / opts.groups * kernel[0] * kernel[1];

@@ -151,6 +151,7 @@ impl Sequential {
     }
 
     /// Append a layer.
+    #[allow(clippy::should_implement_trait, reason = "a builder step named as in candle's `Sequential::add`; it takes a layer, not a value")]
     pub fn add<M: Module + 'static>(mut self, layer: M) -> Sequential {
         self.layers.push(Box::new(layer));
         self

@@ -102,7 +102,7 @@ impl Tensor {
                 "conv2d",
                 "input has {cin} channels and weight {:?} with groups={g}: expected weight [Cout, {}, kh, kw] with Cout divisible by {g}",
                 weight.dims(),
-                if g > 0 { cin / g } else { 0 }
+                cin.checked_div(g).unwrap_or(0)
             );
         }
         if let Some(b) = bias {
@@ -132,7 +132,7 @@ impl Tensor {
         }
         let d = self.dims();
         let [kh, kw] = p.kernel;
-        if d[2] % kh != 0 || d[3] % kw != 0 || d[2] == 0 || d[3] == 0 {
+        if !d[2].is_multiple_of(kh) || !d[3].is_multiple_of(kw) || d[2] == 0 || d[3] == 0 {
             return Ok(None);
         }
         Ok(Some(self.reshape_dims(&[d[0], d[1], d[2] / kh, kh, d[3] / kw, kw])?))

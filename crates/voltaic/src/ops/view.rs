@@ -33,12 +33,12 @@ impl Tensor {
             } else if d < 0 {
                 bail!(Shape, "reshape", "invalid dimension {d} in {shape:?}");
             } else {
-                known = known.checked_mul(d as usize).unwrap_or(usize::MAX);
+                known = known.saturating_mul(d as usize);
             }
         }
         let mut dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
         if let Some(i) = infer {
-            if known == 0 || n % known != 0 {
+            if known == 0 || !n.is_multiple_of(known) {
                 bail!(Shape, "reshape", "cannot reshape a tensor of shape {:?} ({n} elements) into {shape:?}", self.dims());
             }
             dims[i] = n / known;

@@ -12,7 +12,7 @@ pub fn exp_f32(x: f32) -> f32 {
     // Round to nearest with the 1.5 * 2^23 trick: `round()` would call libm
     // and stop the loop from vectorising.
     const MAGIC: f32 = 12_582_912.0;
-    let xc = x.max(-104.0).min(88.8);
+    let xc = x.clamp(-104.0, 88.8);
     let n = (xc * LOG2E + MAGIC) - MAGIC;
     let r = xc - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4f32;
@@ -20,7 +20,7 @@ pub fn exp_f32(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 5e-1;
     let y = p * r * r + r + 1.0;
     // 2^n as two factors so that neither overflows nor underflows on its own.
     // SAFETY: n is a whole number in [-151, 129], so it fits an i32.

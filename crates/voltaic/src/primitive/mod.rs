@@ -1,7 +1,7 @@
 //! The primitives: every op the graph records and the executors run, each
 //! defined once.
 //!
-//! An elementwise primitive is one entry of a table in [`table`]: its name,
+//! An elementwise primitive is one entry of a table in `table.rs`: its name,
 //! the dtypes it accepts, its scalar kernel for every compute type (the CPU
 //! executor turns these into vectorised loops), its WGSL fragment (the GPU
 //! code generator splices it into a fused kernel), its gradient and the

@@ -163,7 +163,7 @@ fn cumsum(dim: usize, inp: &View, inputs: &[&CpuStorage]) -> CpuStorage {
     let len = dims[dim];
     let n: usize = dims.iter().product();
     let inner: usize = dims[dim + 1..].iter().product();
-    let outer = if len * inner == 0 { 0 } else { n / (len * inner) };
+    let outer = n.checked_div(len * inner).unwrap_or(0);
     fn go<T: AddElem + StorageElem + Default>(s: &[T], l: &Layout, outer: usize, len: usize, inner: usize) -> CpuStorage {
         let mut out = copy_out(s, l);
         for o in 0..outer {
@@ -248,9 +248,9 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> Cpu
                         }
                         let row = base + iy as usize * st[2];
                         let dst_row = &mut tap[y * ow..(y + 1) * ow];
-                        for x in x0..x1 {
+                        for (x, d) in dst_row.iter_mut().enumerate().take(x1).skip(x0) {
                             let ix = (x as isize * sx + off_x) as usize;
-                            dst_row[x] = s[row + ix * st[3]];
+                            *d = s[row + ix * st[3]];
                         }
                     }
                 }

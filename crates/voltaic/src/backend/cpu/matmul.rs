@@ -37,6 +37,13 @@ struct SendPtr<T>(*mut T);
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 
+impl<T> SendPtr<T> {
+    /// The pointer; a method, so closures capture the whole (Send) wrapper.
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], sb: &[T], out: &mut [T], m: usize, k: usize, n: usize, zero: T, one: T) {
     let (oa, ob) = (batch_offsets(a), batch_offsets(b));
     let (a_rs, a_cs) = strides(a);
@@ -55,7 +62,6 @@ fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], s
     };
     let dst = SendPtr(out.as_mut_ptr());
     let run = |bi: usize| {
-        let dst = dst;
         // SAFETY: each batch writes its own m*n block of `out`; the input
         // offsets come from layouts whose span was checked against their buffers.
         unsafe {
@@ -63,7 +69,7 @@ fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], s
                 m,
                 n,
                 k,
-                dst.0.add(bi * m * n),
+                dst.get().add(bi * m * n),
                 1,
                 n as isize,
                 false,

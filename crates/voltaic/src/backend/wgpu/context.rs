@@ -111,7 +111,7 @@ pub(crate) struct GpuContext {
     /// Mappable buffers kept for reading results back.
     pub staging: Mutex<Vec<wgpu::Buffer>>,
     /// Compiled kernels by signature (see `exec::compile`).
-    pub compiled_kernels: Mutex<HashMap<u64, Vec<(super::exec::Signature, Arc<super::exec::Compiled>)>>>,
+    pub compiled_kernels: Mutex<super::exec::KernelCache>,
     /// Matmul plans chosen by measurement.
     pub tuner: super::autotune::Tuner,
     /// Where the driver's pipeline cache is kept between runs.
@@ -417,7 +417,7 @@ impl GpuContext {
             drop(q);
             // Now and then, let wgpu retire finished work so its bookkeeping
             // does not grow (polling every time costs more than it saves).
-            if self.submissions.load(Ordering::Relaxed) % 16 == 0 {
+            if self.submissions.load(Ordering::Relaxed).is_multiple_of(16) {
                 let _ = self.device.poll(wgpu::PollType::Poll);
             }
         }

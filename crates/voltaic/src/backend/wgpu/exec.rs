@@ -31,6 +31,9 @@ impl Compiled {
     }
 }
 
+/// Compiled kernels of a device by the hash of their signature.
+pub(crate) type KernelCache = std::collections::HashMap<u64, Vec<(Signature, Arc<Compiled>)>>;
+
 /// What a compiled kernel depends on besides the device: its structure,
 /// not its constants' values (see `ir::Expr`).
 #[derive(PartialEq, Hash)]
@@ -46,11 +49,11 @@ pub(crate) struct Signature {
 /// kernel was compiled before (a training loop generates and compiles each
 /// kernel once), else generated and compiled now.
 pub(crate) fn compile(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], variant: Option<super::matmul::Variant>) -> Result<Arc<Compiled>> {
-    use std::hash::{BuildHasher, Hash, Hasher};
+    use std::hash::BuildHasher;
     // A fast hasher: this runs on every realization, over whole kernels.
-    let mut h = foldhash::fast::FixedState::default().build_hasher();
-    (&k.kind, inputs, k.dtype, k.numel, variant).hash(&mut h);
-    let key = h.finish();
+    
+    
+    let key = foldhash::fast::FixedState::default().hash_one((&k.kind, inputs, k.dtype, k.numel, variant));
     let same = |s: &Signature| s.kind == k.kind && s.inputs == inputs && s.dtype == k.dtype && s.numel == k.numel && s.variant == variant;
     if let Some(v) = ctx.compiled_kernels.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         if let Some((_, c)) = v.iter().find(|(s, _)| same(s)) {

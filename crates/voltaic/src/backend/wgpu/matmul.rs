@@ -161,12 +161,12 @@ impl Gen<'_> {
         // single-half stores than the tensor cores take to multiply), and
         // takes 64 of k per step where the shared tiles fit (half the
         // barriers of 32).
-        let batch_aligned = |l: &Layout| l.offset() % 8 == 0 && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
+        let batch_aligned = |l: &Layout| l.offset().is_multiple_of(8) && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
         let fits = |v: &View| (self.inputs[v.input].1 as u64) * 2 <= self.caps.chunk_bytes();
         let shared = |bk: usize| (bm * (bk + 8) + bk * (bn + 8)) * 2 + warps * 256 * 4;
-        let fast = m % bm == 0
-            && n % bn == 0
-            && k % 32 == 0
+        let fast = m.is_multiple_of(bm)
+            && n.is_multiple_of(bn)
+            && k.is_multiple_of(32)
             && sak == 1
             && sam % 8 == 0
             && sbn == 1
@@ -175,7 +175,7 @@ impl Gen<'_> {
             && batch_aligned(lb)
             && fits(a)
             && fits(bv);
-        let bk = if fast && k % 64 == 0 && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
+        let bk = if fast && k.is_multiple_of(64) && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
         let (lda, ldb) = (bk + 8, bn + 8);
         sh.enable("wgpu_cooperative_matrix");
         if wide && !fast {
@@ -386,10 +386,10 @@ impl Gen<'_> {
         // load as vec4s with no bounds checks: a quarter of the load
         // instructions, and none of the address and range arithmetic.
         let f32_in = |v: &View| self.inputs[v.input].0 == DType::F32 && (self.inputs[v.input].1 as u64) * 4 <= self.caps.chunk_bytes();
-        let aligned = |l: &Layout, row: usize| row % 4 == 0 && l.offset() % 4 == 0 && l.strides()[..r - 2].iter().all(|s| s % 4 == 0);
-        let whole_k = k % bk == 0;
-        let a4 = ct == "f32" && f32_in(a) && a_kfast && whole_k && m % bm == 0 && na % 4 == 0 && aligned(la, sam);
-        let b4 = ct == "f32" && f32_in(bv) && sbn == 1 && whole_k && n % bn == 0 && nb % 4 == 0 && aligned(lb, sbk);
+        let aligned = |l: &Layout, row: usize| row.is_multiple_of(4) && l.offset().is_multiple_of(4) && l.strides()[..r - 2].iter().all(|s| s % 4 == 0);
+        let whole_k = k.is_multiple_of(bk);
+        let a4 = ct == "f32" && f32_in(a) && a_kfast && whole_k && m.is_multiple_of(bm) && na % 4 == 0 && aligned(la, sam);
+        let b4 = ct == "f32" && f32_in(bv) && sbn == 1 && whole_k && n.is_multiple_of(bn) && nb % 4 == 0 && aligned(lb, sbk);
         if a4 {
             sh.bind_raw(Src::Input(a.input), "a4", "array<vec4<f32>>", false);
         }
@@ -405,7 +405,7 @@ impl Gen<'_> {
         let _ = writeln!(s, "    let row0 = (rest / {tiles_n}u) * {bm}u;\n    let col0 = (rest % {tiles_n}u) * {bn}u;");
         let zd = unravel(&mut s, &mut sh, "z", bdims);
         let _ = writeln!(s, "    let abase = {};\n    let bbase = {};", batch_offset(&zd, la), batch_offset(&zd, lb));
-        if warps && tx_n % 8 == 0 && (threads / tx_n) % 4 == 0 {
+        if warps && tx_n % 8 == 0 && (threads / tx_n).is_multiple_of(4) {
             let _ = writeln!(s, "    let lane = lid % 32u;\n    let sg = lid / 32u;");
             let _ = writeln!(s, "    let tx = (sg % {}u) * 8u + lane % 8u;\n    let ty = (sg / {}u) * 4u + lane / 8u;", tx_n / 8, tx_n / 8);
         } else {
@@ -601,14 +601,15 @@ impl Gen<'_> {
         let f32s = self.out.0 == DType::F32 && self.inputs[a.input].0 == DType::F32 && self.inputs[bv.input].0 == DType::F32;
         let b_aligned = lb.offset() % 4 == 0 && lb.strides()[..r - 2].iter().all(|s| s % 4 == 0);
         let fits = (self.inputs[bv.input].1 as u64) * 4 <= self.caps.chunk_bytes();
-        let lanes = if f32s && sbn == 1 && sbk % 4 == 0 && n % 4 == 0 && b_aligned && fits { 4 } else { 1 };
+        let lanes = if f32s && sbn == 1 && sbk % 4 == 0 && n.is_multiple_of(4) && b_aligned && fits { 4 } else { 1 };
         let cols = (n / lanes).div_ceil(256);
         let chunk = k.div_ceil(splits);
         let total = batch * splits * cols;
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
         // `ldb(e)`: the value (or vec4) of b at row expression `e` for this thread's column(s).
-        let (acc_ty, zero, ldb): (String, String, Box<dyn Fn(&str) -> String>) = if lanes == 4 {
+        type LoadB = Box<dyn Fn(&str) -> String>;
+        let (acc_ty, zero, ldb): (String, String, LoadB) = if lanes == 4 {
             sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f32>>", false);
             ("vec4<f32>".into(), "vec4<f32>(0.0)".into(), Box::new(move |e: &str| format!("b4[bbase + ({e}) * {}u]", sbk / 4)))
         } else {

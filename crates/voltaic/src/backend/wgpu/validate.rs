@@ -131,11 +131,11 @@ fn graphs(dt: DType) -> Vec<Tensor> {
     }
     for &b in crate::primitive::BinaryOp::ALL {
         if !matches!(b, crate::primitive::BinaryOp::And | crate::primitive::BinaryOp::Or) {
-            out.push(x.binary(b, &x.t().unwrap().t().unwrap()).unwrap());
+            out.push(x.binary(b, x.t().unwrap().t().unwrap()).unwrap());
         }
     }
-    out.push(x.gt(0.5).unwrap().logical_and(&x.lt(1.0).unwrap()).unwrap().where_cond(&x, 2.0).unwrap());
-    out.push(x.t().unwrap().mul(&randn(&[37, 1], dt)).unwrap().to_dtype(DType::I32).unwrap());
+    out.push(x.gt(0.5).unwrap().logical_and(x.lt(1.0).unwrap()).unwrap().where_cond(&x, 2.0).unwrap());
+    out.push(x.t().unwrap().mul(randn(&[37, 1], dt)).unwrap().to_dtype(DType::I32).unwrap());
     out.push(big.mul(2.0).unwrap().add(&big).unwrap());
     out.push(big.sqrt().unwrap().sub(1.0).unwrap().relu().unwrap());
     // Reductions: short and long rows, strided, arg, split over workgroups.
@@ -168,7 +168,7 @@ fn graphs(dt: DType) -> Vec<Tensor> {
     out.push(a.matmul(&b).unwrap());
     out.push(a.t().unwrap().matmul(&a).unwrap().add(1.0).unwrap().gelu().unwrap());
     out.push(randn(&[3, 33, 17], dt).matmul(&randn(&[3, 17, 20], dt)).unwrap());
-    out.push(randn(&[2, 300], dt).matmul(&randn(&[300, 516], dt)).unwrap().add(&randn(&[516], dt)).unwrap().relu().unwrap());
+    out.push(randn(&[2, 300], dt).matmul(&randn(&[300, 516], dt)).unwrap().add(randn(&[516], dt)).unwrap().relu().unwrap());
     out.push(randn(&[256, 256], dt).matmul(&randn(&[256, 128], dt)).unwrap());
     out
 }

@@ -16,7 +16,7 @@ impl Gen<'_> {
         let n = self.out.1;
         let word = |dt: DType| matches!(dt, DType::F32 | DType::I32 | DType::U32);
         let fits = |numel: usize| (numel as u64) * 4 <= self.caps.chunk_bytes();
-        if n % 4 != 0 || n < 1 << 16 || !word(self.out.0) || !fits(n) {
+        if !n.is_multiple_of(4) || n < 1 << 16 || !word(self.out.0) || !fits(n) {
             return Ok(None);
         }
         enum Src4 {
