@@ -1,8 +1,8 @@
 //! Creation functions, random numbers, scalar access and `Display`.
 
-mod refs;
+mod common;
 
-use refs::*;
+use common::*;
 use std::sync::Mutex;
 use voltaic::{DType, Device, Generator, Tensor};
 

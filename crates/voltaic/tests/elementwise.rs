@@ -2,9 +2,9 @@
 //! primitives and activations, broadcasting binary ops, comparisons, `where`,
 //! `masked_fill`, casts, dtype promotion, scalar operands and edge cases.
 
-mod refs;
+mod common;
 
-use refs::*;
+use common::*;
 use voltaic::{DType, Device, Tensor};
 
 type Res = voltaic::Result<()>;
@@ -116,7 +116,7 @@ fn unary_table() -> Vec<UnaryCase> {
 
 #[test]
 fn unary_float_ops_match_reference() -> Res {
-    let mut rng = XorShift::new(1);
+    let mut rng = Rng::new(1);
     let mut shapes: Vec<Vec<usize>> = vec![vec![1031], vec![], vec![0], vec![3, 0, 2], vec![1, 1]];
     for _ in 0..6 {
         shapes.push(rng.shape(4, 1500));
@@ -319,9 +319,9 @@ fn logical_ops_treat_nonzero_as_true() -> Res {
 
 /// Two shapes that broadcast together: each a copy of a common shape with some
 /// dims set to 1 and perhaps some leading dims dropped.
-fn bcast_pair(rng: &mut XorShift) -> (Vec<usize>, Vec<usize>) {
+fn bcast_pair(rng: &mut Rng) -> (Vec<usize>, Vec<usize>) {
     let out = rng.shape(4, 1200);
-    let make = |rng: &mut XorShift| {
+    let make = |rng: &mut Rng| {
         let mut s: Vec<usize> = out.iter().map(|&d| if rng.below(3) == 0 { 1 } else { d }).collect();
         let drop = rng.below(s.len() + 1);
         if rng.below(2) == 0 {
@@ -355,7 +355,7 @@ fn python_rem(a: f64, b: f64) -> f64 {
 
 #[test]
 fn binary_float_ops_broadcast_match_reference() -> Res {
-    let mut rng = XorShift::new(2);
+    let mut rng = Rng::new(2);
     let ops: Vec<BinCase> = vec![
         ("add", |a, b| a.add(b), |a, b| a + b),
         ("sub", |a, b| a.sub(b), |a, b| a - b),
@@ -449,14 +449,14 @@ fn broadcasting_shapes() -> Res {
 }
 
 /// Random i32 values over the whole range, with the edge values mixed in.
-fn wide_i32(rng: &mut XorShift, n: usize) -> Vec<i32> {
+fn wide_i32(rng: &mut Rng, n: usize) -> Vec<i32> {
     let edges = [i32::MIN, i32::MIN + 1, -1, 0, 1, i32::MAX - 1, i32::MAX];
     (0..n).map(|i| if i % 5 == 0 { edges[rng.below(edges.len())] } else { rng.next_u64() as u32 as i32 }).collect()
 }
 
 #[test]
 fn integer_binary_ops_wrap_without_panicking() -> Res {
-    let mut rng = XorShift::new(3);
+    let mut rng = Rng::new(3);
     let n = 301;
     let a = wide_i32(&mut rng, n);
     let b = wide_i32(&mut rng, n);
@@ -576,7 +576,7 @@ type CmpCase = (&'static str, CmpFn, fn(f64, f64) -> bool);
 
 #[test]
 fn comparisons_broadcast_and_follow_ieee() -> Res {
-    let mut rng = XorShift::new(4);
+    let mut rng = Rng::new(4);
     let ops: Vec<CmpCase> = vec![
         ("eq", |a, b| a.eq(b), |a, b| a == b),
         ("ne", |a, b| a.ne(b), |a, b| a != b),
@@ -638,7 +638,7 @@ fn comparisons_broadcast_and_follow_ieee() -> Res {
 
 #[test]
 fn where_cond_broadcasts_and_promotes() -> Res {
-    let mut rng = XorShift::new(5);
+    let mut rng = Rng::new(5);
     // cond [3, 1, 5] (bool), a [4, 5] f32, b [1] f64 -> [3, 4, 5] f64.
     let cv: Vec<f64> = (0..15).map(|_| rng.below(2) as f64).collect();
     let (c, _) = tensor(&cv, &[3, 1, 5], DType::Bool);
@@ -680,7 +680,7 @@ fn where_cond_broadcasts_and_promotes() -> Res {
 
 #[test]
 fn masked_fill_values() -> Res {
-    let mut rng = XorShift::new(6);
+    let mut rng = Rng::new(6);
     let (x, xv) = randn(&[4, 7], DType::F32);
     let mv: Vec<f64> = (0..7).map(|_| rng.below(2) as f64).collect();
     let (m, _) = tensor(&mv, &[1, 7], DType::Bool);
@@ -748,7 +748,7 @@ fn casts_between_all_dtypes() -> Res {
         16777217.0,
         3.0e9,
     ];
-    let mut rng = XorShift::new(7);
+    let mut rng = Rng::new(7);
     let mut vals: Vec<f64> = raw.to_vec();
     for _ in 0..200 {
         vals.push(rng.range(-1000.0, 1000.0) as f32 as f64);

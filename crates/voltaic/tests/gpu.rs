@@ -522,3 +522,29 @@ fn row_wise_work_runs_in_one_kernel_and_matches_cpu() {
     let want = x.to_device(Device::Cpu).unwrap().softmax(-1).unwrap();
     assert_close(&s.to_f64_vec().unwrap(), &want.to_f64_vec().unwrap(), 1e-5, 1e-7, "softmax with its max kept");
 }
+
+#[test]
+fn erf_agrees_with_the_cpu_to_one_ulp() {
+    // One algorithm on both devices (`fastmath::erf_f32` and the WGSL
+    // helper): only a fused multiply-add may move the last bit.
+    let mut xs: Vec<f32> = (0..=80_000).map(|i| -5.0 + i as f32 * 1.25e-4).collect();
+    xs.extend([0.0, -0.0, 1e-30, -1e-30, 0.99999994, 1.0, 3.9199998, 3.92, 1e30, f32::INFINITY, f32::NEG_INFINITY]);
+    let n = xs.len();
+    let x = Tensor::from_vec(xs.clone(), &[n], Device::Cpu).unwrap();
+    let cpu = x.erf().unwrap().to_vec::<f32>().unwrap();
+    let on_gpu = x.to_device(gpu()).unwrap().erf().unwrap().to_vec::<f32>().unwrap();
+    let key = |v: f32| {
+        let i = v.to_bits() as i32;
+        if i < 0 { i32::MIN - i } else { i }
+    };
+    let mut worst = (0u32, 0.0f32);
+    for ((&c, &g), &x) in cpu.iter().zip(&on_gpu).zip(&xs) {
+        let d = key(c).abs_diff(key(g));
+        if d > worst.0 {
+            worst = (d, x);
+        }
+    }
+    assert!(worst.0 <= 1, "erf differs by {} ulp at x = {} (cpu vs gpu)", worst.0, worst.1);
+    let nan = Tensor::from_vec(vec![f32::NAN], &[1], gpu()).unwrap().erf().unwrap().to_vec::<f32>().unwrap();
+    assert!(nan[0].is_nan());
+}

@@ -3,9 +3,9 @@
 //! broadcast_to, narrow, slice, squeeze, unsqueeze, flatten, contiguous;
 //! storage sharing; and ops applied to non-contiguous and pending inputs.
 
-mod refs;
+mod common;
 
-use refs::*;
+use common::*;
 use voltaic::{DType, Device, Tensor};
 
 type Res = voltaic::Result<()>;
@@ -97,7 +97,7 @@ fn check(t: &Tensor, n: &Naive, what: &str) {
 }
 
 /// A random shape with the same number of elements as `dims`.
-fn random_reshape(rng: &mut XorShift, dims: &[usize]) -> Vec<usize> {
+fn random_reshape(rng: &mut Rng, dims: &[usize]) -> Vec<usize> {
     let n = numel(dims);
     let mut out = vec![];
     if n == 0 {
@@ -135,7 +135,7 @@ fn random_reshape(rng: &mut XorShift, dims: &[usize]) -> Vec<usize> {
 
 #[test]
 fn reshape_values_and_inferred_dims() -> Res {
-    let mut rng = XorShift::new(21);
+    let mut rng = Rng::new(21);
     for _ in 0..40 {
         let dims = rng.shape(4, 2000);
         let n = iota(&dims);
@@ -207,7 +207,7 @@ fn reshape_of_non_contiguous_views() -> Res {
 
 #[test]
 fn permute_transpose_and_t() -> Res {
-    let mut rng = XorShift::new(22);
+    let mut rng = Rng::new(22);
     for _ in 0..30 {
         let dims = rng.shape(5, 2000);
         let n = iota(&dims);
@@ -267,7 +267,7 @@ fn expand_and_broadcast_to() -> Res {
 
 #[test]
 fn narrow_and_python_slicing() -> Res {
-    let mut rng = XorShift::new(23);
+    let mut rng = Rng::new(23);
     for _ in 0..60 {
         let dims = rng.shape_nz(1, 4, 2000);
         let n = iota(&dims);
@@ -444,7 +444,7 @@ fn ops_on_non_contiguous_inputs() -> Res {
 }
 
 /// One random view step applied to both the tensor and the model.
-fn random_view_step(rng: &mut XorShift, t: &Tensor, n: &Naive) -> voltaic::Result<(Tensor, Naive, String)> {
+fn random_view_step(rng: &mut Rng, t: &Tensor, n: &Naive) -> voltaic::Result<(Tensor, Naive, String)> {
     let r = n.dims.len();
     loop {
         match rng.below(10) {
@@ -528,7 +528,7 @@ fn random_view_step(rng: &mut XorShift, t: &Tensor, n: &Naive) -> voltaic::Resul
 
 #[test]
 fn random_chains_of_views_and_ops() -> Res {
-    let mut rng = XorShift::new(24);
+    let mut rng = Rng::new(24);
     for case in 0..300 {
         let dims = rng.shape(4, 600);
         let n0 = Naive::new(&dims, (0..numel(&dims)).map(|i| ((i * 37 % 101) as f64) - 50.0).collect());
