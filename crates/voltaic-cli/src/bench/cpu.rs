@@ -1,8 +1,8 @@
 //! The CPU suite: the rows of issue 2, each checked against a reference
 //! before it is timed, and numpy's timings for the same work.
 
-use super::median_ms;
-use anyhow::{bail, ensure, Context};
+use super::{check, median_ms};
+use anyhow::{bail, Context};
 use std::collections::HashMap;
 use std::process::Command;
 use voltaic::{Conv2dOpts, DType, Device, Tensor};
@@ -30,10 +30,6 @@ pub fn numpy_peer(cases: &[&str], runs: usize) -> anyhow::Result<(String, HashMa
     Ok((peer.name, peer.times))
 }
 
-fn close(got: f64, want: f64, tol: f64) -> bool {
-    (got - want).abs() <= tol * (1.0 + want.abs())
-}
-
 /// Check then time one case; returns (median ms, note).
 pub fn run_case(name: &str, runs: usize) -> anyhow::Result<(f64, String)> {
     let dev = Device::Cpu;
@@ -44,11 +40,7 @@ pub fn run_case(name: &str, runs: usize) -> anyhow::Result<(f64, String)> {
             let a = Tensor::randn(&[n, n], DType::F32, dev)?;
             let b = Tensor::randn(&[n, n], DType::F32, dev)?;
             let c = a.matmul(&b)?.to_vec::<f32>()?;
-            let (av, bv) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
-            for &(i, j) in &[(0, 0), (17, 1000), (1023, 5), (511, 511)] {
-                let want: f64 = (0..n).map(|k| av[i * n + k] as f64 * bv[k * n + j] as f64).sum();
-                ensure!(close(c[i * n + j] as f64, want, 1e-4), "matmul check failed at ({i},{j})");
-            }
+            check::matmul(&a.to_vec::<f32>()?, &b.to_vec::<f32>()?, &c, 1, n, n, n, 1e-4)?;
             let ms = median_ms(2, runs, || {
                 a.matmul(&b)?.realize()?;
                 Ok(())
@@ -60,16 +52,9 @@ pub fn run_case(name: &str, runs: usize) -> anyhow::Result<(f64, String)> {
             let n = 1 << 24;
             let x = Tensor::randn(&[n], DType::F32, dev)?;
             let y = Tensor::randn(&[n], DType::F32, dev)?;
-            let chain = |x: &Tensor, y: &Tensor| -> voltaic::Result<Tensor> {
-                x.mul(2.0)?.add(1.0)?.relu()?.sub(y)?.abs()?.sqrt()?.mul(y)?.add(3.0)?.mul(0.5)?.sub(y)
-            };
+            let chain = check::chain10;
             let got = chain(&x, &y)?.to_vec::<f32>()?;
-            let (xv, yv) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
-            for i in (0..n).step_by(9973) {
-                let (x, y) = (xv[i], yv[i]);
-                let want = ((((x * 2.0 + 1.0).max(0.0) - y).abs().sqrt() * y) + 3.0) * 0.5 - y;
-                ensure!(close(got[i] as f64, want as f64, 1e-5), "chain check failed at {i}");
-            }
+            check::chain10_values(&x.to_vec::<f32>()?, &y.to_vec::<f32>()?, &got)?;
             let kernels = voltaic::inspect(&[&chain(&x, &y)?]).len();
             let ms = median_ms(2, runs, || {
                 chain(&x, &y)?.realize()?;
@@ -84,12 +69,8 @@ pub fn run_case(name: &str, runs: usize) -> anyhow::Result<(f64, String)> {
             let got = s.to_vec::<f32>()?;
             let xv = x.to_vec::<f32>()?;
             for &r in &[0usize, 1234, 4095] {
-                let row = &xv[r * n..(r + 1) * n];
-                let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
-                let z: f64 = row.iter().map(|&v| (v as f64 - m).exp()).sum();
-                for c in [0usize, 77, 4095] {
-                    ensure!(close(got[r * n + c] as f64, (row[c] as f64 - m).exp() / z, 1e-4), "softmax check failed");
-                }
+                let row: Vec<f64> = xv[r * n..(r + 1) * n].iter().map(|&v| v as f64).collect();
+                check::row_entries("softmax", r, &got[r * n..(r + 1) * n], &check::softmax_row(&row))?;
             }
             let kernels = voltaic::inspect(&[&x.softmax(-1)?]).len();
             let ms = median_ms(2, runs, || {
@@ -102,8 +83,7 @@ pub fn run_case(name: &str, runs: usize) -> anyhow::Result<(f64, String)> {
             let n = 1 << 26;
             let x = Tensor::rand(&[n], DType::F32, dev)?;
             let got = x.sum_all()?.item::<f32>()? as f64;
-            let want: f64 = x.to_vec::<f32>()?.iter().map(|&v| v as f64).sum();
-            ensure!(close(got, want, 1e-5), "sum check failed: {got} vs {want}");
+            check::sum(got, x.to_vec::<f32>()?.iter().map(|&v| v as f64).sum())?;
             let ms = median_ms(2, runs, || {
                 x.sum_all()?.realize()?;
                 Ok(())
@@ -115,22 +95,7 @@ pub fn run_case(name: &str, runs: usize) -> anyhow::Result<(f64, String)> {
             let w = Tensor::randn(&[64, 64, 3, 3], DType::F32, dev)?;
             let opts = Conv2dOpts { padding: [1, 1], ..Default::default() };
             let y = x.conv2d(&w, None, opts)?.to_vec::<f32>()?;
-            let (xv, wv) = (x.to_vec::<f32>()?, w.to_vec::<f32>()?);
-            for &(n, co, i, j) in &[(0usize, 0usize, 0usize, 0usize), (7, 63, 55, 55), (3, 17, 20, 31)] {
-                let mut want = 0.0f64;
-                for ci in 0..64 {
-                    for ki in 0..3 {
-                        for kj in 0..3 {
-                            let (yy, xx) = (i as isize + ki as isize - 1, j as isize + kj as isize - 1);
-                            if (0..56).contains(&yy) && (0..56).contains(&xx) {
-                                want += xv[((n * 64 + ci) * 56 + yy as usize) * 56 + xx as usize] as f64
-                                    * wv[((co * 64 + ci) * 3 + ki) * 3 + kj] as f64;
-                            }
-                        }
-                    }
-                }
-                ensure!(close(y[((n * 64 + co) * 56 + i) * 56 + j] as f64, want, 1e-4), "conv2d check failed");
-            }
+            check::conv2d_resnet(&x.to_vec::<f32>()?, &w.to_vec::<f32>()?, &y)?;
             let ms = median_ms(1, runs, || {
                 x.conv2d(&w, None, opts)?.realize()?;
                 Ok(())

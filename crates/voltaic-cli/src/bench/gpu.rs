@@ -2,6 +2,7 @@
 //! buffer poisoned first) before it is timed, and PyTorch's timings for the
 //! same work on the same GPU.
 
+use super::check;
 use anyhow::{bail, ensure, Context};
 use std::process::Command;
 use std::time::Instant;
@@ -84,27 +85,6 @@ fn poison(dev: Device, numel: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn close(got: f64, want: f64, tol: f64, scale: f64) -> bool {
-    (got - want).abs() <= tol * (scale + want.abs())
-}
-
-/// Check sampled entries of a (batched) matmul against f64 dot products.
-fn check_matmul(a: &[f32], b: &[f32], c: &[f32], batch: usize, m: usize, k: usize, n: usize, tol: f64) -> anyhow::Result<()> {
-    let picks = [(0, 0, 0), (batch - 1, m - 1, n - 1), (batch / 2, m / 2, n / 3), (0, m - 1, 0), (batch - 1, 0, n - 1)];
-    for &(z, i, j) in &picks {
-        let mut want = 0.0f64;
-        let mut scale = 0.0f64;
-        for p in 0..k {
-            let t = a[(z * m + i) * k + p] as f64 * b[(z * k + p) * n + j] as f64;
-            want += t;
-            scale += t.abs();
-        }
-        let got = c[(z * m + i) * n + j] as f64;
-        ensure!(close(got, want, tol, scale / (k as f64).sqrt()), "matmul check failed at ({z},{i},{j}): {got} vs {want}");
-    }
-    Ok(())
-}
-
 fn as_f32(t: &Tensor) -> anyhow::Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.to_vec::<f32>()?)
 }
@@ -120,7 +100,7 @@ fn matmul_case(dev: Device, runs: usize, batch: &[usize], m: usize, k: usize, n:
     poison(dev, bsz * m * n)?;
     let c = a.matmul(&b)?;
     let tol = if dt == DType::F16 { 2e-2 } else { 1e-4 };
-    check_matmul(&as_f32(&a)?, &as_f32(&b)?, &as_f32(&c)?, bsz, m, k, n, tol)?;
+    check::matmul(&as_f32(&a)?, &as_f32(&b)?, &as_f32(&c)?, bsz, m, k, n, tol)?;
     let ms = gpu_median_ms(dev, runs, false, || {
         a.matmul(&b)?.realize()?;
         Ok(())
@@ -159,17 +139,10 @@ pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, St
             let n = 1 << 24;
             let x = Tensor::randn(&[n], DType::F32, dev)?;
             let y = Tensor::randn(&[n], DType::F32, dev)?;
-            let chain = |x: &Tensor, y: &Tensor| -> voltaic::Result<Tensor> {
-                x.mul(2.0)?.add(1.0)?.relu()?.sub(y)?.abs()?.sqrt()?.mul(y)?.add(3.0)?.mul(0.5)?.sub(y)
-            };
+            let chain = check::chain10;
             poison(dev, n)?;
             let got = chain(&x, &y)?.to_vec::<f32>()?;
-            let (xv, yv) = (x.to_vec::<f32>()?, y.to_vec::<f32>()?);
-            for i in (0..n).step_by(9973) {
-                let (x, y) = (xv[i], yv[i]);
-                let want = ((((x * 2.0 + 1.0).max(0.0) - y).abs().sqrt() * y) + 3.0) * 0.5 - y;
-                ensure!(close(got[i] as f64, want as f64, 1e-5, 1.0), "chain check failed at {i}");
-            }
+            check::chain10_values(&x.to_vec::<f32>()?, &y.to_vec::<f32>()?, &got)?;
             let kernels = voltaic::inspect(&[&chain(&x, &y)?]).len();
             let ms = gpu_median_ms(dev, runs, false, || {
                 chain(&x, &y)?.realize()?;
@@ -190,18 +163,8 @@ pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, St
             for r in [0usize, 4097, n - 1] {
                 let row: Vec<f64> = x.narrow(0, r, 1)?.to_vec::<f32>()?.iter().map(|&v| v as f64).collect();
                 let got = y.narrow(0, r, 1)?.to_vec::<f32>()?;
-                let want: Vec<f64> = if soft {
-                    let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = row.iter().map(|v| (v - m).exp()).sum();
-                    row.iter().map(|v| (v - m).exp() / z).collect()
-                } else {
-                    let mean = row.iter().sum::<f64>() / n as f64;
-                    let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
-                    row.iter().enumerate().map(|(c, v)| (v - mean) / (var + 1e-5).sqrt() * wv[c] as f64 + bv[c] as f64).collect()
-                };
-                for c in [0usize, 77, n - 1] {
-                    ensure!(close(got[c] as f64, want[c], 1e-4, 1e-6), "{name} check failed at ({r},{c})");
-                }
+                let want = if soft { check::softmax_row(&row) } else { check::layernorm_row(&row, &wv, &bv, 1e-5) };
+                check::row_entries(name, r, &got, &want)?;
             }
             let kernels = voltaic::inspect(&[&f()?]).len();
             let ms = gpu_median_ms(dev, runs, false, || {
@@ -218,7 +181,7 @@ pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, St
             for c in 0..16 {
                 want += x.narrow(0, c * (n / 16), n / 16)?.to_vec::<f32>()?.iter().map(|&v| v as f64).sum::<f64>();
             }
-            ensure!(close(got, want, 1e-5, 0.0), "sum check failed: {got} vs {want}");
+            check::sum(got, want)?;
             let ms = gpu_median_ms(dev, runs, false, || {
                 x.sum_all()?.realize()?;
                 Ok(())
@@ -231,22 +194,7 @@ pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, St
             let opts = Conv2dOpts { padding: [1, 1], ..Default::default() };
             poison(dev, 8 * 64 * 56 * 56)?;
             let y = x.conv2d(&w, None, opts)?.to_vec::<f32>()?;
-            let (xv, wv) = (x.to_vec::<f32>()?, w.to_vec::<f32>()?);
-            for &(n, co, i, j) in &[(0usize, 0usize, 0usize, 0usize), (7, 63, 55, 55), (3, 17, 20, 31)] {
-                let mut want = 0.0f64;
-                for ci in 0..64 {
-                    for ki in 0..3 {
-                        for kj in 0..3 {
-                            let (yy, xx) = (i as isize + ki as isize - 1, j as isize + kj as isize - 1);
-                            if (0..56).contains(&yy) && (0..56).contains(&xx) {
-                                want += xv[((n * 64 + ci) * 56 + yy as usize) * 56 + xx as usize] as f64
-                                    * wv[((co * 64 + ci) * 3 + ki) * 3 + kj] as f64;
-                            }
-                        }
-                    }
-                }
-                ensure!(close(y[((n * 64 + co) * 56 + i) * 56 + j] as f64, want, 1e-4, 1.0), "conv2d check failed");
-            }
+            check::conv2d_resnet(&x.to_vec::<f32>()?, &w.to_vec::<f32>()?, &y)?;
             let ms = gpu_median_ms(dev, runs, false, || {
                 x.conv2d(&w, None, opts)?.realize()?;
                 Ok(())
@@ -270,7 +218,7 @@ pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, St
                 for _ in 0..500 {
                     v = v * 1.0001 - 0.0001;
                 }
-                ensure!(close(got[i] as f64, v as f64, 1e-5, 1e-3), "launch chain check failed at {i}");
+                ensure!(check::close(got[i] as f64, v as f64, 1e-5, 1e-3), "launch chain check failed at {i}");
             }
             let ms = gpu_median_ms(dev, runs, true, || {
                 chain()?;

@@ -1,6 +1,7 @@
 //! `voltaic bench`: Voltaic against a peer library, both measured in the same
 //! run on the same machine. Times are medians of several runs after warm-up.
 
+mod check;
 mod cpu;
 mod embed;
 mod gpu;

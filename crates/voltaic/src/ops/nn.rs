@@ -220,22 +220,12 @@ impl Tensor {
     /// (i32/u32), with label smoothing `eps` (PyTorch's formula), reduced as asked.
     /// Probability targets and `ignore_index` are not supported.
     pub fn cross_entropy(&self, target: &Tensor, label_smoothing: f64, reduction: Reduction) -> Result<Tensor> {
-        if self.rank() < 2 {
-            bail!(Shape, "cross_entropy", "expected logits [N, C, ...], got {:?}", self.dims());
-        }
-        if !matches!(target.dtype(), DType::I32 | DType::U32) {
-            bail!(DType, "cross_entropy", "expected i32 or u32 class indices, got {}", target.dtype());
-        }
-        let mut want = self.dims().to_vec();
-        want.remove(1);
-        if target.dims() != want.as_slice() {
-            bail!(Shape, "cross_entropy", "logits {:?} need a target of shape {want:?}, got {:?}", self.dims(), target.dims());
-        }
+        self.check_class_target("cross_entropy", "logits", target)?;
         if !(0.0..=1.0).contains(&label_smoothing) {
             bail!(Value, "cross_entropy", "label_smoothing must be in [0, 1], got {label_smoothing}");
         }
         let logp = self.log_softmax(1)?;
-        let nll = logp.gather(1, &target.unsqueeze(1)?)?.squeeze(1)?.neg()?;
+        let nll = logp.pick_class(target)?.neg()?;
         let loss = if label_smoothing > 0.0 {
             let smooth = logp.mean(&[1], false)?.neg()?;
             nll.mul(1.0 - label_smoothing)?.add(&smooth.mul(label_smoothing)?)?
@@ -253,7 +243,30 @@ impl Tensor {
         self.sub(target)?.sqr()?.reduce_loss(reduction)
     }
 
-    fn reduce_loss(&self, reduction: Reduction) -> Result<Tensor> {
+    /// Checks shared by the classification losses: `self` holds scores
+    /// `[N, C, ...]` (`what`: logits, log-probabilities) and `target` the class
+    /// indices `[N, ...]` as i32 or u32.
+    pub(crate) fn check_class_target(&self, op: &'static str, what: &str, target: &Tensor) -> Result<()> {
+        if self.rank() < 2 {
+            bail!(Shape, op, "expected {what} [N, C, ...], got {:?}", self.dims());
+        }
+        if !matches!(target.dtype(), DType::I32 | DType::U32) {
+            bail!(DType, op, "expected i32 or u32 class indices, got {}", target.dtype());
+        }
+        let mut want = self.dims().to_vec();
+        want.remove(1);
+        if target.dims() != want.as_slice() {
+            bail!(Shape, op, "{what} {:?} need a target of shape {want:?}, got {:?}", self.dims(), target.dims());
+        }
+        Ok(())
+    }
+
+    /// The score of each position's target class: `self[n, target[n, ...], ...]`.
+    pub(crate) fn pick_class(&self, target: &Tensor) -> Result<Tensor> {
+        self.gather(1, &target.unsqueeze(1)?)?.squeeze(1)
+    }
+
+    pub(crate) fn reduce_loss(&self, reduction: Reduction) -> Result<Tensor> {
         match reduction {
             Reduction::Mean => self.mean(&[], false),
             Reduction::Sum => self.sum(&[], false),

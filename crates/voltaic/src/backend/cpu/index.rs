@@ -248,7 +248,7 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> Cpu
                         }
                         let row = base + iy as usize * st[2];
                         let dst_row = &mut tap[y * ow..(y + 1) * ow];
-                        for (x, d) in dst_row.iter_mut().enumerate().take(x1).skip(x0) {
+                        for (x, d) in (x0..x1).zip(&mut dst_row[x0..x1]) {
                             let ix = (x as isize * sx + off_x) as usize;
                             *d = s[row + ix * st[3]];
                         }
