@@ -548,3 +548,116 @@ fn erf_agrees_with_the_cpu_to_one_ulp() {
     let nan = Tensor::from_vec(vec![f32::NAN], &[1], gpu()).unwrap().erf().unwrap().to_vec::<f32>().unwrap();
     assert!(nan[0].is_nan());
 }
+
+#[test]
+fn reductions_over_an_empty_dim_match_cpu() {
+    // From host data (a realized buffer), which once generated `% 0u` on the GPU.
+    for dims in [[3usize, 0, 4], [0, 5, 2]] {
+        let x = Tensor::from_vec(Vec::<f32>::new(), &dims, Device::Cpu).unwrap();
+        for axes in [&[1isize][..], &[0, 2], &[]] {
+            let want_empty = axes.iter().any(|&a| dims[a as usize] == 0) || (axes.is_empty() && dims.contains(&0));
+            type F = fn(&Tensor, &[isize]) -> Result<Tensor>;
+            let ops: &[(&str, F)] = &[
+                ("sum", |t, a| t.sum(a, false)),
+                ("mean", |t, a| t.mean(a, true)),
+                ("prod", |t, a| t.prod(a, false)),
+                ("var", |t, a| t.var(a, 1, false)),
+                ("logsumexp", |t, a| t.logsumexp(a, false)),
+            ];
+            for (name, f) in ops {
+                if !want_empty && *name != "sum" {
+                    continue;
+                }
+                same(&format!("{name} over {axes:?} of {dims:?}"), std::slice::from_ref(&x), 0.0, 0.0, |t| f(&t[0], axes));
+            }
+        }
+    }
+}
+
+#[test]
+fn pow_special_values_match_cpu() {
+    let specials = [0.0f32, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, -3.0, 2.5, 1e30, -1e30, f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+    let n = specials.len();
+    let mut a = vec![];
+    let mut b = vec![];
+    for &x in &specials {
+        for &y in &specials {
+            a.push(x);
+            b.push(y);
+        }
+    }
+    let a = Tensor::from_vec(a, &[n * n], Device::Cpu).unwrap();
+    let b = Tensor::from_vec(b, &[n * n], Device::Cpu).unwrap();
+    // exp2(b * log2(a)) on a GPU is a few ulp from libm: relative tolerance.
+    same("pow of special values", &[a, b], 1e-5, 0.0, |t| t[0].pow(&t[1]));
+}
+
+#[test]
+fn float_remainder_matches_cpu_for_infinite_divisors_and_huge_dividends() {
+    let xs = [0.0f32, -0.0, 1.5, -1.5, 7.0, -7.0, 1e30, -1e30, 3.4e38, 16777217.0, f32::INFINITY, f32::NAN, 1e-40, -3e-39];
+    let ys = [2.0f32, -2.0, 0.3, -0.3, 1e-3, 7.0, f32::INFINITY, f32::NEG_INFINITY, 0.0, 1e-40, 3.0e38, f32::NAN];
+    let mut a = vec![];
+    let mut b = vec![];
+    for &x in &xs {
+        for &y in &ys {
+            a.push(x);
+            b.push(y);
+        }
+    }
+    let n = a.len();
+    let a = Tensor::from_vec(a, &[n], Device::Cpu).unwrap();
+    let b = Tensor::from_vec(b, &[n], Device::Cpu).unwrap();
+    // fmod is exact, so the results are bit for bit the CPU's.
+    same("remainder", &[a, b], 0.0, 0.0, |t| t[0].rem(&t[1]));
+}
+
+#[test]
+fn cumsum_and_scatter_add_along_long_dims_match_cpu() {
+    // Longer than the 65,535 loop iterations llvmpipe allows one invocation,
+    // and longer than one scan block, with several lines and a strided view.
+    let mut rng = Rng::new(31);
+    let long = 70_001;
+    let x = randn(&mut rng, &[2, long], DType::F32);
+    same("cumsum long f32", std::slice::from_ref(&x), 1e-5, 5e-3, |t| t[0].cumsum(1));
+    let xt = transposed(&mut rng, &[3000, 3], DType::F32);
+    same("cumsum strided", &[xt], 1e-5, 1e-4, |t| t[0].cumsum(0));
+    let i = randn(&mut rng, &[long, 2], DType::I32);
+    same("cumsum long i32", &[i], 0.0, 0.0, |t| t[0].cumsum(0));
+    for dt in [DType::F16, DType::BF16] {
+        let h = Tensor::rand(&[5000], dt, Device::Cpu).unwrap();
+        // Both accumulate in f32 and round each stored sum to the half type.
+        same(&format!("cumsum {dt}"), &[h], 8e-3, 0.0, |t| t[0].cumsum(0));
+    }
+    let size = 37;
+    let idx = Tensor::from_vec((0..long).map(|j| ((j * 7919) % size) as i32).collect::<Vec<_>>(), &[1, long], Device::Cpu).unwrap();
+    let src = randn(&mut rng, &[1, long], DType::F32);
+    let base = randn(&mut rng, &[1, size], DType::F32);
+    same("scatter_add long f32", &[base.clone(), idx.clone(), src], 1e-5, 1e-3, |t| t[0].scatter_add(1, &t[1], &t[2]));
+    let isrc = randn(&mut rng, &[1, long], DType::I32);
+    let ibase = randn(&mut rng, &[1, size], DType::I32);
+    same("scatter_add long i32", &[ibase, idx.clone(), isrc], 0.0, 0.0, |t| t[0].scatter_add(1, &t[1], &t[2]));
+    let uidx = idx.to_dtype(DType::U32).unwrap();
+    for dt in [DType::F16, DType::BF16] {
+        let hsrc = Tensor::rand(&[1, 300], dt, Device::Cpu).unwrap();
+        let hb = Tensor::zeros(&[1, size], dt, Device::Cpu).unwrap();
+        let ui = uidx.narrow(1, 0, 300).unwrap();
+        same(&format!("scatter_add {dt}"), &[hb, ui, hsrc], 2e-2, 0.05, |t| t[0].scatter_add(1, &t[1], &t[2]));
+    }
+    // The embedding backward: a long index along dim 0 of a table.
+    let table = randn(&mut rng, &[50, 8], DType::F32).requires_grad().unwrap();
+    let ids = Tensor::from_vec((0..3000).map(|j: i32| j % 50).collect::<Vec<_>>(), &[3000], Device::Cpu).unwrap();
+    let grad_on = |dev: Device| {
+        let t = table.to_device(dev).unwrap().detach().requires_grad().unwrap();
+        t.embedding(&ids.to_device(dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        t.grad().unwrap().to_f64_vec().unwrap()
+    };
+    assert_close(&grad_on(gpu()), &grad_on(Device::Cpu), 0.0, 1e-9, "embedding gradient");
+}
+
+#[test]
+fn an_out_of_range_u32_index_is_reported_as_unsigned() {
+    let x = Tensor::zeros(&[4], DType::F32, gpu()).unwrap();
+    let idx = Tensor::from_vec(vec![u32::MAX], &[1], gpu()).unwrap();
+    let e = x.index_select(0, &idx).unwrap().to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.contains("4294967295"), "{e}");
+}

@@ -102,30 +102,69 @@ pub const WGSL_HELPERS: &[(&str, &str)] = &[
     return select(v, -v, x < 0.0);
 }"),
     ("pow_", "fn pow_(a: f32, b: f32) -> f32 {
+    // IEEE pow (C's powf, what the CPU kernel calls), special cases first.
     if (b == 0.0 || a == 1.0) { return 1.0; }
     if (isnan_(a) || isnan_(b)) { return bitcast<f32>(0x7fc00000u); }
-    if (b == 1.0) { return a; }
-    if (b == 2.0) { return a * a; }
+    let inf = bitcast<f32>(0x7f800000u);
     let m = abs(a);
+    if (isinf_(b)) {
+        if (m == 1.0) { return 1.0; }
+        return select(0.0, inf, (m > 1.0) == (b > 0.0));
+    }
+    let whole = floor(b) == b;
+    if (a < 0.0 && !isinf_(a) && !whole) { return bitcast<f32>(0x7fc00000u); }
+    // Odd integer exponents keep the base's sign (floats of 2^24 and more are even).
+    let odd = whole && abs(b) < 16777216.0 && abs(b - 2.0 * floor(b * 0.5)) == 1.0;
     var r: f32;
     if (m == 0.0) {
-        r = select(0.0, bitcast<f32>(0x7f800000u), b < 0.0);
-    } else if (m == bitcast<f32>(0x7f800000u)) {
-        r = select(m, 0.0, b < 0.0);
+        r = select(0.0, inf, b < 0.0);
+    } else if (isinf_(m)) {
+        r = select(inf, 0.0, b < 0.0);
+    } else if (b == 1.0) {
+        r = m;
+    } else if (b == 2.0) {
+        r = m * m;
     } else {
         r = exp2(b * log2(m));
     }
-    if (a < 0.0 || (a == 0.0 && bitcast<u32>(a) != 0u)) {
-        if (floor(b) != b) {
-            if (a == 0.0) { return r; }
-            return bitcast<f32>(0x7fc00000u);
-        }
-        if (abs(b % 2.0) == 1.0) { r = -r; }
-    }
+    if (odd && (bitcast<u32>(a) & 0x80000000u) != 0u) { r = -r; }
     return r;
 }"),
+    ("fmod_", "fn fmod_(x: f32, y: f32) -> f32 {
+    // Exact fmod (the CPU's `%`), by long division of the significands:
+    // `x - y * trunc(x / y)` rounds for large quotients, and is NaN for y = inf.
+    let ux = bitcast<u32>(x);
+    let uy = bitcast<u32>(y);
+    let sign = ux & 0x80000000u;
+    let ax = ux & 0x7fffffffu;
+    let ay = uy & 0x7fffffffu;
+    if (ay == 0u || ax >= 0x7f800000u || ay > 0x7f800000u) { return bitcast<f32>(0x7fc00000u); }
+    if (ax < ay) { return x; }
+    if (ax == ay) { return bitcast<f32>(sign); }
+    // Significands with the implicit bit, and their exponents (subnormals normalised).
+    var ex = i32(ax >> 23u);
+    var ey = i32(ay >> 23u);
+    var mx = ax & 0x7fffffu;
+    var my = ay & 0x7fffffu;
+    if (ex == 0) { ex = 1; while ((mx & 0x800000u) == 0u) { mx = mx << 1u; ex = ex - 1; } } else { mx = mx | 0x800000u; }
+    if (ey == 0) { ey = 1; while ((my & 0x800000u) == 0u) { my = my << 1u; ey = ey - 1; } } else { my = my | 0x800000u; }
+    // One bit of the quotient per step: subtract where it fits, then shift.
+    for (var e = ex; e > ey; e = e - 1) {
+        if (mx >= my) { mx = mx - my; }
+        if (mx == 0u) { return bitcast<f32>(sign); }
+        mx = mx << 1u;
+    }
+    if (mx >= my) { mx = mx - my; }
+    if (mx == 0u) { return bitcast<f32>(sign); }
+    // Renormalise to the exponent of y and rebuild the float.
+    var e = ey;
+    while ((mx & 0x800000u) == 0u) { mx = mx << 1u; e = e - 1; }
+    if (e > 0) { return bitcast<f32>(sign | (u32(e) << 23u) | (mx & 0x7fffffu)); }
+    return bitcast<f32>(sign | (mx >> u32(1 - e)));
+}"),
     ("rem_f32", "fn rem_f32(a: f32, b: f32) -> f32 {
-    let r = a % b;
+    // Python's remainder: fmod, then moved to the divisor's sign.
+    let r = fmod_(a, b);
     if (r != 0.0 && ((r < 0.0) != (b < 0.0))) { return r + b; }
     return r;
 }"),
@@ -167,6 +206,26 @@ pub const WGSL_HELPERS: &[(&str, &str)] = &[
     let half = 1u << (s - 1u);
     if (rest > half || (rest == half && (q & 1u) == 1u)) { q = q + 1u; }
     return bitcast<f32>(sign | bitcast<u32>(f32(q) * 5.9604644775390625e-8));
+}"),
+    ("h2f_", "fn h2f_(h: u32) -> f32 {
+    // The f32 value of IEEE half bits.
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    if (e == 0u) { return bitcast<f32>(sign | bitcast<u32>(f32(m) * 5.9604644775390625e-8)); }
+    if (e == 31u) { return bitcast<f32>(sign | 0x7f800000u | (m << 13u)); }
+    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+}"),
+    ("f2h_", "fn f2h_(x: f32) -> u32 {
+    // The half bits of an f32 that already holds a half value (see f16r_).
+    let b = bitcast<u32>(x);
+    let sign = (b >> 16u) & 0x8000u;
+    let a = b & 0x7fffffffu;
+    if (a > 0x7f800000u) { return sign | 0x7e00u; }
+    if (a == 0x7f800000u) { return sign | 0x7c00u; }
+    let e = a >> 23u;
+    if (e >= 113u) { return sign | ((e - 112u) << 10u) | ((a >> 13u) & 0x3ffu); }
+    return sign | u32(bitcast<f32>(a) * 16777216.0);
 }"),
     ("f2i_", "fn f2i_(x: f32) -> i32 {
     // Rust `as`: saturate, NaN to 0.

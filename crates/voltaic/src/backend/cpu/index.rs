@@ -184,8 +184,18 @@ fn cumsum(dim: usize, inp: &View, inputs: &[&CpuStorage]) -> CpuStorage {
         CpuStorage::F64(v) => go(v, l, outer, len, inner),
         CpuStorage::I32(v) => go(v, l, outer, len, inner),
         CpuStorage::U32(v) => go(v, l, outer, len, inner),
-        CpuStorage::F16(v) => go(v, l, outer, len, inner),
-        CpuStorage::BF16(v) => go(v, l, outer, len, inner),
+        // Half types accumulate in f32 and round each stored sum (as PyTorch):
+        // a running sum kept in f16 stalls once its ulp outgrows the terms.
+        CpuStorage::F16(v) => {
+            let f: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+            let CpuStorage::F32(r) = go(&f, l, outer, len, inner) else { unreachable!() };
+            CpuStorage::F16(r.into_iter().map(f16::from_f32).collect())
+        }
+        CpuStorage::BF16(v) => {
+            let f: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+            let CpuStorage::F32(r) = go(&f, l, outer, len, inner) else { unreachable!() };
+            CpuStorage::BF16(r.into_iter().map(bf16::from_f32).collect())
+        }
     }
 }
 

@@ -82,10 +82,12 @@ pub(crate) fn download(ctx: &GpuContext, buf: &GpuBuf, start: usize, len: usize)
     if flags[0] != 0 {
         ctx.queue.write_buffer(&ctx.index_error, 0, &[0u8; 16]);
         return Err(Error::Index {
-            op: crate::primitive::IndexOp::name_of_error_code(flags[3]),
+            op: crate::primitive::IndexOp::name_of_error_code(flags[3] & !super::kernels::UNSIGNED_INDEX),
             msg: format!(
                 "index {} is out of range for a dimension of size {} (found on gpu:{} when the values were read)",
-                flags[1] as i32, flags[2], ctx.index
+                if flags[3] & super::kernels::UNSIGNED_INDEX != 0 { flags[1] as i64 } else { flags[1] as i32 as i64 },
+                flags[2],
+                ctx.index
             ),
         });
     }

@@ -159,6 +159,12 @@ fn graphs(dt: DType) -> Vec<Tensor> {
     out.push(x.index_select(0, &ints(&[4], 6.0, DType::U32)).unwrap());
     out.push(x.zeros_like().unwrap().scatter_add(1, &idx, &randn(&[6, 5], dt)).unwrap());
     out.push(x.cumsum(1).unwrap());
+    out.push(randn(&[3, 5000], dt).cumsum(1).unwrap());
+    out.push(ints(&[700, 2], 9.0, DType::I32).cumsum(0).unwrap());
+    let long_idx = ints(&[1, 300], 37.0, DType::U32);
+    out.push(x.narrow(0, 0, 1).unwrap().scatter_add(1, &long_idx, &randn(&[1, 300], dt)).unwrap());
+    out.push(ints(&[1, 37], 5.0, DType::I32).scatter_add(1, &long_idx, &ints(&[1, 300], 5.0, DType::I32)).unwrap());
+    out.push(Tensor::from_vec(Vec::<f32>::new(), &[4, 0], Device::Cpu).unwrap().to_dtype(dt).unwrap().sum(&[1], false).unwrap());
     out.push(Tensor::cat(&[&x, &x.mul(2.0).unwrap()], 0).unwrap());
     let img = randn(&[2, 3, 9, 9], dt);
     out.push(img.conv2d(&randn(&[4, 3, 3, 3], dt), Some(&randn(&[4], dt)), crate::Conv2dOpts { padding: [1, 1], stride: [2, 2], ..Default::default() }).unwrap());

@@ -4,7 +4,7 @@
 //! next read.
 
 use super::{groups, Gen, WG};
-use crate::backend::wgpu::codegen::{literal, round_to, strided, unravel, compute_ty, Dispatch, WgslProgram};
+use crate::backend::wgpu::codegen::{cast, compute_ty, literal, round_to, strided, unravel, Dispatch, Src, WgslProgram};
 use crate::dtype::DType;
 use crate::ir::Strided as View;
 use crate::layout::Layout;
@@ -23,7 +23,7 @@ impl Gen<'_> {
                     p.dispatches.push(self.scatter_add(dim, &args[0], &args[1], &args[2], op.error_code()));
                 }
             }
-            IndexOp::Cumsum { dim } => p.dispatches.push(self.cumsum(dim, &args[0])),
+            IndexOp::Cumsum { dim } => self.cumsum(p, dim, &args[0]),
             IndexOp::Cat { dim } => {
                 let total: usize = args.iter().map(|v| v.layout.dims()[dim]).sum();
                 let mut at = 0;
@@ -54,14 +54,25 @@ impl Gen<'_> {
 
     /// Read an index element (i32 or u32) as i32 into `name`, reporting it and
     /// using 0 when it is outside `[0, size)`.
+    /// An out-of-range index is reported with the op's code; a u32 index
+    /// sets `UNSIGNED_INDEX` in it, so the host prints it as unsigned.
     fn checked_index(&self, b: &mut String, name: &str, v: &View, off: &str, size: usize, op: u32) {
         let raw = format!("ld_in{}({off})", v.input);
-        let as_i32 = if self.inputs[v.input].0 == DType::U32 { format!("bitcast<i32>({raw})") } else { raw };
-        let _ = writeln!(
-            b,
-            "    var {name} = {as_i32};
+        if self.inputs[v.input].0 == DType::U32 {
+            let code = op | UNSIGNED_INDEX;
+            let _ = writeln!(
+                b,
+                "    let {name}_u = {raw};
+    var {name} = i32({name}_u);
+    if ({name}_u >= {size}u) {{ bad_index({code}u, bitcast<i32>({name}_u), {size}u); {name} = 0; }}"
+            );
+        } else {
+            let _ = writeln!(
+                b,
+                "    var {name} = {raw};
     if ({name} < 0 || {name} >= {size}) {{ bad_index({op}u, {name}, {size}u); {name} = 0; }}"
-        );
+            );
+        }
     }
 
     fn gather(&self, dim: usize, input: &View, index: &View, code: u32) -> Dispatch {
@@ -96,21 +107,29 @@ impl Gen<'_> {
         sh.finish("index_select".into(), WG, groups(n, WG), &b)
     }
 
-    /// `out[.., index[p], ..] += src[p]`: one thread per line along `dim` of
-    /// `index`, so no two threads touch the same output element and the
-    /// additions happen in index order, as on the CPU.
+    /// `out[.., index[p], ..] += src[p]` for every position `p` of `index`.
+    /// Short lines along `dim`: a thread per line adds in index order, as
+    /// the CPU does. Longer ones: a thread per position, adding with an
+    /// atomic compare-exchange loop (floats) or atomic add (integers), so
+    /// long dims run in parallel (and within the 65,535 loop iterations
+    /// llvmpipe allows a shader); float sums then depend on the order of
+    /// the additions, as on PyTorch's GPUs.
     fn scatter_add(&self, dim: usize, input: &View, index: &View, src: &View, code: u32) -> Dispatch {
+        let idims = index.layout.dims();
+        let dt = self.out.0;
+        let fits = (self.out.1 as u64) * super::super::codegen::elem_bytes(dt) <= self.caps.chunk_bytes();
+        if idims[dim] > 64 && fits {
+            return self.scatter_add_atomic(dim, input, index, src, code);
+        }
         let mut sh = self.shader();
         self.bind_inputs(&mut sh, &[index.input, src.input]);
         self.bind_out(&mut sh);
         sh.index_errors();
-        let idims = index.layout.dims();
         let len = idims[dim];
         let mut line_dims = idims.to_vec();
         line_dims[dim] = 1;
         let lines: usize = line_dims.iter().product();
         let odims = input.layout.dims();
-        let ostrides = crate::shape::Shape::new(odims).contiguous_strides();
         let mut b = format!("    let t = group * {WG}u + lid;\n    if (t >= {lines}u) {{ return; }}\n");
         let mut d = unravel(&mut b, &mut sh, "t", &line_dims);
         let _ = writeln!(b, "    for (var j = 0u; j < {len}u; j = j + 1u) {{");
@@ -119,9 +138,7 @@ impl Gen<'_> {
         self.checked_index(&mut b, "x", index, &ioff, odims[dim], code);
         let soff = strided_all(&d, &src.layout);
         d[dim] = "u32(x)".into();
-        let out_l = Layout { shape: crate::shape::Shape::new(odims), strides: ostrides, offset: 0 };
-        let ooff = strided_all(&d, &out_l);
-        let dt = self.out.0;
+        let ooff = strided_all(&d, &Layout::contiguous(odims));
         let sum = if dt == DType::Bool {
             format!("ld_out(o) || ld_in{}({soff})", src.input)
         } else {
@@ -131,37 +148,219 @@ impl Gen<'_> {
         sh.finish("scatter_add".into(), WG, groups(lines, WG), &b)
     }
 
-    fn cumsum(&self, dim: usize, input: &View) -> Dispatch {
+    /// `scatter_add` with a thread per index position and atomic additions.
+    fn scatter_add_atomic(&self, dim: usize, input: &View, index: &View, src: &View, code: u32) -> Dispatch {
         let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[input.input]);
-        self.bind_out(&mut sh);
+        self.bind_inputs(&mut sh, &[index.input, src.input]);
+        let dt = self.out.0;
+        let word = if dt == DType::I32 { "i32" } else { "u32" };
+        sh.bind_raw(Src::Output, "outa", &format!("array<atomic<{word}>>"), true);
+        sh.index_errors();
+        let idims = index.layout.dims();
+        let n = index.layout.numel();
+        let odims = input.layout.dims();
+        let mut b = format!("    let p = group * {WG}u + lid;\n    if (p >= {n}u) {{ return; }}\n");
+        let mut d = unravel(&mut b, &mut sh, "p", idims);
+        let ioff = strided_all(&d, &index.layout);
+        self.checked_index(&mut b, "x", index, &ioff, odims[dim], code);
+        let soff = strided_all(&d, &src.layout);
+        d[dim] = "u32(x)".into();
+        let ooff = strided_all(&d, &Layout::contiguous(odims));
+        let _ = writeln!(b, "    let v = ld_in{}({soff});\n    let o = {ooff};", src.input);
+        // Compare-exchange: `new(old)` is the word after adding v to the element in `old`.
+        let cas = |b: &mut String, at: &str, new: &str| {
+            let _ = writeln!(
+                b,
+                "    var old = atomicLoad(&outa[{at}]);
+    loop {{
+        let r = atomicCompareExchangeWeak(&outa[{at}], old, {new});
+        if (r.exchanged) {{ break; }}
+        old = r.old_value;
+    }}"
+            );
+        };
+        match dt {
+            DType::I32 | DType::U32 => {
+                let _ = writeln!(b, "    atomicAdd(&outa[o], v);");
+            }
+            DType::Bool => {
+                let _ = writeln!(b, "    if (v) {{ atomicOr(&outa[o], 1u); }}");
+            }
+            DType::F32 => cas(&mut b, "o", "bitcast<u32>(bitcast<f32>(old) + v)"),
+            DType::BF16 => cas(&mut b, "o", "bitcast<u32>(bf16r_(bitcast<f32>(old) + v))"),
+            DType::F16 => {
+                // Two halves per word: replace this element's half of it.
+                let _ = writeln!(b, "    let w = o / 2u;\n    let sh = (o % 2u) * 16u;");
+                // On the bits: pack2x16float needs a capability WebGPU and GL
+                // may lack, and naga mistypes a bitcast to vec2<f16>.
+                cas(&mut b, "w", "(old & ~(0xffffu << sh)) | (f2h_(f16r_(h2f_((old >> sh) & 0xffffu) + v)) << sh)");
+            }
+            DType::F64 => unreachable!("f64 is refused on the GPU"),
+        }
+        sh.finish("scatter_add_atomic".into(), WG, groups(n, WG), &b)
+    }
+
+    /// Inclusive prefix sums along `dim`. Short lines: a thread per line.
+    /// Longer ones: a blocked scan in up to three passes: each block of
+    /// `SCAN` elements sums its part of a line, one workgroup per line scans
+    /// those sums into block offsets, then each block scans its elements from
+    /// its offset and writes them once (sums accumulate in the compute type,
+    /// rounded when stored).
+    fn cumsum(&self, p: &mut WgslProgram, dim: usize, input: &View) {
+        let dims = input.layout.dims();
+        let len = dims[dim];
+        if len <= 64 {
+            p.dispatches.push(self.cumsum_lines(dim, input));
+            return;
+        }
+        let lines = input.layout.numel() / len;
+        let blocks = len.div_ceil(SCAN);
+        let ct = compute_ty(self.out.0);
+        let acc = match ct {
+            "i32" => DType::I32,
+            "u32" => DType::U32,
+            _ => DType::F32,
+        };
+        if blocks > 1 {
+            p.scratch.push((acc, lines * blocks));
+            p.dispatches.push(self.cumsum_block_sums(dim, input, blocks, acc));
+            p.dispatches.push(self.cumsum_block_offsets(lines, blocks, acc));
+        }
+        p.dispatches.push(self.cumsum_blocks(dim, input, blocks, acc));
+    }
+
+    /// The WGSL that finds line `t`'s input base and output base (`base`, `obase`).
+    fn scan_line(&self, b: &mut String, sh: &mut crate::backend::wgpu::codegen::Shader, dim: usize, input: &View) {
         let l = &input.layout;
         let dims = l.dims();
         let len = dims[dim];
         let mut line_dims = dims.to_vec();
         line_dims[dim] = 1;
-        let lines: usize = line_dims.iter().product();
         let inner: usize = dims[dim + 1..].iter().product();
+        let d = unravel(b, sh, "t", &line_dims);
+        let _ = writeln!(b, "    let base = {};\n    let obase = (t / {inner}u) * {}u + t % {inner}u;", strided(&d, l), len * inner);
+    }
+
+    fn cumsum_lines(&self, dim: usize, input: &View) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input]);
+        self.bind_out(&mut sh);
+        let l = &input.layout;
+        let len = l.dims()[dim];
+        let lines = l.numel() / len;
+        let inner: usize = l.dims()[dim + 1..].iter().product();
         let dt = self.out.0;
-        let ct = compute_ty(dt);
         let mut b = format!("    let t = group * {WG}u + lid;\n    if (t >= {lines}u) {{ return; }}\n");
-        let d = unravel(&mut b, &mut sh, "t", &line_dims);
-        let base = strided(&d, l);
-        let outer_i = format!("(t / {inner}u)");
+        self.scan_line(&mut b, &mut sh, dim, input);
         let _ = writeln!(
             b,
-            "    let base = {base};
-    let obase = {outer_i} * {} + t % {inner}u;
-    var acc: {ct} = {};
+            "    var acc: {} = {};
     for (var j = 0u; j < {len}u; j = j + 1u) {{
         acc = {};
         st_out(obase + j * {inner}u, acc);
     }}",
-            format_args!("{}u", len * inner),
+            compute_ty(dt),
             literal(0.0, dt),
             round_to(dt, &format!("acc + ld_in{}(base + j * {}u)", input.input, l.strides()[dim])),
         );
         sh.finish("cumsum".into(), WG, groups(lines, WG), &b)
+    }
+
+    /// Pass 1: the sum of each block of each line, into scratch.
+    fn cumsum_block_sums(&self, dim: usize, input: &View, blocks: usize, acc: DType) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input]);
+        let lines = input.layout.numel() / input.layout.dims()[dim];
+        sh.array(Src::Scratch(0), "bsum", acc, lines * blocks, true);
+        let at = compute_ty(acc);
+        sh.decl(&format!("var<workgroup> part: array<{at}, {WG}>;"));
+        let len = input.layout.dims()[dim];
+        let stride = input.layout.strides()[dim];
+        let mut b = format!("    if (group >= {}u) {{ return; }}\n    let t = group / {blocks}u;\n    let blk = group % {blocks}u;\n", lines * blocks);
+        self.scan_line(&mut b, &mut sh, dim, input);
+        let _ = writeln!(b, "    var s: {at} = {};", literal(0.0, acc));
+        for u in 0..SCAN / WG as usize {
+            let _ = writeln!(b, "    {{ let j = blk * {SCAN}u + lid * {}u + {u}u; if (j < {len}u) {{ s = s + {at}(ld_in{}(base + j * {stride}u)); }} }}", SCAN / WG as usize, input.input);
+        }
+        let _ = writeln!(
+            b,
+            "    part[lid] = s;
+    workgroupBarrier();
+    for (var w = {}u; w > 0u; w = w >> 1u) {{
+        if (lid < w) {{ part[lid] = part[lid] + part[lid + w]; }}
+        workgroupBarrier();
+    }}
+    if (lid == 0u) {{ st_bsum(group, part[0]); }}",
+            WG / 2
+        );
+        sh.finish("cumsum_block_sums".into(), WG, (lines * blocks) as u64, &b)
+    }
+
+    /// Pass 2: each line's block sums, scanned in place into exclusive offsets.
+    fn cumsum_block_offsets(&self, lines: usize, blocks: usize, acc: DType) -> Dispatch {
+        let mut sh = self.shader();
+        sh.array(Src::Scratch(0), "bsum", acc, lines * blocks, true);
+        let at = compute_ty(acc);
+        sh.decl(&format!("var<workgroup> part: array<{at}, {WG}>;"));
+        let zero = literal(0.0, acc);
+        let mut b = format!("    let t = group;\n    if (t >= {lines}u) {{ return; }}\n    var carry: {at} = {zero};\n");
+        let _ = writeln!(
+            b,
+            "    for (var c = 0u; c < {blocks}u; c = c + {WG}u) {{
+        let k = c + lid;
+        var v: {at} = {zero};
+        if (k < {blocks}u) {{ v = ld_bsum(t * {blocks}u + k); }}
+        part[lid] = v;
+        workgroupBarrier();
+{}
+        var before: {at} = {zero};
+        if (lid > 0u) {{ before = part[lid - 1u]; }}
+        if (k < {blocks}u) {{ st_bsum(t * {blocks}u + k, carry + before); }}
+        let total = part[{}u];
+        workgroupBarrier();
+        carry = carry + total;
+    }}",
+            scan_shared("part", at, &zero),
+            WG - 1
+        );
+        sh.finish("cumsum_block_offsets".into(), WG, lines as u64, &b)
+    }
+
+    /// Pass 3 (the only one for lines of one block): each block scans its
+    /// elements from its offset and writes them.
+    fn cumsum_blocks(&self, dim: usize, input: &View, blocks: usize, acc: DType) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input]);
+        self.bind_out(&mut sh);
+        let l = &input.layout;
+        let len = l.dims()[dim];
+        let lines = l.numel() / len;
+        let inner: usize = l.dims()[dim + 1..].iter().product();
+        if blocks > 1 {
+            sh.array(Src::Scratch(0), "bsum", acc, lines * blocks, false);
+        }
+        let at = compute_ty(acc);
+        sh.decl(&format!("var<workgroup> part: array<{at}, {WG}>;"));
+        let per = SCAN / WG as usize;
+        let dt = self.out.0;
+        let stride = l.strides()[dim];
+        let mut b = format!("    if (group >= {}u) {{ return; }}\n    let t = group / {blocks}u;\n    let blk = group % {blocks}u;\n", lines * blocks);
+        self.scan_line(&mut b, &mut sh, dim, input);
+        let _ = writeln!(b, "    let j0 = blk * {SCAN}u + lid * {per}u;\n    var x: array<{at}, {per}>;\n    var s: {at} = {};", literal(0.0, acc));
+        for u in 0..per {
+            let _ = writeln!(b, "    if (j0 + {u}u < {len}u) {{ x[{u}] = {at}(ld_in{}(base + (j0 + {u}u) * {stride}u)); }} else {{ x[{u}] = {}; }}\n    s = s + x[{u}];", input.input, literal(0.0, acc));
+        }
+        let offset = if blocks > 1 { "ld_bsum(group)".to_string() } else { literal(0.0, acc) };
+        let zero = literal(0.0, acc);
+        let _ = writeln!(
+            b,
+            "    part[lid] = s;\n    workgroupBarrier();\n{}\n    var run = {offset};\n    if (lid > 0u) {{ run = run + part[lid - 1u]; }}",
+            scan_shared("part", at, &zero)
+        );
+        for u in 0..per {
+            let _ = writeln!(b, "    run = run + x[{u}];\n    if (j0 + {u}u < {len}u) {{ st_out(obase + (j0 + {u}u) * {inner}u, {}); }}", cast(acc, dt, "run"));
+        }
+        sh.finish(format!("cumsum_blocks {blocks}x{SCAN}"), WG, (lines * blocks) as u64, &b)
     }
 
     fn cat_part(&self, dim: usize, part: &View, at: usize, total: usize) -> Dispatch {
@@ -279,6 +478,26 @@ impl Gen<'_> {
         );
         sh.finish("fold".into(), WG, groups(n, WG), &b)
     }
+}
+
+/// Elements each workgroup of the blocked scan covers.
+const SCAN: usize = 1024;
+
+/// Flag in an index error's op code: the index tensor is u32.
+pub(crate) const UNSIGNED_INDEX: u32 = 0x100;
+
+/// WGSL that turns `arr[0..WG]` (workgroup memory, every thread holding one
+/// entry at `lid`) into its inclusive prefix sums (Hillis-Steele, with barriers).
+fn scan_shared(arr: &str, ty: &str, zero: &str) -> String {
+    format!(
+        "    for (var w = 1u; w < {WG}u; w = w << 1u) {{
+        var add: {ty} = {zero};
+        if (lid >= w) {{ add = {arr}[lid - w]; }}
+        workgroupBarrier();
+        {arr}[lid] = {arr}[lid] + add;
+        workgroupBarrier();
+    }}"
+    )
 }
 
 /// Like `strided`, but keeps every digit (they may be runtime values that

@@ -6,6 +6,7 @@
 
 mod elementwise;
 mod index;
+pub(crate) use index::UNSIGNED_INDEX;
 mod reduce;
 mod rows;
 

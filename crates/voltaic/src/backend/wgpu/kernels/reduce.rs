@@ -17,6 +17,15 @@ impl Gen<'_> {
         // Bools reduce as 0/1 counters.
         let adt = if vdt == DType::Bool { DType::U32 } else { vdt.compute() };
         let r = Reduction { op, adt, vdt, out: self.out.0 };
+        if inner == 0 {
+            // Nothing to fold (a sum over an empty dim): every output is the
+            // identity. The general kernels would index a dim of size 0.
+            let mut sh = self.shader();
+            self.bind_out(&mut sh);
+            let b = format!("    let o = group * {WG}u + lid;\n    if (o >= {outer}u) {{ return; }}\n    st_out(o, {});\n", r.finish(&r.identity(), "0u"));
+            p.dispatches.push(sh.finish(format!("reduce_empty {}", op.name()), WG, groups(outer, WG), &b));
+            return Ok(());
+        }
         // Reading along the reduced dim with stride 1 favours a workgroup per
         // output; short or strided rows favour a thread per output, whose
         // neighbours then read neighbouring memory.
