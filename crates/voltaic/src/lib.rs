@@ -59,7 +59,7 @@ pub use error::{Error, Result};
 pub use schedule::KernelSummary;
 pub use tensor::inspect;
 pub use layout::Layout;
-pub use ops::nn::{Conv2dOpts, Reduction};
+pub use ops::nn::{Conv2dOpts, CrossEntropyOpts, Reduction};
 pub use ops::IntoOperand;
 pub use rng::{manual_seed, Generator};
 pub use shape::Shape;

@@ -216,3 +216,17 @@ fn out_of_range_indices_are_errors_when_read() {
     let e = x.gather(0, &neg).unwrap().to_vec::<f32>().expect_err("negative index");
     assert!(e.to_string().contains("gather"), "{e}");
 }
+
+#[test]
+fn an_out_of_range_u32_index_is_reported_as_unsigned() {
+    // Serial: the device reports an index error at its next read, whichever test reads.
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (g, _) = gpu();
+    let x = Tensor::zeros(&[4], DType::F32, g).unwrap();
+    let idx = Tensor::from_vec(vec![u32::MAX], &[1], g).unwrap();
+    let e = x.index_select(0, &idx).unwrap().to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.contains("4294967295"), "{e}");
+    let idx = Tensor::from_vec(vec![-3i32], &[1], g).unwrap();
+    let e = x.index_select(0, &idx).unwrap().to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.contains("index -3 "), "{e}");
+}

@@ -283,3 +283,73 @@ fn gpu_gradients_match_cpu() {
         }
     }
 }
+
+/// The gradient of `f` at the given f64 inputs, one vector per input.
+fn grads_at(inputs: &[(&[f64], &[usize])], f: &dyn Fn(&[Tensor]) -> Result<Tensor>) -> Vec<Vec<f64>> {
+    let xs: Vec<Tensor> = inputs.iter().map(|(v, s)| Tensor::from_vec(v.to_vec(), s, Device::Cpu).unwrap().requires_grad().unwrap()).collect();
+    f(&xs).unwrap().sum_all().unwrap().backward().unwrap();
+    xs.iter().map(|x| x.grad().unwrap().to_vec::<f64>().unwrap()).collect()
+}
+
+#[test]
+fn gradients_at_kinks_follow_pytorch() {
+    // softplus'(0) = sigmoid(0) = 0.5 (its parts relu and abs have kinks there).
+    let g = grads_at(&[(&[0.0, -30.0, 30.0], &[3])], &|t| t[0].softplus());
+    assert_eq!(g[0][0], 0.5);
+    assert!((g[0][1] - 1.0 / (1.0 + 30f64.exp())).abs() < 1e-15 && (g[0][2] - 1.0).abs() < 1e-12, "{:?}", g[0]);
+    // clamp passes the whole gradient at its bounds (inclusive), none outside.
+    let g = grads_at(&[(&[-1.0, 0.0, 0.5, 1.0, 2.0], &[5])], &|t| t[0].clamp(Some(0.0), Some(1.0)));
+    assert_eq!(g[0], vec![0.0, 1.0, 1.0, 1.0, 0.0]);
+    let g = grads_at(&[(&[0.0, 5.0], &[2])], &|t| t[0].clamp(Some(2.0), Some(1.0)));
+    assert_eq!(g[0], vec![0.0, 0.0], "min > max: constant max, no gradient");
+    // prod: the product of the others at a lone zero, 0 at zeros that share a group.
+    let g = grads_at(&[(&[2.0, 0.0, 3.0, 0.0, 0.0, 5.0, 1.5, 2.0, 4.0], &[3, 3])], &|t| t[0].prod(&[1], false));
+    assert_eq!(g[0], vec![0.0, 6.0, 0.0, 0.0, 0.0, 0.0, 8.0, 6.0, 3.0]);
+    // max_pool2d routes each window's gradient to its first maximum (tiled and unfolded windows).
+    let x = [1.0, 3.0, 3.0, 0.0, 2.0, 2.0, 2.0, 2.0, 5.0, 5.0, 1.0, 1.0, 5.0, 5.0, 1.0, 1.0];
+    let g = grads_at(&[(&x, &[1, 1, 4, 4])], &|t| t[0].max_pool2d([2, 2], None, [0, 0]));
+    assert_eq!(g[0], vec![0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    let g = grads_at(&[(&x, &[1, 1, 4, 4])], &|t| t[0].max_pool2d([3, 3], Some([1, 1]), [1, 1]));
+    let want = {
+        // First maximum of each 3x3 window (padded with -inf) in row-major order, counted.
+        let mut w = vec![0.0; 16];
+        for oy in 0..4i32 {
+            for ox in 0..4i32 {
+                let mut best = (f64::NEG_INFINITY, 0usize);
+                for ky in -1..=1 {
+                    for kx in -1..=1 {
+                        let (y, xx) = (oy + ky, ox + kx);
+                        if (0..4).contains(&y) && (0..4).contains(&xx) && x[(y * 4 + xx) as usize] > best.0 {
+                            best = (x[(y * 4 + xx) as usize], (y * 4 + xx) as usize);
+                        }
+                    }
+                }
+                w[best.1] += 1.0;
+            }
+        }
+        w
+    };
+    assert_eq!(g[0], want);
+    // pow at a = 0, b = 0: d/da is 0 (PyTorch), d/db is 0 where a = 0 and b >= 0.
+    let g = grads_at(&[(&[0.0, 0.0, 2.0], &[3]), (&[0.0, 2.0, 3.0], &[3])], &|t| t[0].pow(&t[1]));
+    assert_eq!(g[0], vec![0.0, 0.0, 12.0]);
+    assert_eq!(g[1][..2], [0.0, 0.0]);
+    assert!((g[1][2] - 8.0 * 2f64.ln()).abs() < 1e-12);
+}
+
+#[test]
+fn new_gradients_match_finite_differences() {
+    let away = |r: &mut Rng| {
+        let v = 0.3 + r.uniform() * 2.0;
+        if r.uniform() < 0.5 { -v } else { v }
+    };
+    check("softplus", &[&[7]], &normal, &|t| t[0].softplus());
+    check("clamp", &[&[3, 5]], &away, &|t| t[0].clamp(Some(-1.0), Some(0.8)));
+    check("prod with a zero", &[&[4, 3]], &normal, &|t| t[0].mul(&Tensor::from_vec(vec![1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], &[4, 3], Device::Cpu)?)?.add(&t[0].mul(0.0)?)?.prod(&[1], false));
+    check("max_pool2d overlapping", &[&[2, 2, 5, 5]], &normal, &|t| t[0].max_pool2d([3, 3], Some([2, 2]), [1, 1]));
+    check("max_pool2d tiled", &[&[1, 3, 4, 6]], &normal, &|t| t[0].max_pool2d([2, 2], None, [0, 0]));
+    check("cross_entropy ignore_index + smoothing", &[&[5, 4]], &normal, &|t| {
+        let target = Tensor::from_vec(vec![1i32, -100, 3, 0, -100], &[5], Device::Cpu)?;
+        t[0].cross_entropy(&target, 0.2, Reduction::Mean)
+    });
+}

@@ -171,7 +171,9 @@ fn conv2d_non_contiguous_input_and_errors() -> voltaic::Result<()> {
     assert_err_mentions(x.conv2d(&w, None, opts(0, 0, 1, 1)), &["conv2d"]);
     assert_err_mentions(x.conv2d(&w, None, opts(1, 0, 0, 1)), &["conv2d"]);
     assert_err_mentions(x.conv2d(&w, None, opts(1, 0, 3, 1)), &["conv2d", "5x5"]);
-    assert_err_mentions(x.reshape_dims(&[3, 5, 5])?.conv2d(&w, None, Conv2dOpts::default()), &["conv2d", "[3, 5, 5]"]);
+    assert_err_mentions(x.reshape_dims(&[15, 5])?.conv2d(&w, None, Conv2dOpts::default()), &["conv2d", "[15, 5]"]);
+    // An unbatched [C, H, W] input is accepted, as PyTorch.
+    assert_eq!(x.reshape_dims(&[3, 5, 5])?.conv2d(&w, None, Conv2dOpts::default())?.dims(), &[2, 3, 3]);
     Ok(())
 }
 
@@ -478,7 +480,10 @@ fn cross_entropy_with_and_without_label_smoothing() -> voltaic::Result<()> {
     assert_err_mentions(x.cross_entropy(&Tensor::zeros(&[4], DType::F32, Device::Cpu)?, 0.0, Reduction::Mean), &["cross_entropy", "f32"]);
     assert_err_mentions(x.cross_entropy(&idx_tensor(&[0; 4], &[4]), 1.5, Reduction::Mean), &["cross_entropy", "1.5"]);
     assert_err_mentions(x.cross_entropy(&idx_tensor(&[0; 4], &[4]), -0.1, Reduction::Mean), &["cross_entropy"]);
-    assert_err_mentions(Tensor::ones(&[3], DType::F32, Device::Cpu)?.cross_entropy(&idx_tensor(&[0], &[]), 0.0, Reduction::Mean), &["cross_entropy", "[3]"]);
+    assert_err_mentions(Tensor::ones(&[3], DType::F32, Device::Cpu)?.cross_entropy(&idx_tensor(&[0], &[1]), 0.0, Reduction::Mean), &["cross_entropy", "[3]"]);
+    // Unbatched [C] logits with a 0-d target are accepted, as PyTorch: ln(3) for equal logits.
+    let l = Tensor::ones(&[3], DType::F32, Device::Cpu)?.cross_entropy(&idx_tensor(&[0], &[]), 0.0, Reduction::Mean)?;
+    assert!((l.item::<f32>()? - 3f32.ln()).abs() < 1e-6);
     // Out-of-range class indices are errors when computed.
     for bad in [3i64, -1, 100] {
         let r = x.cross_entropy(&idx_tensor(&[0, bad, 1, 2], &[4]), 0.0, Reduction::Mean).and_then(|t| t.to_f64_vec());
@@ -512,7 +517,62 @@ fn mse_loss_reductions() -> voltaic::Result<()> {
     assert_eq!(e.mse_loss(&e, Reduction::Sum)?.item_f64()?, 0.0);
     // Errors.
     let a = Tensor::ones(&[2, 3], DType::F32, Device::Cpu)?;
-    let b = Tensor::ones(&[3], DType::F32, Device::Cpu)?;
-    assert_err_mentions(a.mse_loss(&b, Reduction::Mean), &["mse_loss", "[2, 3]", "[3]"]);
+    let b = Tensor::ones(&[2], DType::F32, Device::Cpu)?;
+    assert_err_mentions(a.mse_loss(&b, Reduction::Mean), &["mse_loss", "[2, 3]", "[2]"]);
     Ok(())
+}
+
+#[test]
+fn pytorch_semantics_for_losses_and_unbatched_inputs() {
+    let cpu = Device::Cpu;
+    // cross_entropy: ignore_index (default -100) and label smoothing together.
+    let logits: Vec<f64> = (0..20).map(|i| ((i * 37 % 11) as f64 - 5.0) * 0.3).collect();
+    let x = Tensor::from_vec(logits.clone(), &[5, 4], cpu).unwrap();
+    let target = [1i32, -100, 3, 0, -100];
+    let t = Tensor::from_vec(target.to_vec(), &[5], cpu).unwrap();
+    let eps = 0.2;
+    let (mut total, mut count) = (0.0, 0.0);
+    let mut per = vec![];
+    for (n, &c) in target.iter().enumerate() {
+        let row = &logits[n * 4..n * 4 + 4];
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        let l = if c < 0 { 0.0 } else { (1.0 - eps) * (lse - row[c as usize]) + eps * (lse - row.iter().sum::<f64>() / 4.0) };
+        per.push(l);
+        if c >= 0 {
+            total += l;
+            count += 1.0;
+        }
+    }
+    let mean = x.cross_entropy(&t, eps, Reduction::Mean).unwrap().item::<f64>().unwrap();
+    assert!((mean - total / count).abs() < 1e-12, "{mean} vs {}", total / count);
+    let none = x.cross_entropy(&t, eps, Reduction::None).unwrap().to_vec::<f64>().unwrap();
+    assert!(none.iter().zip(&per).all(|(a, b)| (a - b).abs() < 1e-12), "{none:?} vs {per:?}");
+    let opts = voltaic::CrossEntropyOpts { ignore_index: 3, ..Default::default() };
+    let t3 = Tensor::from_vec(vec![1i32, 2, 3, 0, 2], &[5], cpu).unwrap();
+    let l = x.cross_entropy_with(&t3, &opts).unwrap().item::<f64>().unwrap();
+    let keep = x.narrow(0, 0, 2).unwrap();
+    let rest = Tensor::cat(&[&keep, &x.narrow(0, 3, 2).unwrap()], 0).unwrap();
+    let want = rest.cross_entropy(&Tensor::from_vec(vec![1i32, 2, 0, 2], &[4], cpu).unwrap(), 0.0, Reduction::Mean).unwrap().item::<f64>().unwrap();
+    assert!((l - want).abs() < 1e-12);
+    // Unbatched (C) logits with a 0-d target.
+    let one = x.narrow(0, 0, 1).unwrap().squeeze(0).unwrap();
+    let l = one.cross_entropy(&Tensor::scalar(1i32, cpu).unwrap(), 0.0, Reduction::Mean).unwrap();
+    assert!((l.item::<f64>().unwrap() - x.narrow(0, 0, 1).unwrap().cross_entropy(&t.narrow(0, 0, 1).unwrap(), 0.0, Reduction::Mean).unwrap().item::<f64>().unwrap()).abs() < 1e-12);
+    // Unbatched conv2d and pooling give the batched result without the batch dim.
+    let img = Tensor::randn(&[3, 6, 6], DType::F32, cpu).unwrap();
+    let w = Tensor::randn(&[2, 3, 3, 3], DType::F32, cpu).unwrap();
+    let o = Conv2dOpts { padding: [1, 1], ..Default::default() };
+    let a = img.conv2d(&w, None, o).unwrap();
+    let b = img.unsqueeze(0).unwrap().conv2d(&w, None, o).unwrap().squeeze(0).unwrap();
+    assert_eq!(a.dims(), &[2, 6, 6]);
+    assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    assert_eq!(img.max_pool2d([2, 2], None, [0, 0]).unwrap().dims(), &[3, 3, 3]);
+    assert_eq!(img.avg_pool2d([3, 3], Some([1, 1]), [1, 1]).unwrap().dims(), &[3, 6, 6]);
+    // mse_loss broadcasts as PyTorch, and names both shapes when it cannot.
+    let p = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2], cpu).unwrap();
+    let q = Tensor::from_vec(vec![1.0f32, 0.0], &[2], cpu).unwrap();
+    assert_eq!(p.mse_loss(&q, Reduction::Mean).unwrap().item::<f32>().unwrap(), (0.0 + 4.0 + 4.0 + 16.0) / 4.0);
+    let e = p.mse_loss(&Tensor::zeros(&[3], DType::F32, cpu).unwrap(), Reduction::Mean).unwrap_err().to_string();
+    assert!(e.starts_with("mse_loss:") && e.contains("[2, 2]") && e.contains("[3]"), "{e}");
 }

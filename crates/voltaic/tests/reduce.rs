@@ -727,3 +727,35 @@ fn cumsum_and_softmax_of_views_and_pending_inputs() -> Res {
     assert_close(&e.softmax(0)?.to_f64_vec()?, &vec![0.2; 35], 1e-12, 1e-14, "softmax of expanded");
     Ok(())
 }
+
+#[test]
+fn pytorch_semantics_for_bools_and_0d_tensors() {
+    let cpu = Device::Cpu;
+    let b = Tensor::from_vec(vec![true, false, true, false], &[2, 2], cpu).unwrap();
+    let c = Tensor::from_vec(vec![true, true, false, false], &[2, 2], cpu).unwrap();
+    // bool op bool stays bool: + and maximum are "or", * and minimum "and"; - is refused.
+    assert_eq!(b.add(&c).unwrap().to_vec::<bool>().unwrap(), vec![true, true, true, false]);
+    assert_eq!(b.maximum(&c).unwrap().to_vec::<bool>().unwrap(), vec![true, true, true, false]);
+    assert_eq!(b.mul(&c).unwrap().to_vec::<bool>().unwrap(), vec![true, false, false, false]);
+    assert_eq!(b.minimum(&c).unwrap().to_vec::<bool>().unwrap(), vec![true, false, false, false]);
+    assert_err_mentions(b.sub(&c), &["sub", "bool"]);
+    // max/min over axes of bools stay bool (any/all); sum counts as i32.
+    let m = b.max(&[1], false).unwrap();
+    assert_eq!((m.dtype(), m.to_vec::<bool>().unwrap()), (DType::Bool, vec![true, true]));
+    assert_eq!(c.min(&[0], false).unwrap().to_vec::<bool>().unwrap(), vec![false, false]);
+    assert_eq!(b.sum(&[0], false).unwrap().dtype(), DType::I32);
+    // A 0-d tensor reduces over dim 0 or -1 (nothing to reduce), as PyTorch.
+    let s = Tensor::scalar(2.5f32, cpu).unwrap();
+    for d in [0isize, -1] {
+        assert_eq!(s.sum(&[d], false).unwrap().item::<f32>().unwrap(), 2.5);
+        assert_eq!(s.mean(&[d], true).unwrap().dims(), &[] as &[usize]);
+        assert_eq!(s.max(&[d], false).unwrap().item::<f32>().unwrap(), 2.5);
+        assert_eq!(s.logsumexp(&[d], false).unwrap().item::<f32>().unwrap(), 2.5);
+    }
+    assert_err_mentions(s.sum(&[1], false), &["sum", "0-d", "1"]);
+    // Errors name the op the user called.
+    let x = Tensor::ones(&[2, 3], DType::F32, cpu).unwrap();
+    assert_err_mentions(x.var(&[5], 1, false), &["var:"]);
+    assert_err_mentions(x.std(&[5], 1, false), &["std:"]);
+    assert_err_mentions(x.logsumexp(&[-3], false), &["logsumexp:"]);
+}

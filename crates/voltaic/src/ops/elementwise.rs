@@ -140,6 +140,15 @@ impl Tensor {
         self.check_same_device(op.name(), &rhs)?;
         let dims = broadcast_shapes(op.name(), self.dims(), rhs.dims())?;
         let mut dt = DType::promote(self.dtype(), rhs.dtype());
+        if dt == DType::Bool && op.domain() == Domain::Numeric {
+            // bool op bool stays bool, as PyTorch: + and maximum are "or", * and minimum "and".
+            match op {
+                BinaryOp::Add | BinaryOp::Maximum => return self.binary(BinaryOp::Or, &rhs),
+                BinaryOp::Mul | BinaryOp::Minimum => return self.binary(BinaryOp::And, &rhs),
+                BinaryOp::Sub => bail!(DType, "sub", "two bool tensors cannot be subtracted (as in PyTorch); use logical_xor, or cast them first"),
+                _ => {}
+            }
+        }
         dt = match op.domain() {
             Domain::Float => dt.to_float(),
             Domain::Numeric if dt == DType::Bool => DType::I32,
@@ -309,20 +318,19 @@ impl Tensor {
         x.mul(&x.sigmoid()?)
     }
 
-    /// Softplus `ln(1 + e^x)`, computed stably as `max(x, 0) + ln(1 + e^-|x|)`.
+    /// Softplus `ln(1 + e^x)`, computed stably as `max(x, 0) + ln(1 + e^-|x|)`;
+    /// its gradient is `sigmoid(x)` (0.5 at 0, where the parts' kinks meet).
     pub fn softplus(&self) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
-        x.relu()?.add(&x.abs()?.neg()?.exp()?.log1p()?)
+        let xd = x.detach();
+        let y = xd.relu()?.add(&xd.abs()?.neg()?.exp()?.log1p()?)?;
+        Ok(y.track(&[&x], move |g, _| Ok(vec![Some(g.mul(&xd.sigmoid()?)?)])))
     }
 
-    /// Limit to `[min, max]`; either bound may be absent. NaN stays NaN.
+    /// Limit to `[min, max]`; either bound may be absent. NaN stays NaN, and
+    /// with `min > max` every element becomes `max` (as PyTorch). The
+    /// gradient passes where `min <= x <= max`, bounds included.
     pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
-        if let (Some(a), Some(b)) = (min, max) {
-            if a > b {
-                bail!(Value, "clamp", "min {a} is greater than max {b}");
-            }
-        }
-        let mut x = self.clone();
         let scalar = |v: f64, x: &Tensor| -> Result<Tensor> {
             if x.dtype().is_float() || v.fract() == 0.0 {
                 Tensor::constant(v, x.dtype(), x)
@@ -330,13 +338,28 @@ impl Tensor {
                 Tensor::constant(v, DType::F32, x)
             }
         };
+        let xd = self.detach();
+        let mut y = xd.clone();
         if let Some(lo) = min {
-            x = x.maximum(scalar(lo, &x)?)?;
+            y = y.maximum(scalar(lo, &y)?)?;
         }
         if let Some(hi) = max {
-            x = x.minimum(scalar(hi, &x)?)?;
+            y = y.minimum(scalar(hi, &y)?)?;
         }
-        Ok(x)
+        if !y.dtype().is_float() {
+            return Ok(y);
+        }
+        let x = self.clone();
+        Ok(y.track(&[&x], move |g, _| {
+            let mut pass = xd.eq(&xd)?;
+            if let Some(lo) = min {
+                pass = pass.logical_and(&xd.ge(lo)?)?;
+            }
+            if let Some(hi) = max {
+                pass = pass.logical_and(&xd.le(hi)?)?;
+            }
+            Ok(vec![Some(pass.where_cond(g, 0.0)?)])
+        }))
     }
 }
 

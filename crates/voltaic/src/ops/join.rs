@@ -113,7 +113,16 @@ impl Tensor {
             bail!(Value, "chunk", "number of chunks must be positive, got 0");
         }
         let d = norm_axis("chunk", dim, self.rank())?;
-        let size = self.dims()[d].div_ceil(chunks).max(1);
+        if self.dims()[d] == 0 {
+            // An empty dim gives `chunks` empty pieces, as PyTorch.
+            let mut pieces = Vec::new();
+            if pieces.try_reserve_exact(chunks).is_err() {
+                bail!(Value, "chunk", "cannot make {chunks} pieces");
+            }
+            pieces.resize(chunks, self.clone());
+            return Ok(pieces);
+        }
+        let size = self.dims()[d].div_ceil(chunks);
         self.split(size, d as isize)
     }
 }

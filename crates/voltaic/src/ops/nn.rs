@@ -26,6 +26,23 @@ impl Default for Conv2dOpts {
     }
 }
 
+/// Options of [`Tensor::cross_entropy_with`], PyTorch's defaults via `Default`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CrossEntropyOpts {
+    /// Targets equal to this are ignored (PyTorch's default: -100).
+    pub ignore_index: i64,
+    /// Weight of the uniform distribution mixed into the target, in `[0, 1]`.
+    pub label_smoothing: f64,
+    /// How the per-position losses are reduced.
+    pub reduction: Reduction,
+}
+
+impl Default for CrossEntropyOpts {
+    fn default() -> Self {
+        CrossEntropyOpts { ignore_index: -100, label_smoothing: 0.0, reduction: Reduction::Mean }
+    }
+}
+
 /// Reduction of a loss over its elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Reduction {
@@ -86,10 +103,14 @@ impl Tensor {
         Ok(out.track(&[self], move |g, _| Ok(vec![Some(fold(g, &p, h, w)?)])))
     }
 
-    /// 2-D convolution (really cross-correlation, as PyTorch) of `[N, Cin, H, W]`
+    /// 2-D convolution (really cross-correlation, as PyTorch) of `[N, Cin, H, W]` (or unbatched `[Cin, H, W]`)
     /// with `weight [Cout, Cin/groups, kh, kw]` and an optional `bias [Cout]`.
     /// Runs as unfold (im2col) and a batched matmul.
     pub fn conv2d(&self, weight: &Tensor, bias: Option<&Tensor>, opts: Conv2dOpts) -> Result<Tensor> {
+        if self.rank() == 3 && weight.rank() == 4 {
+            // Unbatched `[C, H, W]`, as PyTorch accepts.
+            return self.unsqueeze(0)?.conv2d(weight, bias, opts)?.squeeze(0);
+        }
         if weight.rank() != 4 || self.rank() != 4 {
             bail!(Shape, "conv2d", "expected input [N, C, H, W] and weight [Cout, Cin/groups, kh, kw], got {:?} and {:?}", self.dims(), weight.dims());
         }
@@ -147,20 +168,61 @@ impl Tensor {
         Ok(UnfoldParams { kernel, stride: stride.unwrap_or(kernel), padding, dilation: [1, 1] })
     }
 
-    /// Max pooling over `[N, C, H, W]`; `stride` defaults to the kernel size.
-    /// Padding is with -inf, as PyTorch.
+    /// Max pooling over `[N, C, H, W]` (or unbatched `[C, H, W]`); `stride`
+    /// defaults to the kernel size. Padding is with -inf, and the gradient of
+    /// each window goes to its first maximum, as PyTorch.
     pub fn max_pool2d(&self, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<Tensor> {
-        let p = Tensor::pool_params("max_pool2d", kernel, stride, padding)?;
-        if let Some(w) = self.tiled_windows(&p)? {
-            return w.max(&[3, 5], false);
+        if self.rank() == 3 {
+            return self.unsqueeze(0)?.max_pool2d(kernel, stride, padding)?.squeeze(0);
         }
-        let u = self.unfold("max_pool2d", p, f64::NEG_INFINITY)?;
-        let d = u.dims().to_vec();
-        u.reshape_dims(&[d[0], d[1], d[2] * d[3], d[4], d[5]])?.max(&[2], false)
+        let p = Tensor::pool_params("max_pool2d", kernel, stride, padding)?;
+        let x = self.detach();
+        let y = match x.tiled_windows(&p)? {
+            Some(w) => w.max(&[3, 5], false)?,
+            None => {
+                let u = x.unfold("max_pool2d", p, f64::NEG_INFINITY)?;
+                let d = u.dims().to_vec();
+                u.reshape_dims(&[d[0], d[1], d[2] * d[3], d[4], d[5]])?.max(&[2], false)?
+            }
+        };
+        if !y.dtype().is_float() {
+            return Ok(y);
+        }
+        let dims = self.dims().to_vec();
+        Ok(y.track(&[self], move |g, _| Ok(vec![Some(x.max_pool2d_grad(g, &p, &dims)?)])))
     }
 
-    /// Average pooling over `[N, C, H, W]` (zero padding counted, as PyTorch's default).
+    /// The gradient of `max_pool2d` of `self`: `g` at each window's first maximum.
+    fn max_pool2d_grad(&self, g: &Tensor, p: &UnfoldParams, dims: &[usize]) -> Result<Tensor> {
+        let k = p.kernel[0] * p.kernel[1];
+        // Where the first maximum of a window of `k` taps (last dim of `w`) sits, as a one-hot mask times g.
+        let route = |w: &Tensor, g: &Tensor| -> Result<Tensor> {
+            let first = w.argmax(Some(-1), true)?;
+            let mut taps = vec![1usize; w.rank()];
+            taps[w.rank() - 1] = k;
+            let pos = Tensor::arange(0.0, k as f64, 1.0, DType::I32, w.device())?.reshape_dims(&taps)?;
+            pos.eq(&first)?.where_cond(&g.unsqueeze(-1)?, 0.0)?.to_dtype(g.dtype())
+        };
+        if let Some(w) = self.tiled_windows(p)? {
+            // [N, C, Ho, kh, Wo, kw] -> windows last, routed, then back.
+            let d = w.dims().to_vec();
+            let windows = w.permute(&[0, 1, 2, 4, 3, 5])?.reshape_dims(&[d[0], d[1], d[2], d[4], k])?;
+            let r = route(&windows, g)?.reshape_dims(&[d[0], d[1], d[2], d[4], d[3], d[5]])?;
+            return r.permute(&[0, 1, 2, 4, 3, 5])?.reshape_dims(dims);
+        }
+        let u = self.unfold("max_pool2d", *p, f64::NEG_INFINITY)?;
+        let d = u.dims().to_vec();
+        // [N, C, kh, kw, oh, ow] -> [N, C, oh, ow, k], routed, then back for col2im.
+        let windows = u.reshape_dims(&[d[0], d[1], k, d[4], d[5]])?.permute(&[0, 1, 3, 4, 2])?;
+        let r = route(&windows, g)?.permute(&[0, 1, 4, 2, 3])?.reshape_dims(&d)?;
+        fold(&r, p, dims[2], dims[3])
+    }
+
+    /// Average pooling over `[N, C, H, W]` or `[C, H, W]` (zero padding counted, as PyTorch's default).
     pub fn avg_pool2d(&self, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<Tensor> {
+        if self.rank() == 3 {
+            return self.unsqueeze(0)?.avg_pool2d(kernel, stride, padding)?.squeeze(0);
+        }
         let p = Tensor::pool_params("avg_pool2d", kernel, stride, padding)?;
         if let Some(w) = self.tiled_windows(&p)? {
             return w.to_dtype(w.dtype().to_float())?.mean(&[3, 5], false);
@@ -216,30 +278,56 @@ impl Tensor {
         u.ge(p)?.where_cond(&self.mul(1.0 / (1.0 - p))?, &self.zeros_like()?.to_dtype(self.dtype().to_float())?)
     }
 
-    /// Cross entropy between logits `[N, C, ...]` and class indices `[N, ...]`
-    /// (i32/u32), with label smoothing `eps` (PyTorch's formula), reduced as asked.
-    /// Probability targets and `ignore_index` are not supported.
+    /// Cross entropy between logits `[N, C, ...]` (or unbatched `[C]`) and
+    /// class indices `[N, ...]` (or a 0-d index), i32 or u32, with label
+    /// smoothing `eps` (PyTorch's formula), reduced as asked. Targets equal to
+    /// -100 are ignored, as PyTorch's default `ignore_index`; see
+    /// [`Tensor::cross_entropy_with`] for the other options. Probability
+    /// targets and class weights are not supported.
     pub fn cross_entropy(&self, target: &Tensor, label_smoothing: f64, reduction: Reduction) -> Result<Tensor> {
-        self.check_class_target("cross_entropy", "logits", target)?;
-        if !(0.0..=1.0).contains(&label_smoothing) {
-            bail!(Value, "cross_entropy", "label_smoothing must be in [0, 1], got {label_smoothing}");
+        self.cross_entropy_with(target, &CrossEntropyOpts { label_smoothing, reduction, ..Default::default() })
+    }
+
+    /// [`Tensor::cross_entropy`] with every option. Ignored positions add
+    /// nothing and do not count in the mean (all ignored: NaN, as PyTorch).
+    pub fn cross_entropy_with(&self, target: &Tensor, opts: &CrossEntropyOpts) -> Result<Tensor> {
+        if self.rank() == 1 && target.rank() == 0 {
+            let l = self.unsqueeze(0)?.cross_entropy_with(&target.unsqueeze(0)?, opts)?;
+            return if opts.reduction == Reduction::None { l.squeeze(0) } else { Ok(l) };
         }
+        self.check_class_target("cross_entropy", "logits", target)?;
+        let eps = opts.label_smoothing;
+        if !(0.0..=1.0).contains(&eps) {
+            bail!(Value, "cross_entropy", "label_smoothing must be in [0, 1], got {eps}");
+        }
+        // Ignored positions read class 0 and are masked out after.
+        let ignores = target.dtype() == DType::I32 && i32::try_from(opts.ignore_index).is_ok()
+            || target.dtype() == DType::U32 && u32::try_from(opts.ignore_index).is_ok();
+        let valid = if ignores { Some(target.ne(opts.ignore_index as f64)?) } else { None };
+        let safe = match &valid {
+            Some(v) => v.where_cond(target, 0)?,
+            None => target.clone(),
+        };
         let logp = self.log_softmax(1)?;
-        let nll = logp.pick_class(target)?.neg()?;
-        let loss = if label_smoothing > 0.0 {
+        let nll = logp.pick_class(&safe)?.neg()?;
+        let loss = if eps > 0.0 {
             let smooth = logp.mean(&[1], false)?.neg()?;
-            nll.mul(1.0 - label_smoothing)?.add(&smooth.mul(label_smoothing)?)?
+            nll.mul(1.0 - eps)?.add(&smooth.mul(eps)?)?
         } else {
             nll
         };
-        loss.reduce_loss(reduction)
+        let Some(valid) = valid else { return loss.reduce_loss(opts.reduction) };
+        let loss = valid.where_cond(&loss, 0.0)?;
+        match opts.reduction {
+            Reduction::Mean => loss.sum_all()?.div(&valid.to_dtype(loss.dtype())?.sum_all()?),
+            r => loss.reduce_loss(r),
+        }
     }
 
-    /// Mean squared error between `self` and `target` (same shape).
+    /// Mean squared error between `self` and `target`, broadcast against
+    /// each other as PyTorch does (PyTorch also warns when the shapes differ).
     pub fn mse_loss(&self, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
-        if self.dims() != target.dims() {
-            bail!(Shape, "mse_loss", "input {:?} and target {:?} must have the same shape", self.dims(), target.dims());
-        }
+        crate::shape::broadcast_shapes("mse_loss", self.dims(), target.dims())?;
         self.sub(target)?.sqr()?.reduce_loss(reduction)
     }
 

@@ -8,6 +8,18 @@ use crate::primitive::{reduce_table, BinaryOp, IndexOp, ReduceOp};
 use crate::shape::{norm_axes, norm_axis};
 use crate::tensor::Tensor;
 
+/// The axes a reduction is asked for, as `norm_axes` takes them. A 0-d
+/// tensor accepts axis 0 or -1, as PyTorch (there is nothing to reduce).
+fn reduce_axes<'a>(op: &'static str, axes: &'a [isize], rank: usize) -> Result<&'a [isize]> {
+    if rank == 0 {
+        if let Some(&a) = axes.iter().find(|&&a| a != 0 && a != -1) {
+            bail!(Axis, op, "axis {a} is out of range for a 0-d tensor (expected 0 or -1)");
+        }
+        return Ok(&[]);
+    }
+    Ok(axes)
+}
+
 /// The reductions' gradients, from the op table.
 macro_rules! reduce_grads {
     ($( $(#[$m:meta])* $V:ident $name:literal $identity:expr, $combine:ident, $arg:literal, |$x:ident, $y:ident, $g:ident, $axes:ident| $grad:expr; )*) => {
@@ -26,10 +38,16 @@ macro_rules! reduce_grads {
 reduce_table!(reduce_grads);
 
 impl Tensor {
-    /// Gradient of a product over `axes`: `g * y / x` (zeros in the input
-    /// give NaN here, where PyTorch special-cases them).
-    pub(crate) fn prod_grad(&self, y: &Tensor, g: &Tensor, _axes: &[isize]) -> Result<Tensor> {
-        g.mul(y)?.div(self)
+    /// Gradient of a product over `axes`, as PyTorch: `g * y / x` where `x`
+    /// is not 0; at a zero that is the only one of its group, `g` times the
+    /// product of the others; at other zeros, 0.
+    pub(crate) fn prod_grad(&self, y: &Tensor, g: &Tensor, axes: &[isize]) -> Result<Tensor> {
+        let dims = self.dims();
+        let zero = self.eq(0.0)?;
+        let zeros = zero.to_dtype(DType::I32)?.sum(axes, true)?.broadcast_to(dims)?;
+        let others = zero.where_cond(1.0, self)?.prod(axes, true)?.broadcast_to(dims)?;
+        let at_zero = zeros.eq(1)?.where_cond(&g.mul(&others)?, 0.0)?;
+        zero.where_cond(&at_zero, &g.mul(y)?.div(self)?)
     }
 
     /// Gradient of a maximum or minimum over `axes`: ties share it evenly.
@@ -42,7 +60,11 @@ impl Tensor {
     /// Record a reduction. The result keeps the reduced dims (size 1) when
     /// `keepdim`, otherwise drops them.
     pub fn reduce(&self, op: ReduceOp, axes: &[isize], keepdim: bool) -> Result<Tensor> {
-        let axes = norm_axes(op.name(), axes, self.rank())?;
+        if self.dtype() == DType::Bool && matches!(op, ReduceOp::Max | ReduceOp::Min) {
+            // max/min of bools stay bool (any/all), as PyTorch.
+            return self.to_dtype(DType::I32)?.reduce(op, axes, keepdim)?.to_dtype(DType::Bool);
+        }
+        let axes = norm_axes(op.name(), reduce_axes(op.name(), axes, self.rank())?, self.rank())?;
         let reduced: usize = axes.iter().map(|&a| self.dims()[a]).product();
         let kept: usize = (0..self.rank()).filter(|d| !axes.contains(d)).map(|d| self.dims()[d]).product();
         if reduced == 0 && kept != 0 && !matches!(op, ReduceOp::Sum | ReduceOp::Prod) {
@@ -165,22 +187,27 @@ impl Tensor {
         self.arg(ReduceOp::ArgMin, dim, keepdim)
     }
 
-    fn reduced_count(&self, axes: &[isize]) -> Result<usize> {
-        let axes = norm_axes("mean", axes, self.rank())?;
+    fn reduced_count(&self, op: &'static str, axes: &[isize]) -> Result<usize> {
+        let axes = norm_axes(op, reduce_axes(op, axes, self.rank())?, self.rank())?;
         Ok(axes.iter().map(|&a| self.dims()[a]).product())
     }
 
     /// Mean over `axes` (integers give f32). The mean of nothing is NaN.
     pub fn mean(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
-        let n = x.reduced_count(axes)?;
+        let n = x.reduced_count("mean", axes)?;
         x.sum(axes, keepdim)?.div(n as f64)
     }
 
     /// Variance over `axes` with Bessel's `correction` (PyTorch's default is 1).
     pub fn var(&self, axes: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
+        self.var_as("var", axes, correction, keepdim)
+    }
+
+    /// `var`, with errors naming `op`.
+    fn var_as(&self, op: &'static str, axes: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
-        let n = x.reduced_count(axes)?;
+        let n = x.reduced_count(op, axes)?;
         let mu = x.mean(axes, true)?;
         let ss = x.sub(&mu)?.sqr()?.sum(axes, keepdim)?;
         ss.div((n as f64 - correction as f64).max(0.0))
@@ -188,13 +215,13 @@ impl Tensor {
 
     /// Standard deviation over `axes` with Bessel's `correction`.
     pub fn std(&self, axes: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
-        self.var(axes, correction, keepdim)?.sqrt()
+        self.var_as("std", axes, correction, keepdim)?.sqrt()
     }
 
     /// `log(sum(exp(x)))` over `axes`, computed stably.
     pub fn logsumexp(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
-        if x.reduced_count(axes)? == 0 {
+        if x.reduced_count("logsumexp", axes)? == 0 {
             // The log of an empty sum: -inf (PyTorch), where max would have no identity.
             return x.sum(axes, keepdim)?.log();
         }
@@ -205,7 +232,7 @@ impl Tensor {
         if keepdim {
             Ok(s)
         } else {
-            let axes = norm_axes("logsumexp", axes, self.rank())?;
+            let axes = norm_axes("logsumexp", reduce_axes("logsumexp", axes, self.rank())?, self.rank())?;
             let dims: Vec<usize> = (0..self.rank()).filter(|d| !axes.contains(d)).map(|d| self.dims()[d]).collect();
             s.reshape_dims(&dims)
         }

@@ -292,6 +292,21 @@ pub(crate) trait IntOps: Copy + PartialOrd + Default {
     fn sign_(self) -> Self;
     /// Python-style remainder (the sign of the divisor); division by zero gives 0.
     fn rem_(self, b: Self) -> Self;
+    /// `self ^ b`, wrapping; a negative exponent gives 0 but for bases 1 and -1.
+    fn pow_(self, b: Self) -> Self;
+}
+
+/// `a ^ e` by squaring, wrapping, for a non-negative exponent.
+fn wrapping_pow<T: Copy>(mut a: T, mut e: u32, one: T, mul: impl Fn(T, T) -> T) -> T {
+    let mut r = one;
+    while e > 0 {
+        if e & 1 == 1 {
+            r = mul(r, a);
+        }
+        a = mul(a, a);
+        e >>= 1;
+    }
+    r
 }
 impl IntOps for i32 {
     fn neg_(self) -> i32 {
@@ -302,6 +317,14 @@ impl IntOps for i32 {
     }
     fn sign_(self) -> i32 {
         self.signum()
+    }
+    fn pow_(self, b: i32) -> i32 {
+        match (self, b) {
+            (_, 0..) => wrapping_pow(self, b as u32, 1, i32::wrapping_mul),
+            (1, _) => 1,
+            (-1, _) => if b % 2 == 0 { 1 } else { -1 },
+            _ => 0,
+        }
     }
     fn rem_(self, b: i32) -> i32 {
         if b == 0 {
@@ -324,6 +347,9 @@ impl IntOps for u32 {
     }
     fn sign_(self) -> u32 {
         (self != 0) as u32
+    }
+    fn pow_(self, b: u32) -> u32 {
+        wrapping_pow(self, b, 1, u32::wrapping_mul)
     }
     fn rem_(self, b: u32) -> u32 {
         if b == 0 {

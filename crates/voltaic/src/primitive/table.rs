@@ -154,12 +154,16 @@ macro_rules! binary_table {
                 float: |a, b| a / b
             }
             /// `a ^ b`
-            Pow pow "pow" Float |a, b, y, g| Ok((
-                g.mul(b)?.mul(&a.pow(&b.sub(1.0)?)?)?,
-                a.gt(0.0)?.where_cond(&g.mul(y)?.mul(&a.log()?)?, 0.0)?,
+            /// `a ^ b`; integers stay integers (wrapping; a negative exponent
+            /// gives 0 except for bases 1 and -1), as PyTorch
+            Pow pow "pow" Numeric |a, b, y, g| Ok((
+                // PyTorch's masks: d/da is 0 where b = 0 (even at a = 0), and
+                // d/db is 0 where a = 0 and b >= 0.
+                b.eq(0.0)?.where_cond(0.0, &g.mul(b)?.mul(&a.pow(&b.sub(1.0)?)?)?)?,
+                a.eq(0.0)?.logical_and(&b.ge(0.0)?)?.where_cond(0.0, &g.mul(y)?.mul(&a.log()?)?)?,
             )); {
-                wgsl: "pow_({a}, {b})",
-                float: |a, b| a.powf(b)
+                wgsl: "pow_({a}, {b})" | "pow_{T}({a}, {b})",
+                float: |a, b| a.powf(b), int: |a, b| $crate::primitive::IntOps::pow_(a, b)
             }
             /// remainder with the sign of the divisor (PyTorch `remainder`,
             /// Python `%`); integer division by zero gives 0 instead of raising

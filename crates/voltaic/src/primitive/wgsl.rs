@@ -168,6 +168,33 @@ pub const WGSL_HELPERS: &[(&str, &str)] = &[
     if (r != 0.0 && ((r < 0.0) != (b < 0.0))) { return r + b; }
     return r;
 }"),
+    ("pow_i32", "fn pow_i32(a: i32, b: i32) -> i32 {
+    if (b < 0) {
+        if (a == 1) { return 1; }
+        if (a == -1) { return select(-1, 1, (b & 1) == 0); }
+        return 0;
+    }
+    var r = 1;
+    var x = a;
+    var e = u32(b);
+    while (e > 0u) {
+        if ((e & 1u) == 1u) { r = r * x; }
+        x = x * x;
+        e = e >> 1u;
+    }
+    return r;
+}"),
+    ("pow_u32", "fn pow_u32(a: u32, b: u32) -> u32 {
+    var r = 1u;
+    var x = a;
+    var e = b;
+    while (e > 0u) {
+        if ((e & 1u) == 1u) { r = r * x; }
+        x = x * x;
+        e = e >> 1u;
+    }
+    return r;
+}"),
     ("rem_i32", "fn rem_i32(a: i32, b: i32) -> i32 {
     if (b == 0) { return 0; }
     let r = a % b;
