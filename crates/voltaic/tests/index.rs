@@ -477,8 +477,7 @@ fn split_split_with_sizes_and_chunk() -> voltaic::Result<()> {
                     s += size;
                 }
                 if n == 0 {
-                    // An empty dim gives `chunks` empty pieces, as PyTorch.
-                    sizes = vec![0; chunks];
+                    sizes.push(0);
                 }
                 check_pieces(&x.split(size, dim)?, &xv, xd, d, &sizes)?;
             }
@@ -503,7 +502,8 @@ fn split_split_with_sizes_and_chunk() -> voltaic::Result<()> {
                     s += size;
                 }
                 if n == 0 {
-                    sizes.push(0);
+                    // An empty dim gives `chunks` empty pieces, as PyTorch.
+                    sizes = vec![0; chunks];
                 }
                 check_pieces(&x.chunk(chunks, dim)?, &xv, xd, d, &sizes)?;
             }
