@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use voltaic::{DType, Device, Tensor};
+use voltaic::{DType, Device, Reduction, Tensor};
 
 fn norm(d: isize, r: usize) -> usize {
     if d < 0 {
@@ -524,4 +524,26 @@ fn split_split_with_sizes_and_chunk() -> voltaic::Result<()> {
     assert_err_mentions(a6.chunk(0, 0), &["chunk"]);
     assert_err_mentions(a6.split(2, 1), &["split", "axis 1"]);
     Ok(())
+}
+
+#[test]
+fn errors_name_the_op_the_user_called() {
+    let cpu = Device::Cpu;
+    let table = Tensor::ones(&[4, 3], DType::F32, cpu).unwrap();
+    let bad = Tensor::from_vec(vec![1i32, 9], &[2], cpu).unwrap();
+    let e = table.embedding(&bad).unwrap().to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.starts_with("embedding:") && e.contains('9'), "{e}");
+    let e = table.embedding(&Tensor::zeros(&[2], DType::F32, cpu).unwrap()).unwrap_err().to_string();
+    assert!(e.starts_with("embedding:") && e.contains("f32"), "{e}");
+    let e = bad.one_hot(5).unwrap().to_vec::<i32>().unwrap_err().to_string();
+    assert!(e.starts_with("one_hot:"), "{e}");
+    let logits = Tensor::zeros(&[2, 5], DType::F32, cpu).unwrap();
+    let e = logits.cross_entropy(&bad, 0.0, Reduction::Mean).unwrap().item::<f32>().unwrap_err().to_string();
+    assert!(e.starts_with("cross_entropy:") && e.contains('9'), "{e}");
+    let e = voltaic::nn::nll_loss(&logits, &bad, Reduction::Mean).unwrap().item::<f32>().unwrap_err().to_string();
+    assert!(e.starts_with("nll_loss:"), "{e}");
+    let e = Tensor::ones(&[2, 3, 4], DType::F32, cpu).unwrap().matmul(&Tensor::ones(&[5, 4, 2], DType::F32, cpu).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("[2, 3, 4]") && e.contains("[5, 4, 2]"), "{e}");
+    let e = Tensor::scalar(1.0f32, cpu).unwrap().argmax(Some(2), false).unwrap_err().to_string();
+    assert!(e.contains("0-d") && !e.contains("rank 1"), "{e}");
 }

@@ -8,7 +8,7 @@ use crate::tensor::Tensor;
 /// indices `[N, ...]` (PyTorch `nll_loss`).
 pub fn nll_loss(log_probs: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
     log_probs.check_class_target("nll_loss", "log-probabilities", target)?;
-    log_probs.pick_class(target)?.neg()?.reduce_loss(reduction)
+    log_probs.pick_class(crate::primitive::Caller::NllLoss, target)?.neg()?.reduce_loss(reduction)
 }
 
 /// Binary cross entropy of logits against targets in `[0, 1]`, computed

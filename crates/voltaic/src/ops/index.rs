@@ -5,7 +5,7 @@
 use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::graph::OpKind;
-use crate::primitive::IndexOp;
+use crate::primitive::{Caller, IndexOp};
 use crate::shape::norm_axis;
 use crate::tensor::Tensor;
 
@@ -20,17 +20,22 @@ impl Tensor {
     /// `out[i][j] = self[i][index[i][j]]` for `dim = 1` (and likewise for any
     /// dim); `index` has the input's rank and is no larger in the other dims.
     pub fn gather(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
-        check_index("gather", index)?;
-        self.check_same_device("gather", index)?;
-        let d = norm_axis("gather", dim, self.rank().max(1))?;
+        self.gather_as(Caller::Gather, dim, index)
+    }
+
+    /// [`Tensor::gather`] on behalf of the public op `caller`, whose name its errors carry.
+    pub(crate) fn gather_as(&self, caller: Caller, dim: isize, index: &Tensor) -> Result<Tensor> {
+        check_index(caller.name(), index)?;
+        self.check_same_device(caller.name(), index)?;
+        let d = norm_axis(caller.name(), dim, self.rank().max(1))?;
         if index.rank() != self.rank() {
-            bail!(Shape, "gather", "index of shape {:?} must have the same rank as the input {:?}", index.dims(), self.dims());
+            bail!(Shape, caller.name(), "index of shape {:?} must have the same rank as the input {:?}", index.dims(), self.dims());
         }
         for i in 0..self.rank() {
             if i != d && index.dims()[i] > self.dims()[i] {
                 bail!(
                     Shape,
-                    "gather",
+                    caller.name(),
                     "index of shape {:?} is larger than the input {:?} in dim {i}",
                     index.dims(),
                     self.dims()
@@ -38,9 +43,9 @@ impl Tensor {
             }
         }
         if self.rank() == 0 {
-            return self.reshape_dims(&[1])?.gather(0, &index.reshape_dims(&[1])?)?.reshape_dims(&[]);
+            return self.reshape_dims(&[1])?.gather_as(caller, 0, &index.reshape_dims(&[1])?)?.reshape_dims(&[]);
         }
-        let out = Tensor::from_op(OpKind::Index(IndexOp::Gather { dim: d }), &[self, index], self.dtype(), self.device(), index.dims().to_vec())?;
+        let out = Tensor::from_op(OpKind::Index(IndexOp::Gather { dim: d, caller }), &[self, index], self.dtype(), self.device(), index.dims().to_vec())?;
         let (idx, dims) = (index.detach(), self.dims().to_vec());
         Ok(out.track(&[self], move |g, _| Ok(vec![Some(Tensor::zeros(&dims, g.dtype(), g.device())?.scatter_add(d as isize, &idx, g)?)])))
     }
@@ -48,14 +53,19 @@ impl Tensor {
     /// A copy of `self` with `src[p]` added at `p` with `p[dim] = index[p]`
     /// for every position `p` of `index` (PyTorch `scatter_add`).
     pub fn scatter_add(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-        check_index("scatter_add", index)?;
-        self.check_same_device("scatter_add", index)?;
-        self.check_same_device("scatter_add", src)?;
-        let d = norm_axis("scatter_add", dim, self.rank().max(1))?;
+        self.scatter_add_as(Caller::ScatterAdd, dim, index, src)
+    }
+
+    /// [`Tensor::scatter_add`] on behalf of the public op `caller`, whose name its errors carry.
+    pub(crate) fn scatter_add_as(&self, caller: Caller, dim: isize, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        check_index(caller.name(), index)?;
+        self.check_same_device(caller.name(), index)?;
+        self.check_same_device(caller.name(), src)?;
+        let d = norm_axis(caller.name(), dim, self.rank().max(1))?;
         if index.rank() != self.rank() || src.rank() != self.rank() {
             bail!(
                 Shape,
-                "scatter_add",
+                caller.name(),
                 "input {:?}, index {:?} and src {:?} must have the same rank",
                 self.dims(),
                 index.dims(),
@@ -66,7 +76,7 @@ impl Tensor {
             if index.dims()[i] > src.dims()[i] || (i != d && index.dims()[i] > self.dims()[i]) {
                 bail!(
                     Shape,
-                    "scatter_add",
+                    caller.name(),
                     "index {:?} must be no larger than src {:?} in every dim and than the input {:?} outside dim {d}",
                     index.dims(),
                     src.dims(),
@@ -76,11 +86,11 @@ impl Tensor {
         }
         if self.rank() == 0 {
             let one = |t: &Tensor| t.reshape_dims(&[1]);
-            return one(self)?.scatter_add(0, &one(index)?, &one(src)?)?.reshape_dims(&[]);
+            return one(self)?.scatter_add_as(caller, 0, &one(index)?, &one(src)?)?.reshape_dims(&[]);
         }
         let src = src.to_dtype(self.dtype())?;
         let out = Tensor::from_op(
-            OpKind::Index(IndexOp::ScatterAdd { dim: d }),
+            OpKind::Index(IndexOp::ScatterAdd { dim: d, caller }),
             &[self, index, &src],
             self.dtype(),
             self.device(),
@@ -98,19 +108,24 @@ impl Tensor {
 
     /// The entries of `self` along `dim` at the positions in the 1-D `index`.
     pub fn index_select(&self, dim: isize, index: &Tensor) -> Result<Tensor> {
-        check_index("index_select", index)?;
-        self.check_same_device("index_select", index)?;
+        self.index_select_as(Caller::IndexSelect, dim, index)
+    }
+
+    /// [`Tensor::index_select`] on behalf of the public op `caller`, whose name its errors carry.
+    pub(crate) fn index_select_as(&self, caller: Caller, dim: isize, index: &Tensor) -> Result<Tensor> {
+        check_index(caller.name(), index)?;
+        self.check_same_device(caller.name(), index)?;
         if index.rank() > 1 {
-            bail!(Shape, "index_select", "expected a 1-D index, got shape {:?}", index.dims());
+            bail!(Shape, caller.name(), "expected a 1-D index, got shape {:?}", index.dims());
         }
         let index = index.flatten_all()?;
         if self.rank() == 0 {
-            return self.reshape_dims(&[1])?.index_select(0, &index)?.reshape_dims(&[]);
+            return self.reshape_dims(&[1])?.index_select_as(caller, 0, &index)?.reshape_dims(&[]);
         }
-        let d = norm_axis("index_select", dim, self.rank())?;
+        let d = norm_axis(caller.name(), dim, self.rank())?;
         let mut dims = self.dims().to_vec();
         dims[d] = index.numel();
-        let out = Tensor::from_op(OpKind::Index(IndexOp::IndexSelect { dim: d }), &[self, &index], self.dtype(), self.device(), dims)?;
+        let out = Tensor::from_op(OpKind::Index(IndexOp::IndexSelect { dim: d, caller }), &[self, &index], self.dtype(), self.device(), dims)?;
         let (idx, src) = (index.detach(), self.dims().to_vec());
         Ok(out.track(&[self], move |g, _| {
             // Scatter the rows back: the 1-D index, expanded along every other dim.
@@ -129,7 +144,7 @@ impl Tensor {
         }
         let mut dims = index.dims().to_vec();
         dims.push(self.dims()[1]);
-        self.index_select(0, &index.flatten_all()?)?.reshape_dims(&dims)
+        self.index_select_as(Caller::Embedding, 0, &index.flatten_all()?)?.reshape_dims(&dims)
     }
 
     /// One-hot encoding of class indices, as i32 with a new last dim of
@@ -144,6 +159,6 @@ impl Tensor {
         ones_dims.push(1);
         let zeros = Tensor::zeros(&dims, DType::I32, self.device())?;
         let ones = Tensor::ones(&ones_dims, DType::I32, self.device())?;
-        zeros.scatter_add(-1, &idx, &ones)
+        zeros.scatter_add_as(Caller::OneHot, -1, &idx, &ones)
     }
 }

@@ -43,7 +43,9 @@ impl Tensor {
         let a = if ra == 1 { self.unsqueeze(0)? } else { self.clone() }.to_dtype(dt)?;
         let b = if rb == 1 { rhs.unsqueeze(1)? } else { rhs.clone() }.to_dtype(dt)?;
         let (m, n) = (a.dims()[a.rank() - 2], b.dims()[b.rank() - 1]);
-        let batch = broadcast_shapes("matmul", &a.dims()[..a.rank() - 2], &b.dims()[..b.rank() - 2])?;
+        let batch = broadcast_shapes("matmul", &a.dims()[..a.rank() - 2], &b.dims()[..b.rank() - 2]).map_err(|_| {
+            crate::error::err!(Shape, "matmul", "cannot multiply {:?} by {:?}: the batch dims {:?} and {:?} do not broadcast", self.dims(), rhs.dims(), &a.dims()[..a.rank() - 2], &b.dims()[..b.rank() - 2])
+        })?;
         let mut da = batch.clone();
         da.extend([m, ka]);
         let mut db = batch.clone();

@@ -3,7 +3,7 @@
 use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::graph::OpKind;
-use crate::primitive::{IndexOp, UnfoldParams};
+use crate::primitive::{Caller, IndexOp, UnfoldParams};
 use crate::rng;
 use crate::tensor::Tensor;
 
@@ -309,7 +309,7 @@ impl Tensor {
             None => target.clone(),
         };
         let logp = self.log_softmax(1)?;
-        let nll = logp.pick_class(&safe)?.neg()?;
+        let nll = logp.pick_class(Caller::CrossEntropy, &safe)?.neg()?;
         let loss = if eps > 0.0 {
             let smooth = logp.mean(&[1], false)?.neg()?;
             nll.mul(1.0 - eps)?.add(&smooth.mul(eps)?)?
@@ -350,8 +350,8 @@ impl Tensor {
     }
 
     /// The score of each position's target class: `self[n, target[n, ...], ...]`.
-    pub(crate) fn pick_class(&self, target: &Tensor) -> Result<Tensor> {
-        self.gather(1, &target.unsqueeze(1)?)?.squeeze(1)
+    pub(crate) fn pick_class(&self, caller: Caller, target: &Tensor) -> Result<Tensor> {
+        self.gather_as(caller, 1, &target.unsqueeze(1)?)?.squeeze(1)
     }
 
     pub(crate) fn reduce_loss(&self, reduction: Reduction) -> Result<Tensor> {

@@ -160,6 +160,9 @@ impl Tensor {
     fn arg(&self, op: ReduceOp, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
         match dim {
             Some(d) => {
+                if self.rank() == 0 && d != 0 && d != -1 {
+                    bail!(Axis, op.name(), "dim {d} is out of range for a 0-d tensor (expected 0 or -1)");
+                }
                 let d = norm_axis(op.name(), d, self.rank().max(1))?;
                 if self.rank() == 0 {
                     return self.reshape_dims(&[1])?.reduce(op, &[0], false);

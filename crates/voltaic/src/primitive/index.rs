@@ -33,17 +33,49 @@ impl UnfoldParams {
     }
 }
 
+/// The public ops that read index tensors, for errors that name what the
+/// user called.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(missing_docs)] // named as the ops they stand for
+pub enum Caller {
+    Gather,
+    IndexSelect,
+    ScatterAdd,
+    Embedding,
+    OneHot,
+    CrossEntropy,
+    NllLoss,
+}
+
+impl Caller {
+    /// Every caller, in error-code order.
+    pub const ALL: [Caller; 7] = [Caller::Gather, Caller::IndexSelect, Caller::ScatterAdd, Caller::Embedding, Caller::OneHot, Caller::CrossEntropy, Caller::NllLoss];
+
+    /// The op's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Caller::Gather => "gather",
+            Caller::IndexSelect => "index_select",
+            Caller::ScatterAdd => "scatter_add",
+            Caller::Embedding => "embedding",
+            Caller::OneHot => "one_hot",
+            Caller::CrossEntropy => "cross_entropy",
+            Caller::NllLoss => "nll_loss",
+        }
+    }
+}
+
 /// An index-like primitive and its parameters. Inputs, in order, are given
 /// per variant.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[allow(missing_docs)] // the fields are named by the variants' docs
 pub enum IndexOp {
     /// `out[p] = input[p with p[dim] = index[p]]`; inputs (input, index).
-    Gather { dim: usize },
+    Gather { dim: usize, caller: Caller },
     /// `out = input; out[p with p[dim] = index[p]] += src[p]`; inputs (input, index, src).
-    ScatterAdd { dim: usize },
+    ScatterAdd { dim: usize, caller: Caller },
     /// Entries of `input` along `dim` at the positions of a 1-D index; inputs (input, index).
-    IndexSelect { dim: usize },
+    IndexSelect { dim: usize, caller: Caller },
     /// Inclusive prefix sum along `dim`; input (input).
     Cumsum { dim: usize },
     /// Concatenation along `dim`; inputs (parts...).
@@ -61,7 +93,7 @@ impl std::hash::Hash for IndexOp {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
         std::mem::discriminant(self).hash(h);
         match self {
-            IndexOp::Gather { dim } | IndexOp::ScatterAdd { dim } | IndexOp::IndexSelect { dim } => dim.hash(h),
+            IndexOp::Gather { dim, caller } | IndexOp::ScatterAdd { dim, caller } | IndexOp::IndexSelect { dim, caller } => (dim, caller).hash(h),
             IndexOp::Cumsum { dim } | IndexOp::Cat { dim } => dim.hash(h),
             IndexOp::Unfold { params, pad } => (params, pad.to_bits()).hash(h),
             IndexOp::Fold { params, hw } => (params, hw).hash(h),
@@ -83,24 +115,23 @@ impl IndexOp {
         }
     }
 
-    /// Code with which a kernel reports an out-of-range index (0: the op
-    /// reads no index tensor).
-    pub fn error_code(&self) -> u32 {
+    /// The public op whose index an out-of-range error names (an embedding
+    /// runs as an index_select, but its user called `embedding`).
+    pub fn caller(&self) -> Option<Caller> {
         match self {
-            IndexOp::Gather { .. } => 1,
-            IndexOp::IndexSelect { .. } => 2,
-            IndexOp::ScatterAdd { .. } => 3,
-            _ => 0,
+            IndexOp::Gather { caller, .. } | IndexOp::ScatterAdd { caller, .. } | IndexOp::IndexSelect { caller, .. } => Some(*caller),
+            _ => None,
         }
     }
 
-    /// The name behind an error code of [`IndexOp::error_code`].
+    /// Code with which a kernel reports an out-of-range index (0: the op
+    /// reads no index tensor).
+    pub fn error_code(&self) -> u32 {
+        self.caller().map_or(0, |c| c as u32 + 1)
+    }
+
+    /// The op name behind an error code of [`IndexOp::error_code`].
     pub fn name_of_error_code(code: u32) -> &'static str {
-        match code {
-            1 => "gather",
-            2 => "index_select",
-            3 => "scatter_add",
-            _ => "index",
-        }
+        Caller::ALL.get((code as usize).wrapping_sub(1)).map_or("index", |c| c.name())
     }
 }

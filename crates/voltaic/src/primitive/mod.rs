@@ -19,7 +19,7 @@ mod reduce;
 mod table;
 mod wgsl;
 
-pub use index::{IndexOp, UnfoldParams};
+pub use index::{Caller, IndexOp, UnfoldParams};
 pub use reduce::ReduceOp;
 pub(crate) use table::{binary_table, cmp_table, reduce_table, unary_table};
 pub use wgsl::WGSL_HELPERS;

@@ -13,9 +13,9 @@ use half::{bf16, f16};
 /// Run an index-like kernel over its operands.
 pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DType, numel: usize) -> Result<CpuStorage> {
     Ok(match *op {
-        IndexOp::Gather { dim } => gather(dim, &args[0], &args[1], inputs)?,
-        IndexOp::ScatterAdd { dim } => scatter_add(dim, &args[0], &args[1], &args[2], inputs)?,
-        IndexOp::IndexSelect { dim } => index_select(dim, &args[0], &args[1], inputs)?,
+        IndexOp::Gather { dim, caller } => gather(caller.name(), dim, &args[0], &args[1], inputs)?,
+        IndexOp::ScatterAdd { dim, caller } => scatter_add(caller.name(), dim, &args[0], &args[1], &args[2], inputs)?,
+        IndexOp::IndexSelect { dim, caller } => index_select(caller.name(), dim, &args[0], &args[1], inputs)?,
         IndexOp::Cumsum { dim } => cumsum(dim, &args[0], inputs),
         IndexOp::Cat { dim } => cat(dim, args, inputs, dtype, numel),
         IndexOp::Unfold { params, pad } => unfold(&args[0], &params, pad, inputs),
@@ -47,7 +47,7 @@ fn typed<T: StorageElem>(s: &CpuStorage) -> &[T] {
 }
 
 /// `out[p] = input[p with p[dim] = index[p]]`, `out` shaped like `index`.
-fn gather(dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
+fn gather(op: &'static str, dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
     let idx = indices(index, inputs);
     let src = input(inp, inputs);
     let dims = index.layout.dims();
@@ -56,19 +56,19 @@ fn gather(dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Resul
     let mut offs = Vec::with_capacity(idx.len());
     for (i, &ix) in idx.iter().enumerate() {
         unravel(i, dims, &mut pos);
-        pos[dim] = check("gather", ix, size, dim)?;
+        pos[dim] = check(op, ix, size, dim)?;
         offs.push(inp.layout.offset_of(&pos));
     }
     Ok(map_storage!(src, s => StorageElem::wrap(offs.iter().map(|&o| s[o]).collect())))
 }
 
 /// Rows of `input` along `dim` chosen by a 1-D index.
-fn index_select(dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
+fn index_select(op: &'static str, dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
     let idx = indices(index, inputs);
     let l = &inp.layout;
     let size = l.dims()[dim];
     for &i in &idx {
-        check("index_select", i, size, dim)?;
+        check(op, i, size, dim)?;
     }
     let mut out_dims = l.dims().to_vec();
     out_dims[dim] = idx.len();
@@ -130,7 +130,7 @@ fn copy_out<T: Copy>(s: &[T], l: &Layout) -> Vec<T> {
 }
 
 /// `out = input; out[p with p[dim] = index[p]] += src[p]` for every `p` of `index`.
-fn scatter_add(dim: usize, inp: &View, index: &View, src: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
+fn scatter_add(op: &'static str, dim: usize, inp: &View, index: &View, src: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
     let idx = indices(index, inputs);
     let out_dims = inp.layout.dims().to_vec();
     let ostrides = crate::shape::Shape::new(&out_dims).contiguous_strides();
@@ -141,7 +141,7 @@ fn scatter_add(dim: usize, inp: &View, index: &View, src: &View, inputs: &[&CpuS
     for (i, &ix) in idx.iter().enumerate() {
         unravel(i, dims, &mut pos);
         let soff = src.layout.offset_of(&pos);
-        pos[dim] = check("scatter_add", ix, size, dim)?;
+        pos[dim] = check(op, ix, size, dim)?;
         let doff: usize = pos.iter().zip(&ostrides).map(|(p, s)| p * s).sum();
         pairs.push((doff, soff));
     }

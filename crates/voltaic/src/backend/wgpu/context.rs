@@ -294,7 +294,7 @@ impl GpuContext {
             p
         });
         if let Some(e) = err {
-            return Err(Error::Backend(format!("compiling a kernel on gpu:{}: {e}\n--- WGSL ---\n{source}", self.index)));
+            return Err(Error::Backend(format!("the driver of gpu:{} refused the kernel: {}", self.index, short_error(&e.to_string(), source))));
         }
         self.compiled.fetch_add(1, Ordering::Relaxed);
         self.save_pipeline_cache(false);
@@ -465,5 +465,29 @@ impl GpuContext {
     /// Forget submissions known to be finished (after a full wait).
     pub(crate) fn clear_in_flight(&self) {
         self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+/// The first lines of a compile error (naga quotes the WGSL around the
+/// fault at length); with `VOLTAIC_DEBUG=1`, the whole error and the
+/// kernel's source.
+pub(crate) fn short_error(e: &str, source: &str) -> String {
+    if std::env::var("VOLTAIC_DEBUG").is_ok_and(|v| !v.is_empty() && v != "0") {
+        return format!("{e}\n--- WGSL ---\n{source}");
+    }
+    // Skip wgpu's framing and naga's quotes of the source (`1 │ ...`, `┌─ wgsl:1:2`).
+    let framing = |l: &str| l.is_empty() || l == "Validation Error" || l == "Caused by:" || l.starts_with("In Device::");
+    let quote = |l: &str| l.starts_with(['│', '┌', '·', '=']) || l.split_once('│').is_some_and(|(n, _)| n.trim().parse::<u32>().is_ok());
+    let lines: Vec<&str> = e.lines().map(str::trim).filter(|l| !framing(l) && !quote(l)).take(2).collect();
+    format!("{} (set VOLTAIC_DEBUG=1 to see the generated WGSL)", lines.join(" "))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_compile_error_is_one_line_without_the_source() {
+        let e = "Validation Error\n\nCaused by:\n  In Device::create_shader_module\n    \nShader '' parsing error: redefinition of `in0_0`\n  ┌─ wgsl:1:42\n  │\n1 │ @group(0) var in0_0\n";
+        let s = super::short_error(e, "fn main() {}");
+        assert!(!s.contains('\n') && !s.contains("fn main") && s.contains("redefinition"), "{s}");
     }
 }

@@ -73,7 +73,10 @@ pub(crate) fn compile(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], v
             )));
         }
         let read_only: Vec<bool> = d.binds.iter().map(|b| b.read_only).collect();
-        let pipeline = ctx.pipeline(&d.source, &read_only)?;
+        let pipeline = ctx.pipeline(&d.source, &read_only).map_err(|e| match e {
+            Error::Backend(msg) => Error::Backend(format!("{} ({}, {} -> {} {}): {msg}", d.label, k.ops.join(" "), shapes(inputs), k.numel, k.dtype)),
+            e => e,
+        })?;
         dispatches.push(CompiledDispatch { pipeline, binds: d.binds, grid: grid(ctx, d.groups)?, label: d.label });
     }
     let c = Arc::new(Compiled { dispatches, scratch: prog.scratch });
@@ -317,4 +320,10 @@ fn grid(ctx: &GpuContext, groups: u64) -> Result<(u32, u32)> {
         return Err(Error::Backend(format!("a dispatch of {groups} workgroups exceeds gpu:{}'s grid of {max} x {max}", ctx.index)));
     }
     Ok((x as u32, y as u32))
+}
+
+/// `[n x dtype, ...]` of a kernel's inputs, for error messages.
+fn shapes(inputs: &[(DType, usize)]) -> String {
+    let parts: Vec<String> = inputs.iter().map(|(dt, n)| format!("{n} {dt}")).collect();
+    format!("[{}]", parts.join(", "))
 }

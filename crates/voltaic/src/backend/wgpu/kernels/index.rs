@@ -15,9 +15,9 @@ impl Gen<'_> {
     /// The dispatches of an index-like kernel.
     pub(crate) fn index(&self, p: &mut WgslProgram, op: &IndexOp, args: &[View]) {
         match *op {
-            IndexOp::Gather { dim } => p.dispatches.push(self.gather(dim, &args[0], &args[1], op.error_code())),
-            IndexOp::IndexSelect { dim } => p.dispatches.push(self.index_select(dim, &args[0], &args[1], op.error_code())),
-            IndexOp::ScatterAdd { dim } => {
+            IndexOp::Gather { dim, .. } => p.dispatches.push(self.gather(dim, &args[0], &args[1], op.error_code())),
+            IndexOp::IndexSelect { dim, .. } => p.dispatches.push(self.index_select(dim, &args[0], &args[1], op.error_code())),
+            IndexOp::ScatterAdd { dim, .. } => {
                 p.dispatches.push(self.copy(&args[0], "scatter_add_copy"));
                 if args[1].layout.numel() > 0 {
                     p.dispatches.push(self.scatter_add(dim, &args[0], &args[1], &args[2], op.error_code()));
