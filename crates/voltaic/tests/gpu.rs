@@ -440,6 +440,10 @@ fn mixing_devices_is_an_error() {
 fn f64_is_a_clear_error_on_the_gpu() {
     let e = Tensor::zeros(&[2], DType::F64, Device::Cpu).unwrap().add(1.0).unwrap().to_device(gpu()).unwrap_err();
     assert!(e.to_string().contains("f64"), "{e}");
+    // An f64 that is only a fused intermediate is refused as clearly.
+    let x = Tensor::ones(&[3], DType::F32, gpu()).unwrap();
+    let e = x.to_dtype(DType::F64).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap_err();
+    assert!(e.to_string().contains("f64 is not supported on the GPU"), "{e}");
 }
 
 #[test]
@@ -652,4 +656,16 @@ fn cumsum_and_scatter_add_along_long_dims_match_cpu() {
         t.grad().unwrap().to_f64_vec().unwrap()
     };
     assert_close(&grad_on(gpu()), &grad_on(Device::Cpu), 0.0, 1e-9, "embedding gradient");
+}
+
+#[test]
+fn sin_and_cos_of_huge_arguments_match_cpu() {
+    // Past 2^10 the GPU reduces with the bits of 2/pi (Payne-Hanek), as libm does.
+    let mut xs: Vec<f32> = (0..4000).map(|i| (6.0f64 + i as f64 * 0.0195).exp() as f32).collect();
+    xs.extend(xs.clone().iter().map(|x| -x));
+    xs.extend([65535.99, 65536.0, 1e30, f32::MAX, 16777217.0, 3.1415927e20]);
+    let n = xs.len();
+    let x = Tensor::from_vec(xs, &[n], Device::Cpu).unwrap();
+    same("sin of huge arguments", std::slice::from_ref(&x), 0.0, 2e-7, |t| t[0].sin());
+    same("cos of huge arguments", &[x], 0.0, 2e-7, |t| t[0].cos());
 }

@@ -38,13 +38,24 @@ pub const WGSL_HELPERS: &[(&str, &str)] = &[
     return select(select(t, -t, x < 0.0), x, isnan_(x));
 }"),
     ("sincos_", "fn sincos_(x: f32, want_cos: bool) -> f32 {
-    // Cody-Waite reduction to [-pi/4, pi/4], then the cephes polynomials.
-    let k = round(x * 0.63661977236758134);
-    let r = ((x - k * 1.5703125) - k * 4.837512969970703125e-4) - k * 7.54978995489188216e-8;
+    // Reduce to [-pi/4, pi/4] and a quadrant, then the cephes polynomials.
+    // Cody-Waite below 2^10 (the error of k * 4.8375e-4 grows with k); Payne-Hanek above.
+    var q: i32;
+    var r: f32;
+    let a = abs(x);
+    if (a < 1024.0) {
+        let k = round(x * 0.63661977236758134);
+        r = ((x - k * 1.5703125) - k * 4.837512969970703125e-4) - k * 7.54978995489188216e-8;
+        q = i32(k - 4.0 * floor(k * 0.25));
+    } else {
+        let red = trig_reduce_(a);
+        q = i32(red.x);
+        r = red.y;
+        if (x < 0.0) { q = -q; r = -r; }
+    }
     let z = r * r;
     let s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
     let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
-    var q = i32(k - 4.0 * floor(k * 0.25));
     if (want_cos) { q = q + 1; }
     var v: f32;
     switch (q & 3) {
@@ -55,6 +66,70 @@ pub const WGSL_HELPERS: &[(&str, &str)] = &[
     }
     // NaN and infinities give NaN.
     return select(v, bitcast<f32>(0x7fc00000u), isnan_(x) || isinf_(x));
+}"),
+    ("trig_reduce_", "// The bits of 2/pi, 32 at a time.
+var<private> tpi_: array<u32, 8> = array<u32, 8>(0xa2f9836eu, 0x4e441529u, 0xfc2757d1u, 0xf534ddc0u, 0xdb629599u, 0x3c439041u, 0xfe5163abu, 0xdebbc561u);
+fn mul32_(a: u32, b: u32) -> vec2<u32> {
+    // The 64-bit product of two u32 as (low, high), in 16-bit halves.
+    let al = a & 0xffffu;
+    let ah = a >> 16u;
+    let bl = b & 0xffffu;
+    let bh = b >> 16u;
+    let ll = al * bl;
+    let lh = al * bh;
+    let hl = ah * bl;
+    let mid = (ll >> 16u) + (lh & 0xffffu) + (hl & 0xffffu);
+    return vec2<u32>(((mid & 0xffffu) << 16u) | (ll & 0xffffu), ah * bh + (lh >> 16u) + (hl >> 16u) + (mid >> 16u));
+}
+fn tpi_bit_(j: i32) -> u32 {
+    let o = u32(j - 1);
+    return (tpi_[o / 32u] >> (31u - o % 32u)) & 1u;
+}
+fn tpi_word_(o: u32) -> u32 {
+    let w = o / 32u;
+    let sh = o % 32u;
+    var v = tpi_[w] << sh;
+    if (sh != 0u) { v = v | (tpi_[w + 1u] >> (32u - sh)); }
+    return v;
+}
+fn ext32_(p0: u32, p1: u32, p2: u32, start: u32) -> u32 {
+    var l = array<u32, 5>(p0, p1, p2, 0u, 0u);
+    let w = start / 32u;
+    let b = start % 32u;
+    var v = l[w] >> b;
+    if (b != 0u) { v = v | (l[w + 1u] << (32u - b)); }
+    return v;
+}
+fn trig_reduce_(a: f32) -> vec2<f32> {
+    // Payne-Hanek for finite a >= 2^10: a = M * 2^p exactly, and a * 2/pi
+    // modulo 4 needs only 64 bits of 2/pi from bit p on (earlier ones give
+    // multiples of 4; bits p-1 and p the integer part). Returns (quadrant, r).
+    let u = bitcast<u32>(a);
+    let m = (u & 0x7fffffu) | 0x800000u;
+    let p = i32(u >> 23u) - 150;
+    var j0 = 1;
+    var s = u32(64 - p);
+    var qx = 0u;
+    if (p >= 1) {
+        j0 = p + 1;
+        s = 64u;
+        var b2 = 0u;
+        if (p >= 2) { b2 = tpi_bit_(p - 1); }
+        qx = (m * (tpi_bit_(p) + 2u * b2)) & 3u;
+    }
+    let wh = tpi_word_(u32(j0 - 1));
+    let wl = tpi_word_(u32(j0 + 31));
+    let lo = mul32_(m, wl);
+    let hi = mul32_(m, wh);
+    let p1 = hi.x + lo.y;
+    let p2 = hi.y + select(0u, 1u, p1 < hi.x);
+    var q = (ext32_(lo.x, p1, p2, s) + qx) & 3u;
+    let fh = ext32_(lo.x, p1, p2, s - 32u);
+    let fl = ext32_(lo.x, p1, p2, s - 64u);
+    // A fraction of 1/2 or more rounds the quadrant up; read as signed, it is the fraction minus 1.
+    if ((fh & 0x80000000u) != 0u) { q = (q + 1u) & 3u; }
+    let r = f32(bitcast<i32>(fh)) * bitcast<f32>(0x2fc90fdbu) + f32(fl) * bitcast<f32>(0x1fc90fdbu);
+    return vec2<f32>(f32(q), r);
 }"),
     ("sin_", "fn sin_(x: f32) -> f32 { return sincos_(x, false); }"),
     ("cos_", "fn cos_(x: f32) -> f32 { return sincos_(x, true); }"),

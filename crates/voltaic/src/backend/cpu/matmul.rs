@@ -95,19 +95,21 @@ fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], s
     }
 }
 
-fn naive<T: Copy>(a: &View, b: &View, sa: &[T], sb: &[T], m: usize, k: usize, n: usize, to: impl Fn(T) -> f64) -> Vec<f64> {
+/// Integer matmul, wrapping like the elementwise integer ops (exact mod
+/// 2^32, where accumulating in f64 rounds once products pass 2^53).
+fn naive<T: Copy>(a: &View, b: &View, sa: &[T], sb: &[T], m: usize, k: usize, n: usize, mul: impl Fn(T, T) -> T, add: impl Fn(T, T) -> T, zero: T) -> Vec<T> {
     let (oa, ob) = (batch_offsets(a), batch_offsets(b));
     let (a_rs, a_cs) = strides(a);
     let (b_rs, b_cs) = strides(b);
-    let mut out = vec![0.0; oa.len() * m * n];
+    let mut out = vec![zero; oa.len() * m * n];
     for bi in 0..oa.len() {
         for i in 0..m {
             for j in 0..n {
-                let mut s = 0.0;
+                let mut s = zero;
                 for p in 0..k {
                     let x = sa[(oa[bi] as isize + i as isize * a_rs + p as isize * a_cs) as usize];
                     let y = sb[(ob[bi] as isize + p as isize * b_rs + j as isize * b_cs) as usize];
-                    s += to(x) * to(y);
+                    s = add(s, mul(x, y));
                 }
                 out[(bi * m + i) * n + j] = s;
             }
@@ -139,12 +141,10 @@ pub(crate) fn run(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&C
             }
         }
         (CpuStorage::I32(sa), CpuStorage::I32(sb), CpuStorage::I32(o)) => {
-            let r = naive(a, b, sa, sb, m, k, n, |v| v as f64);
-            o.iter_mut().zip(r).for_each(|(d, s)| *d = s as i64 as i32);
+            o.copy_from_slice(&naive(a, b, sa, sb, m, k, n, i32::wrapping_mul, i32::wrapping_add, 0));
         }
         (CpuStorage::U32(sa), CpuStorage::U32(sb), CpuStorage::U32(o)) => {
-            let r = naive(a, b, sa, sb, m, k, n, |v| v as f64);
-            o.iter_mut().zip(r).for_each(|(d, s)| *d = s as i64 as u32);
+            o.copy_from_slice(&naive(a, b, sa, sb, m, k, n, u32::wrapping_mul, u32::wrapping_add, 0));
         }
         _ => unreachable!("matmul dtypes are checked when the op is recorded"),
     }

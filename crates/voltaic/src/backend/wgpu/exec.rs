@@ -220,6 +220,12 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
         for &(dt, _) in &inputs {
             check_dtype(&ctx.caps, dt, k.kind.name())?;
         }
+        // Fused intermediates too: `x.to_dtype(F64).to_dtype(F32)` never stores an f64.
+        for e in k.kind.exprs() {
+            for &(_, dt) in &e.instrs {
+                check_dtype(&ctx.caps, dt, k.ops.first().copied().unwrap_or("realize"))?;
+            }
+        }
         let bytes = k.numel as u64 * elem_bytes(k.dtype);
         let out = Arc::new(match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {
             Some(i) => retired.swap_remove(i).reuse(k.dtype, k.numel),
