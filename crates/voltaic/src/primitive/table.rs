@@ -174,12 +174,14 @@ macro_rules! binary_table {
             }
             /// elementwise maximum; NaN wins, as in PyTorch
             Maximum maximum "maximum" Numeric |a, b, y, g| g.split_ties(&a.gt(b)?, &a.eq(b)?, &b.gt(a)?); {
-                wgsl: "select({b}, {a}, {a} > {b} || isnan_({a}))" | "max({a}, {b})",
+                // NaN tested on each operand apart: NVIDIA's compiler turned the
+                // one-select form into a NaN-dropping max (seen on the H100, bf16).
+                wgsl: "select(select(select({b}, {a}, {a} > {b}), {b}, isnan_({b})), {a}, isnan_({a}))" | "max({a}, {b})",
                 float: |a, b| if a > b || a.is_nan() { a } else { b }, int: |a, b| if a > b { a } else { b }
             }
             /// elementwise minimum; NaN wins, as in PyTorch
             Minimum minimum "minimum" Numeric |a, b, y, g| g.split_ties(&a.lt(b)?, &a.eq(b)?, &b.lt(a)?); {
-                wgsl: "select({b}, {a}, {a} < {b} || isnan_({a}))" | "min({a}, {b})",
+                wgsl: "select(select(select({b}, {a}, {a} < {b}), {b}, isnan_({b})), {a}, isnan_({a}))" | "min({a}, {b})",
                 float: |a, b| if a < b || a.is_nan() { a } else { b }, int: |a, b| if a < b { a } else { b }
             }
             /// logical and (nonzero is true)

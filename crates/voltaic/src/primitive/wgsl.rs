@@ -239,8 +239,11 @@ fn trig_reduce_(a: f32) -> vec2<f32> {
 }"),
     ("rem_f32", "fn rem_f32(a: f32, b: f32) -> f32 {
     // Python's remainder: fmod, then moved to the divisor's sign.
+    // Zero and the signs tested on the bits: GPUs that flush subnormals
+    // (NVIDIA) would call a subnormal remainder 0.
     let r = fmod_(a, b);
-    if (r != 0.0 && ((r < 0.0) != (b < 0.0))) { return r + b; }
+    let rb = bitcast<u32>(r);
+    if ((rb & 0x7fffffffu) != 0u && (rb >> 31u) != (bitcast<u32>(b) >> 31u)) { return r + b; }
     return r;
 }"),
     ("pow_i32", "fn pow_i32(a: i32, b: i32) -> i32 {
