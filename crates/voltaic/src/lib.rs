@@ -17,6 +17,10 @@
 
 #![warn(missing_docs)]
 
+// `#[derive(Module)]` names `::voltaic::nn::Module`; this lets the crate
+// derive it for its own layers too.
+extern crate self as voltaic;
+
 // Layers, lowest first (ARCHITECTURE.md; `tests/layering.rs` checks that no
 // module imports one above it).
 mod device;
@@ -65,3 +69,10 @@ pub use rng::{manual_seed, Generator};
 pub use shape::Shape;
 pub use storage::{CpuStorage, StorageElem};
 pub use tensor::Tensor;
+
+/// The names most programs need, for `use voltaic::prelude::*;`.
+pub mod prelude {
+    pub use crate::nn::{self, Forward, Module, Parameter};
+    pub use crate::optim::{self, Optimizer};
+    pub use crate::{DType, Device, Error, Reduction, Result, Tensor};
+}

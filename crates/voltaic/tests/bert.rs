@@ -81,5 +81,14 @@ fn missing_and_misshaped_tensors_are_named() {
     voltaic::io::safetensors::save(dir.join("model.safetensors"), &tensors).unwrap();
     let e = voltaic::models::bert::BertModel::load(&dir, Device::Cpu).err().unwrap().to_string();
     assert!(e.contains("[384, 383]") && e.contains("[384, 384]"), "{e}");
+    // A config with fewer layers than the checkpoint would silently ignore
+    // the rest: refused, naming what is left over.
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let config = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&config).unwrap();
+    json["num_hidden_layers"] = 0.into();
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    let e = voltaic::models::bert::BertModel::load(&dir, Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("not used") && e.contains("encoder.layer.0.") && e.contains("num_hidden_layers = 0"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use voltaic::data::{epoch_order, DataLoader, Dataset, LoaderOpts};
-use voltaic::nn::{self, BatchNorm, Dropout, Linear, Module, Parameter};
+use voltaic::nn::{self, BatchNorm, Dropout, Forward, Linear, Module, Parameter};
 use voltaic::optim::{clip_grad_norm, Adam, CosineLr, LrSchedule, Optimizer, Sgd, StepLr, WarmupLr};
 use voltaic::{DType, Device, Reduction, Tensor};
 
@@ -252,7 +252,14 @@ fn checkpoints_round_trip_and_refuse_bad_files() {
     assert!(e.contains("0.weight") && e.contains("[4, 5]") && e.contains("[3, 5]"), "{e}");
     let fewer = nn::Sequential::new().add(Linear::new(5, 4, true, Device::Cpu).unwrap());
     let e = nn::load(&fewer, &path).unwrap_err().to_string();
-    assert!(e.contains("\"1.") && e.contains("does not belong"), "{e}");
+    assert!(e.contains("unexpected") && e.contains("\"1.weight\"") && e.contains("\"1.num_batches_tracked\""), "{e}");
+    // Non-strict: the extra tensors are reported, the matching ones loaded.
+    let keys = nn::load_state_dict(&fewer, &path, false).unwrap();
+    assert!(keys.missing.is_empty());
+    let mut unexpected = keys.unexpected.clone();
+    unexpected.sort();
+    assert_eq!(unexpected, ["1.bias", "1.num_batches_tracked", "1.running_mean", "1.running_var", "1.weight"]);
+    assert_eq!(fewer.named_tensors()[0].1.value().to_f64_vec().unwrap(), model.named_tensors()[0].1.value().to_f64_vec().unwrap());
     // Truncated and garbage files are errors, not panics.
     let bytes = std::fs::read(&path).unwrap();
     for cut in [0, 7, 8, 20, bytes.len() / 2, bytes.len() - 1] {

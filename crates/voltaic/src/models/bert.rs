@@ -6,7 +6,7 @@
 use crate::dtype::DType;
 use crate::error::{bail, Error, Result};
 use crate::io::safetensors::SafetensorsFile;
-use crate::nn::{LayerNorm, Linear, Module, Parameter};
+use crate::nn::{Forward, LayerNorm, Linear, Module, Parameter};
 use crate::tensor::Tensor;
 use crate::Device;
 use std::path::Path;
@@ -82,31 +82,53 @@ impl Weights<'_> {
     }
 }
 
+/// One encoder layer; its tensors carry Hugging Face's names.
+#[derive(Module)]
 struct Layer {
+    #[module(rename = "attention.self.query")]
     query: Linear,
+    #[module(rename = "attention.self.key")]
     key: Linear,
+    #[module(rename = "attention.self.value")]
     value: Linear,
+    #[module(rename = "attention.output.dense")]
     attn_out: Linear,
+    #[module(rename = "attention.output.LayerNorm")]
     attn_norm: LayerNorm,
+    #[module(rename = "intermediate.dense")]
     inter: Linear,
+    #[module(rename = "output.dense")]
     out: Linear,
+    #[module(rename = "output.LayerNorm")]
     out_norm: LayerNorm,
 }
 
-/// A BERT encoder with Hugging Face's parameter names (no `bert.` prefix).
+/// A BERT encoder with Hugging Face's parameter names (no `bert.` prefix):
+/// `named_tensors` lists exactly the checkpoint's names.
+#[derive(Module)]
 pub struct BertModel {
     /// The configuration it was built from.
+    #[module(skip)]
     pub config: BertConfig,
+    #[module(rename = "embeddings.word_embeddings.weight")]
     word: Parameter,
+    #[module(rename = "embeddings.position_embeddings.weight")]
     position: Parameter,
+    #[module(rename = "embeddings.token_type_embeddings.weight")]
     token_type: Parameter,
+    #[module(rename = "embeddings.LayerNorm")]
     emb_norm: LayerNorm,
+    #[module(rename = "encoder.layer")]
     layers: Vec<Layer>,
 }
 
 impl BertModel {
     /// Build the encoder from `config.json` and `model.safetensors` in `dir`.
-    /// A missing or mis-shaped tensor is an error naming it and the shapes.
+    /// A missing or mis-shaped tensor is an error naming it and the shapes,
+    /// and so is a checkpoint tensor the configuration leaves unused (a
+    /// config with fewer layers than its weights): only the pooler, which
+    /// sentence embeddings do not use, and `embeddings.position_ids` (a
+    /// constant older checkpoints store) may be left over.
     pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<BertModel> {
         let dir = dir.as_ref();
         let config = BertConfig::from_file(dir.join("config.json"))?;
@@ -128,14 +150,33 @@ impl BertModel {
                 out_norm: w.layer_norm(&format!("{p}.output.LayerNorm"), h, eps)?,
             });
         }
-        Ok(BertModel {
+        let model = BertModel {
             word: w.get("embeddings.word_embeddings.weight", &[config.vocab_size, h])?,
             position: w.get("embeddings.position_embeddings.weight", &[config.max_position_embeddings, h])?,
             token_type: w.get("embeddings.token_type_embeddings.weight", &[config.type_vocab_size, h])?,
             emb_norm: w.layer_norm("embeddings.LayerNorm", h, eps)?,
             layers,
             config,
-        })
+        };
+        let used: std::collections::HashSet<String> = model.named_tensors().into_iter().map(|(n, _)| n).collect();
+        let unused: Vec<String> = file
+            .names()?
+            .into_iter()
+            .filter(|n| !used.contains(n) && !n.starts_with("pooler.") && n != "embeddings.position_ids")
+            .collect();
+        if !unused.is_empty() {
+            let shown = unused.iter().take(4).map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ");
+            let more = if unused.len() > 4 { format!(" and {} more", unused.len() - 4) } else { String::new() };
+            bail!(
+                Value,
+                "bert",
+                "{}: {} checkpoint tensors are not used by the configuration ({shown}{more}); does config.json match the weights (num_hidden_layers = {})?",
+                path.display(),
+                unused.len(),
+                model.config.num_hidden_layers
+            );
+        }
+        Ok(model)
     }
 
     fn act(&self, x: &Tensor) -> Result<Tensor> {

@@ -1,14 +1,14 @@
 //! Layers with PyTorch's parameter names, shapes and default initialisation.
 
-use super::{init, Module, Parameter};
+use super::{init, Forward, Module, Parameter, Training};
 use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::ops::nn::Conv2dOpts;
 use crate::tensor::Tensor;
 use crate::Device;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// `y = x @ weight^T + bias`, weight `[out, in]` (PyTorch `nn.Linear`).
+#[derive(Module)]
 pub struct Linear {
     /// `[out_features, in_features]`.
     pub weight: Parameter,
@@ -27,7 +27,7 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
+impl Forward for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.weight.value();
         if x.rank() == 0 || x.dims()[x.rank() - 1] != w.dims()[1] {
@@ -39,16 +39,10 @@ impl Module for Linear {
             None => Ok(y),
         }
     }
-    fn named_tensors(&self) -> Vec<(String, Parameter)> {
-        let mut v = vec![("weight".to_string(), self.weight.clone())];
-        if let Some(b) = &self.bias {
-            v.push(("bias".into(), b.clone()));
-        }
-        v
-    }
 }
 
 /// 2-D convolution over `[N, C, H, W]` (PyTorch `nn.Conv2d`).
+#[derive(Module)]
 pub struct Conv2d {
     /// `[out, in / groups, kh, kw]`.
     pub weight: Parameter,
@@ -74,22 +68,15 @@ impl Conv2d {
     }
 }
 
-impl Module for Conv2d {
+impl Forward for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let b = self.bias.as_ref().map(|b| b.value());
         x.conv2d(&self.weight.value(), b.as_ref(), self.opts)
     }
-    fn named_tensors(&self) -> Vec<(String, Parameter)> {
-        let mut v = vec![("weight".to_string(), self.weight.clone())];
-        if let Some(b) = &self.bias {
-            v.push(("bias".into(), b.clone()));
-        }
-        v
-    }
 }
 
 /// Max pooling (PyTorch `nn.MaxPool2d`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Module)]
 pub struct MaxPool2d {
     /// Window size.
     pub kernel: [usize; 2],
@@ -106,14 +93,14 @@ impl MaxPool2d {
     }
 }
 
-impl Module for MaxPool2d {
+impl Forward for MaxPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.max_pool2d(self.kernel, self.stride, self.padding)
     }
 }
 
 /// Average pooling (PyTorch `nn.AvgPool2d`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Module)]
 pub struct AvgPool2d {
     /// Window size.
     pub kernel: [usize; 2],
@@ -130,17 +117,17 @@ impl AvgPool2d {
     }
 }
 
-impl Module for AvgPool2d {
+impl Forward for AvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.avg_pool2d(self.kernel, self.stride, self.padding)
     }
 }
 
 /// Flatten dims `1..` into one (PyTorch `nn.Flatten()`).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, Module)]
 pub struct Flatten;
 
-impl Module for Flatten {
+impl Forward for Flatten {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.rank() < 2 {
             return Ok(x.clone());
@@ -152,6 +139,7 @@ impl Module for Flatten {
 /// Batch normalisation over the channel dim 1 of `[N, C]` or `[N, C, ...]`
 /// (PyTorch `nn.BatchNorm1d`/`nn.BatchNorm2d`): batch statistics in
 /// training, running statistics (momentum 0.1, unbiased variance) in eval.
+#[derive(Module)]
 pub struct BatchNorm {
     /// Scale `[C]`, initialised to ones.
     pub weight: Parameter,
@@ -162,7 +150,7 @@ pub struct BatchNorm {
     num_batches_tracked: Parameter,
     eps: f64,
     momentum: f64,
-    training: AtomicBool,
+    training: Training,
 }
 
 impl BatchNorm {
@@ -176,12 +164,12 @@ impl BatchNorm {
             num_batches_tracked: Parameter::buffer(Tensor::zeros(&[], DType::I32, device)?.contiguous()?),
             eps: 1e-5,
             momentum: 0.1,
-            training: AtomicBool::new(true),
+            training: Training::new(),
         })
     }
 }
 
-impl Module for BatchNorm {
+impl Forward for BatchNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.weight.value().numel();
         if x.rank() < 2 || x.dims()[1] != c {
@@ -190,7 +178,7 @@ impl Module for BatchNorm {
         let mut shape = vec![1usize; x.rank()];
         shape[1] = c;
         let axes: Vec<isize> = (0..x.rank() as isize).filter(|&a| a != 1).collect();
-        let (mean, var) = if self.training.load(Ordering::Relaxed) {
+        let (mean, var) = if self.training.get() {
             let n = x.numel() / c;
             if n < 2 {
                 bail!(Shape, "BatchNorm", "training needs more than one value per channel, got input {:?}", x.dims());
@@ -210,18 +198,6 @@ impl Module for BatchNorm {
         let y = x.sub(&mean)?.mul(&var.add(self.eps)?.rsqrt()?)?;
         y.mul(&self.weight.value().reshape_dims(&shape)?)?.add(&self.bias.value().reshape_dims(&shape)?)
     }
-    fn named_tensors(&self) -> Vec<(String, Parameter)> {
-        vec![
-            ("weight".into(), self.weight.clone()),
-            ("bias".into(), self.bias.clone()),
-            ("running_mean".into(), self.running_mean.clone()),
-            ("running_var".into(), self.running_var.clone()),
-            ("num_batches_tracked".into(), self.num_batches_tracked.clone()),
-        ]
-    }
-    fn set_training(&self, training: bool) {
-        self.training.store(training, Ordering::Relaxed);
-    }
 }
 
 /// PyTorch `nn.BatchNorm1d` (input `[N, C]` or `[N, C, L]`).
@@ -230,6 +206,7 @@ pub type BatchNorm1d = BatchNorm;
 pub type BatchNorm2d = BatchNorm;
 
 /// Layer normalisation over the trailing dims (PyTorch `nn.LayerNorm`).
+#[derive(Module)]
 pub struct LayerNorm {
     /// Scale, initialised to ones.
     pub weight: Parameter,
@@ -260,17 +237,15 @@ impl LayerNorm {
     }
 }
 
-impl Module for LayerNorm {
+impl Forward for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.layer_norm(&self.shape, Some(&self.weight.value()), Some(&self.bias.value()), self.eps)
-    }
-    fn named_tensors(&self) -> Vec<(String, Parameter)> {
-        vec![("weight".into(), self.weight.clone()), ("bias".into(), self.bias.clone())]
     }
 }
 
 /// A lookup table of `num` vectors of size `dim` (PyTorch `nn.Embedding`,
 /// initialised standard normal).
+#[derive(Module)]
 pub struct Embedding {
     /// `[num, dim]`.
     pub weight: Parameter,
@@ -283,19 +258,17 @@ impl Embedding {
     }
 }
 
-impl Module for Embedding {
+impl Forward for Embedding {
     fn forward(&self, index: &Tensor) -> Result<Tensor> {
         self.weight.value().embedding(index)
-    }
-    fn named_tensors(&self) -> Vec<(String, Parameter)> {
-        vec![("weight".into(), self.weight.clone())]
     }
 }
 
 /// Dropout with probability `p` in training mode, identity in eval mode.
+#[derive(Module)]
 pub struct Dropout {
     p: f64,
-    training: AtomicBool,
+    training: Training,
 }
 
 impl Dropout {
@@ -304,15 +277,12 @@ impl Dropout {
         if !(0.0..=1.0).contains(&p) {
             bail!(Value, "Dropout", "probability must be in [0, 1], got {p}");
         }
-        Ok(Dropout { p, training: AtomicBool::new(true) })
+        Ok(Dropout { p, training: Training::new() })
     }
 }
 
-impl Module for Dropout {
+impl Forward for Dropout {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.dropout(self.p, self.training.load(Ordering::Relaxed))
-    }
-    fn set_training(&self, training: bool) {
-        self.training.store(training, Ordering::Relaxed);
+        x.dropout(self.p, self.training.get())
     }
 }
