@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use voltaic::data::{fashion_mnist, DataLoader, Dataset, LoaderOpts, FASHION_MNIST_DIR};
-use voltaic::nn::{Module, Sequential};
+use voltaic::nn::{Forward, Module, Sequential};
 use voltaic::optim::{Adam, CosineLr, LrSchedule, Optimizer, Sgd};
 use voltaic::{DType, Device, Reduction, Tensor};
 

@@ -5,7 +5,7 @@
 //! a GPU a whole step is one submission and nothing returns to the host.
 //!
 //! ```
-//! use voltaic::nn::{Linear, Module};
+//! use voltaic::nn::{Forward, Linear, Module};
 //! use voltaic::optim::{Adam, Optimizer};
 //! use voltaic::{DType, Device, Tensor};
 //! voltaic::manual_seed(1);

@@ -5,7 +5,7 @@ use super::gpu::gpu_median_ms;
 use anyhow::{bail, Context};
 use std::collections::HashMap;
 use std::process::Command;
-use voltaic::nn::Module;
+use voltaic::nn::{Forward, Module};
 use voltaic::optim::{Adam, Optimizer};
 use voltaic::{DType, Device, Reduction, Tensor};
 

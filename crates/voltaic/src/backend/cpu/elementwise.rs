@@ -5,6 +5,7 @@
 //! dtype so the compiler vectorises it. Intermediates never touch memory
 //! beyond the block, and blocks run in parallel on rayon.
 
+use super::simd::simd_fn;
 use crate::dtype::DType;
 use crate::ir::{Expr, Instr, Load};
 use crate::layout::{unravel, Layout};
@@ -143,14 +144,15 @@ impl<'a> Interpreter<'a> {
     }
 }
 
-/// Half types compute in f32 registers; round a result to its dtype so that a
-/// fused intermediate has the value it would have had if stored.
-#[inline]
-fn round_half(r: &mut Reg, dt: DType, n: usize) {
-    match (dt, r) {
-        (DType::F16, Reg::F32(v)) => v[..n].iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
-        (DType::BF16, Reg::F32(v)) => v[..n].iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32()),
-        _ => {}
+simd_fn! {
+    /// Half types compute in f32 registers; round a result to its dtype so that a
+    /// fused intermediate has the value it would have had if stored.
+    fn round_half(r: &mut Reg, dt: DType, n: usize) {
+        match (dt, r) {
+            (DType::F16, Reg::F32(v)) => v[..n].iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
+            (DType::BF16, Reg::F32(v)) => v[..n].iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32()),
+            _ => {}
+        }
     }
 }
 
@@ -188,23 +190,24 @@ pub(crate) trait FoldElem: Copy {
 macro_rules! fold_elem {
     ($t:ty, $f:ident, $lanes:expr) => {
         impl FoldElem for $t {
-            #[inline]
-            fn fold<K: BinaryKernel>(x: &[$t], init: $t) -> $t {
-                let mut acc = [init; $lanes];
-                let mut chunks = x.chunks_exact($lanes);
-                for c in &mut chunks {
-                    for l in 0..$lanes {
-                        acc[l] = K::$f(acc[l], c[l]);
+            simd_fn! {
+                fn fold<K: BinaryKernel>(x: &[$t], init: $t) -> $t {
+                    let mut acc = [init; $lanes];
+                    let mut chunks = x.chunks_exact($lanes);
+                    for c in &mut chunks {
+                        for l in 0..$lanes {
+                            acc[l] = K::$f(acc[l], c[l]);
+                        }
                     }
+                    let mut r = init;
+                    for a in acc {
+                        r = K::$f(r, a);
+                    }
+                    for &v in chunks.remainder() {
+                        r = K::$f(r, v);
+                    }
+                    r
                 }
-                let mut r = init;
-                for a in acc {
-                    r = K::$f(r, a);
-                }
-                for &v in chunks.remainder() {
-                    r = K::$f(r, v);
-                }
-                r
             }
         }
     };
@@ -221,15 +224,16 @@ pub(crate) trait StoreElem: Sized {
 macro_rules! store_elem {
     ($t:ty, $v:ident, |$x:ident| $conv:expr) => {
         impl StoreElem for $t {
-            #[inline]
-            fn store(r: &Reg, dst: &mut [Self]) {
-                match r {
-                    Reg::$v(src) => {
-                        for (d, &$x) in dst.iter_mut().zip(src.iter()) {
-                            *d = $conv;
+            simd_fn! {
+                fn store(r: &Reg, dst: &mut [$t]) {
+                    match r {
+                        Reg::$v(src) => {
+                            for (d, &$x) in dst.iter_mut().zip(src.iter()) {
+                                *d = $conv;
+                            }
                         }
+                        _ => unreachable!("register type matches the output dtype"),
                     }
-                    _ => unreachable!("register type matches the output dtype"),
                 }
             }
         }
@@ -361,14 +365,16 @@ fn map1<T: Copy, U>(x: &[T], o: &mut [U], n: usize, f: impl Fn(T) -> U) {
     }
 }
 
-fn unary_k<K: UnaryKernel>(x: &Reg, o: &mut Reg, n: usize) {
-    match (x, o) {
-        (Reg::F32(x), Reg::F32(o)) => map1(x, o, n, K::f32),
-        (Reg::F64(x), Reg::F64(o)) => map1(x, o, n, K::f64),
-        (Reg::I32(x), Reg::I32(o)) => map1(x, o, n, K::i32),
-        (Reg::U32(x), Reg::U32(o)) => map1(x, o, n, K::u32),
-        (Reg::Bool(x), Reg::Bool(o)) => map1(x, o, n, K::bool),
-        _ => unreachable!("dtypes are checked when the op is recorded"),
+simd_fn! {
+    fn unary_k<K: UnaryKernel>(x: &Reg, o: &mut Reg, n: usize) {
+        match (x, o) {
+            (Reg::F32(x), Reg::F32(o)) => map1(x, o, n, K::f32),
+            (Reg::F64(x), Reg::F64(o)) => map1(x, o, n, K::f64),
+            (Reg::I32(x), Reg::I32(o)) => map1(x, o, n, K::i32),
+            (Reg::U32(x), Reg::U32(o)) => map1(x, o, n, K::u32),
+            (Reg::Bool(x), Reg::Bool(o)) => map1(x, o, n, K::bool),
+            _ => unreachable!("dtypes are checked when the op is recorded"),
+        }
     }
 }
 
@@ -405,82 +411,90 @@ macro_rules! binary_dispatch {
 }
 binary_table!(binary_dispatch);
 
-fn binary_k<K: BinaryKernel>(a: &Reg, b: &Reg, o: &mut Reg, n: usize) {
-    match (a, b, o) {
-        (Reg::F32(a), Reg::F32(b), Reg::F32(o)) => map2(a, b, o, n, K::f32),
-        (Reg::F64(a), Reg::F64(b), Reg::F64(o)) => map2(a, b, o, n, K::f64),
-        (Reg::I32(a), Reg::I32(b), Reg::I32(o)) => map2(a, b, o, n, K::i32),
-        (Reg::U32(a), Reg::U32(b), Reg::U32(o)) => map2(a, b, o, n, K::u32),
-        (Reg::Bool(a), Reg::Bool(b), Reg::Bool(o)) => map2(a, b, o, n, K::bool),
-        _ => unreachable!("dtypes are checked when the op is recorded"),
-    }
-}
-
-fn cmp(op: CmpOp, a: &Reg, b: &Reg, o: &mut Reg, n: usize) {
-    let Reg::Bool(o) = o else { unreachable!() };
-    macro_rules! go {
-        ($a:expr, $b:expr) => {
-            match op {
-                CmpOp::Eq => map2($a, $b, o, n, |x, y| x == y),
-                CmpOp::Ne => map2($a, $b, o, n, |x, y| x != y),
-                CmpOp::Lt => map2($a, $b, o, n, |x, y| x < y),
-                CmpOp::Le => map2($a, $b, o, n, |x, y| x <= y),
-                CmpOp::Gt => map2($a, $b, o, n, |x, y| x > y),
-                CmpOp::Ge => map2($a, $b, o, n, |x, y| x >= y),
-            }
-        };
-    }
-    match (a, b) {
-        (Reg::F32(a), Reg::F32(b)) => go!(a, b),
-        (Reg::F64(a), Reg::F64(b)) => go!(a, b),
-        (Reg::I32(a), Reg::I32(b)) => go!(a, b),
-        (Reg::U32(a), Reg::U32(b)) => go!(a, b),
-        (Reg::Bool(a), Reg::Bool(b)) => go!(a, b),
-        _ => unreachable!("dtypes are checked when the op is recorded"),
-    }
-}
-
-fn select(c: &Reg, a: &Reg, b: &Reg, o: &mut Reg, n: usize) {
-    let Reg::Bool(c) = c else { unreachable!() };
-    #[inline(always)]
-    fn sel<T: Copy>(c: &[bool], a: &[T], b: &[T], o: &mut [T], n: usize) {
-        for i in 0..n {
-            o[i] = if c[i] { a[i] } else { b[i] };
+simd_fn! {
+    fn binary_k<K: BinaryKernel>(a: &Reg, b: &Reg, o: &mut Reg, n: usize) {
+        match (a, b, o) {
+            (Reg::F32(a), Reg::F32(b), Reg::F32(o)) => map2(a, b, o, n, K::f32),
+            (Reg::F64(a), Reg::F64(b), Reg::F64(o)) => map2(a, b, o, n, K::f64),
+            (Reg::I32(a), Reg::I32(b), Reg::I32(o)) => map2(a, b, o, n, K::i32),
+            (Reg::U32(a), Reg::U32(b), Reg::U32(o)) => map2(a, b, o, n, K::u32),
+            (Reg::Bool(a), Reg::Bool(b), Reg::Bool(o)) => map2(a, b, o, n, K::bool),
+            _ => unreachable!("dtypes are checked when the op is recorded"),
         }
     }
-    match (a, b, o) {
-        (Reg::F32(a), Reg::F32(b), Reg::F32(o)) => sel(c, a, b, o, n),
-        (Reg::F64(a), Reg::F64(b), Reg::F64(o)) => sel(c, a, b, o, n),
-        (Reg::I32(a), Reg::I32(b), Reg::I32(o)) => sel(c, a, b, o, n),
-        (Reg::U32(a), Reg::U32(b), Reg::U32(o)) => sel(c, a, b, o, n),
-        (Reg::Bool(a), Reg::Bool(b), Reg::Bool(o)) => sel(c, a, b, o, n),
-        _ => unreachable!("dtypes are checked when the op is recorded"),
+}
+
+simd_fn! {
+    fn cmp(op: CmpOp, a: &Reg, b: &Reg, o: &mut Reg, n: usize) {
+        let Reg::Bool(o) = o else { unreachable!() };
+        macro_rules! go {
+            ($a:expr, $b:expr) => {
+                match op {
+                    CmpOp::Eq => map2($a, $b, o, n, |x, y| x == y),
+                    CmpOp::Ne => map2($a, $b, o, n, |x, y| x != y),
+                    CmpOp::Lt => map2($a, $b, o, n, |x, y| x < y),
+                    CmpOp::Le => map2($a, $b, o, n, |x, y| x <= y),
+                    CmpOp::Gt => map2($a, $b, o, n, |x, y| x > y),
+                    CmpOp::Ge => map2($a, $b, o, n, |x, y| x >= y),
+                }
+            };
+        }
+        match (a, b) {
+            (Reg::F32(a), Reg::F32(b)) => go!(a, b),
+            (Reg::F64(a), Reg::F64(b)) => go!(a, b),
+            (Reg::I32(a), Reg::I32(b)) => go!(a, b),
+            (Reg::U32(a), Reg::U32(b)) => go!(a, b),
+            (Reg::Bool(a), Reg::Bool(b)) => go!(a, b),
+            _ => unreachable!("dtypes are checked when the op is recorded"),
+        }
     }
 }
 
-fn cast(x: &Reg, o: &mut Reg, to: DType, n: usize) {
-    macro_rules! from {
-        ($x:expr, |$v:ident| $tof32:expr, $tof64:expr, $toi32:expr, $tou32:expr, $tobool:expr) => {
-            match o {
-                Reg::F32(o) => match to {
-                    DType::F16 => map1($x, o, n, |$v| f16::from_f32($tof32).to_f32()),
-                    DType::BF16 => map1($x, o, n, |$v| bf16::from_f32($tof32).to_f32()),
-                    _ => map1($x, o, n, |$v| $tof32),
-                },
-                Reg::F64(o) => map1($x, o, n, |$v| $tof64),
-                Reg::I32(o) => map1($x, o, n, |$v| $toi32),
-                Reg::U32(o) => map1($x, o, n, |$v| $tou32),
-                Reg::Bool(o) => map1($x, o, n, |$v| $tobool),
-                Reg::Empty => unreachable!(),
+simd_fn! {
+    fn select(c: &Reg, a: &Reg, b: &Reg, o: &mut Reg, n: usize) {
+        let Reg::Bool(c) = c else { unreachable!() };
+        #[inline(always)]
+        fn sel<T: Copy>(c: &[bool], a: &[T], b: &[T], o: &mut [T], n: usize) {
+            for i in 0..n {
+                o[i] = if c[i] { a[i] } else { b[i] };
             }
-        };
+        }
+        match (a, b, o) {
+            (Reg::F32(a), Reg::F32(b), Reg::F32(o)) => sel(c, a, b, o, n),
+            (Reg::F64(a), Reg::F64(b), Reg::F64(o)) => sel(c, a, b, o, n),
+            (Reg::I32(a), Reg::I32(b), Reg::I32(o)) => sel(c, a, b, o, n),
+            (Reg::U32(a), Reg::U32(b), Reg::U32(o)) => sel(c, a, b, o, n),
+            (Reg::Bool(a), Reg::Bool(b), Reg::Bool(o)) => sel(c, a, b, o, n),
+            _ => unreachable!("dtypes are checked when the op is recorded"),
+        }
     }
-    match x {
-        Reg::F32(x) => from!(x, |v| v, v as f64, v as i32, v as u32, v != 0.0),
-        Reg::F64(x) => from!(x, |v| v as f32, v, v as i32, v as u32, v != 0.0),
-        Reg::I32(x) => from!(x, |v| v as f32, v as f64, v, v as u32, v != 0),
-        Reg::U32(x) => from!(x, |v| v as f32, v as f64, v as i32, v, v != 0),
-        Reg::Bool(x) => from!(x, |v| v as u8 as f32, v as u8 as f64, v as i32, v as u32, v),
-        Reg::Empty => unreachable!(),
+}
+
+simd_fn! {
+    fn cast(x: &Reg, o: &mut Reg, to: DType, n: usize) {
+        macro_rules! from {
+            ($x:expr, |$v:ident| $tof32:expr, $tof64:expr, $toi32:expr, $tou32:expr, $tobool:expr) => {
+                match o {
+                    Reg::F32(o) => match to {
+                        DType::F16 => map1($x, o, n, |$v| f16::from_f32($tof32).to_f32()),
+                        DType::BF16 => map1($x, o, n, |$v| bf16::from_f32($tof32).to_f32()),
+                        _ => map1($x, o, n, |$v| $tof32),
+                    },
+                    Reg::F64(o) => map1($x, o, n, |$v| $tof64),
+                    Reg::I32(o) => map1($x, o, n, |$v| $toi32),
+                    Reg::U32(o) => map1($x, o, n, |$v| $tou32),
+                    Reg::Bool(o) => map1($x, o, n, |$v| $tobool),
+                    Reg::Empty => unreachable!(),
+                }
+            };
+        }
+        match x {
+            Reg::F32(x) => from!(x, |v| v, v as f64, v as i32, v as u32, v != 0.0),
+            Reg::F64(x) => from!(x, |v| v as f32, v, v as i32, v as u32, v != 0.0),
+            Reg::I32(x) => from!(x, |v| v as f32, v as f64, v, v as u32, v != 0),
+            Reg::U32(x) => from!(x, |v| v as f32, v as f64, v as i32, v, v != 0),
+            Reg::Bool(x) => from!(x, |v| v as u8 as f32, v as u8 as f64, v as i32, v as u32, v),
+            Reg::Empty => unreachable!(),
+        }
     }
 }

@@ -258,6 +258,12 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> Cpu
                         }
                         let row = base + iy as usize * st[2];
                         let dst_row = &mut tap[y * ow..(y + 1) * ow];
+                        if sx == 1 && st[3] == 1 {
+                            // The common case (stride 1, contiguous rows): one copy per row.
+                            let ix0 = (x0 as isize + off_x) as usize;
+                            dst_row[x0..x1].copy_from_slice(&s[row + ix0..row + ix0 + (x1 - x0)]);
+                            continue;
+                        }
                         for (x, d) in (x0..x1).zip(&mut dst_row[x0..x1]) {
                             let ix = (x as isize * sx + off_x) as usize;
                             *d = s[row + ix * st[3]];

@@ -5,6 +5,7 @@ pub(crate) mod index;
 pub(crate) mod matmul;
 pub(crate) mod pool;
 pub(crate) mod reduce;
+pub(crate) mod simd;
 
 use super::{Buffer, Capabilities, DeviceStats, Executor, HostData, HostView, MemoryStats};
 use crate::error::{bail, Result};
