@@ -14,6 +14,16 @@
 //! assert!(rows.iter().all(|s| (s - 1.0).abs() < 1e-5));
 //! # Ok::<(), voltaic::Error>(())
 //! ```
+//!
+//! ## A first program
+//!
+//! `examples/tensor_basics.rs` (`cargo run --release --example
+//! tensor_basics`); the other examples show autograd, a custom module with
+//! `#[derive(Module)]` trained with Adam and saved, Fashion-MNIST training and
+//! MiniLM sentence embeddings, and `docs/PYTORCH.md` maps PyTorch calls to
+//! Voltaic's.
+//!
+#![doc = concat!("```\n", include_str!("../examples/tensor_basics.rs"), "\n```")]
 
 #![warn(missing_docs)]
 
