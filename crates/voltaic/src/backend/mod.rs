@@ -53,6 +53,26 @@ pub struct MemoryStats {
     pub cached: u64,
     /// Buffers created since the device was opened.
     pub allocations: u64,
+    /// Buffer requests the pool served from its cache.
+    pub hits: u64,
+    /// Buffer requests that needed a fresh allocation.
+    pub misses: u64,
+    /// Cached buffers given back to the system to stay under the cap.
+    pub evictions: u64,
+    /// The most bytes the cache has held at once.
+    pub peak_cached: u64,
+}
+
+impl MemoryStats {
+    /// Share of buffer requests served from the cache (0 when none were made).
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
 }
 
 /// Counters of one device, for tests and profiles.

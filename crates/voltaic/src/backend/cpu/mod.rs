@@ -7,7 +7,7 @@ pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod simd;
 
-use super::{Buffer, Capabilities, DeviceStats, Executor, HostData, HostView, MemoryStats};
+use super::{Buffer, Capabilities, DeviceStats, Executor, HostData, HostView};
 use crate::error::{bail, Result};
 use crate::ir::{Kernel, KernelKind, Plan, SlotSource, Strided};
 use crate::layout::Layout;
@@ -51,7 +51,7 @@ impl Executor for CpuExecutor {
         let mut times = vec![];
         for (k, kernel) in plan.kernels.iter().enumerate() {
             let t0 = std::time::Instant::now();
-            let out = Arc::new(pool::HostBuf::new(run_kernel(kernel, &bufs)?));
+            let out = Arc::new(pool::HostBuf::pooled(run_kernel(kernel, &bufs)?));
             if profile {
                 times.push((t0.elapsed().as_secs_f64() * 1e6, kernel.numel, format!("{} ({})", kernel.kind.name(), kernel.ops.join(" "))));
             }
@@ -71,6 +71,15 @@ impl Executor for CpuExecutor {
             for (us, n, label) in &times {
                 eprintln!("  {us:>10.1} us  {n:>12} elements  {label}");
             }
+            let m = pool::stats();
+            eprintln!(
+                "  host pool: {:.1} MiB cached (peak {:.1} MiB), {:.1}% of {} requests reused, {} evicted",
+                m.cached as f64 / 1048576.0,
+                m.peak_cached as f64 / 1048576.0,
+                100.0 * m.hit_rate(),
+                m.hits + m.misses,
+                m.evictions
+            );
         }
         outs.into_iter()
             .zip(&plan.outputs)
@@ -82,7 +91,7 @@ impl Executor for CpuExecutor {
     }
 
     fn upload(&self, data: CpuStorage) -> Result<Buffer> {
-        Ok(Buffer::Host(Arc::new(pool::HostBuf::new(data))))
+        Ok(Buffer::Host(Arc::new(pool::HostBuf::foreign(data))))
     }
 
     fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView> {
@@ -99,7 +108,7 @@ impl Executor for CpuExecutor {
     fn stats(&self) -> DeviceStats {
         DeviceStats {
             dispatches: self.kernels.load(Ordering::Relaxed),
-            memory: MemoryStats { cached: pool::cached_bytes() as u64, ..Default::default() },
+            memory: pool::stats(),
             ..Default::default()
         }
     }
@@ -122,7 +131,8 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
             None => matmul::run(a, b, *m, *kk, *n, &inputs, k.dtype),
             Some(e) => {
                 // The product first, then the epilogue with it as one more input.
-                let product = matmul::run(a, b, *m, *kk, *n, &inputs, e.acc_dtype);
+                // Wrapped so that the temporary goes back to the pool when dropped.
+                let product = pool::HostBuf::pooled(matmul::run(a, b, *m, *kk, *n, &inputs, e.acc_dtype));
                 let mut expr = e.expr.clone();
                 expr.loads[e.acc].input = inputs.len();
                 let mut all = inputs.clone();
