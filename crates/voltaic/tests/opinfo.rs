@@ -492,6 +492,50 @@ fn table() -> Vec<OpInfo> {
         })
         .grad(),
         op("sum_all", NUMERIC, unary_samples, |t, _| Ok(vec![t[0].sum_all()?]), |a, _, dt| vec![Arr::scalar(wrap(a[0].v.iter().sum(), dt))]).grad(),
+        // The `_all` forms: the whole tensor to a 0-d result.
+        op("mean_all", FLOATS, unary_samples, |t, _| Ok(vec![t[0].mean_all()?]), |a, _, _| vec![Arr::scalar(a[0].v.iter().sum::<f64>() / a[0].v.len() as f64)]).grad(),
+        op("prod_all", FLOATS, unary_samples, |t, _| Ok(vec![t[0].prod_all()?]), |a, _, _| vec![Arr::scalar(a[0].v.iter().product())]).grad().slack(4.0),
+        op("max_all", NUMERIC, unary_samples, |t, _| if t[0].numel() == 0 { Ok(vec![]) } else { Ok(vec![t[0].max_all()?]) }, |a, _, _| {
+            if a[0].v.is_empty() { vec![] } else { vec![Arr::scalar(extreme(&a[0].v, true))] }
+        })
+        .grad(),
+        op("min_all", NUMERIC, unary_samples, |t, _| if t[0].numel() == 0 { Ok(vec![]) } else { Ok(vec![t[0].min_all()?]) }, |a, _, _| {
+            if a[0].v.is_empty() { vec![] } else { vec![Arr::scalar(extreme(&a[0].v, false))] }
+        })
+        .grad(),
+        op("var_all", FLOATS, moderate_reduce_samples, |t, _| Ok(vec![t[0].var_all(1)?]), |a, _, _| {
+            let v = &a[0].v;
+            let m = v.iter().sum::<f64>() / v.len() as f64;
+            vec![Arr::scalar(v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() as f64 - 1.0).max(0.0))]
+        })
+        .grad()
+        .slack(10.0),
+        op("std_all", FLOATS, moderate_reduce_samples, |t, _| Ok(vec![t[0].std_all(0)?]), |a, _, _| {
+            let v = &a[0].v;
+            let m = v.iter().sum::<f64>() / v.len() as f64;
+            vec![Arr::scalar((v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / v.len() as f64).sqrt())]
+        })
+        .grad()
+        .slack(10.0),
+        op("logsumexp_all", FLOATS, unary_samples, |t, _| Ok(vec![t[0].logsumexp_all()?]), |a, _, _| {
+            let v = &a[0].v;
+            let m = extreme(v, true);
+            let r = if v.is_empty() {
+                f64::NEG_INFINITY
+            } else if m.is_nan() || m.is_infinite() {
+                m
+            } else {
+                m + v.iter().map(|x| (x - m).exp()).sum::<f64>().ln()
+            };
+            vec![Arr::scalar(r)]
+        })
+        .grad(),
+        op("argmax_all", ALL, unary_samples, |t, _| if t[0].numel() == 0 { Ok(vec![]) } else { Ok(vec![t[0].argmax_all()?]) }, |a, _, _| {
+            if a[0].v.is_empty() { vec![] } else { vec![Arr::scalar(first_extreme(&a[0].v, true))] }
+        }),
+        op("argmin_all", ALL, unary_samples, |t, _| if t[0].numel() == 0 { Ok(vec![]) } else { Ok(vec![t[0].argmin_all()?]) }, |a, _, _| {
+            if a[0].v.is_empty() { vec![] } else { vec![Arr::scalar(first_extreme(&a[0].v, false))] }
+        }),
         op("argmax", ALL, finite_dim_samples, |t, a| {
             if t[0].numel() == 0 {
                 return Ok(vec![]);

@@ -362,32 +362,3 @@ impl Tensor {
         }))
     }
 }
-
-macro_rules! std_ops {
-    ($Trait:ident, $fn:ident, $method:ident) => {
-        impl<R: IntoOperand> std::ops::$Trait<R> for &Tensor {
-            type Output = Result<Tensor>;
-            fn $fn(self, rhs: R) -> Result<Tensor> {
-                self.$method(rhs)
-            }
-        }
-        impl<R: IntoOperand> std::ops::$Trait<R> for Tensor {
-            type Output = Result<Tensor>;
-            fn $fn(self, rhs: R) -> Result<Tensor> {
-                Tensor::$method(&self, rhs)
-            }
-        }
-    };
-}
-std_ops!(Add, add, add);
-std_ops!(Sub, sub, sub);
-std_ops!(Mul, mul, mul);
-std_ops!(Div, div, div);
-std_ops!(Rem, rem, rem);
-
-impl std::ops::Neg for &Tensor {
-    type Output = Result<Tensor>;
-    fn neg(self) -> Result<Tensor> {
-        Tensor::neg(self)
-    }
-}

@@ -6,6 +6,7 @@ pub mod index;
 pub mod join;
 pub mod linalg;
 pub mod nn;
+mod overload;
 pub mod reduce;
 pub mod view;
 

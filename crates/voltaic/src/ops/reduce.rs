@@ -221,6 +221,44 @@ impl Tensor {
         self.var_as("std", axes, correction, keepdim)?.sqrt()
     }
 
+    /// Mean of all elements, as a 0-d tensor (`torch.mean(x)`).
+    pub fn mean_all(&self) -> Result<Tensor> {
+        self.mean(&[], false)
+    }
+    /// Product of all elements, as a 0-d tensor.
+    pub fn prod_all(&self) -> Result<Tensor> {
+        self.prod(&[], false)
+    }
+    /// Largest element, as a 0-d tensor (`torch.max(x)`). NaN propagates.
+    pub fn max_all(&self) -> Result<Tensor> {
+        self.max(&[], false)
+    }
+    /// Smallest element, as a 0-d tensor. NaN propagates.
+    pub fn min_all(&self) -> Result<Tensor> {
+        self.min(&[], false)
+    }
+    /// Variance of all elements with Bessel's `correction`, as a 0-d tensor.
+    pub fn var_all(&self, correction: usize) -> Result<Tensor> {
+        self.var(&[], correction, false)
+    }
+    /// Standard deviation of all elements with Bessel's `correction`, as a 0-d tensor.
+    pub fn std_all(&self, correction: usize) -> Result<Tensor> {
+        self.std(&[], correction, false)
+    }
+    /// `log(sum(exp(x)))` over all elements, as a 0-d tensor.
+    pub fn logsumexp_all(&self) -> Result<Tensor> {
+        self.logsumexp(&[], false)
+    }
+    /// Index of the first maximum in the flattened tensor, as a 0-d i32
+    /// tensor (`torch.argmax(x)`).
+    pub fn argmax_all(&self) -> Result<Tensor> {
+        self.argmax(None, false)
+    }
+    /// Index of the first minimum in the flattened tensor, as a 0-d i32 tensor.
+    pub fn argmin_all(&self) -> Result<Tensor> {
+        self.argmin(None, false)
+    }
+
     /// `log(sum(exp(x)))` over `axes`, computed stably.
     pub fn logsumexp(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
