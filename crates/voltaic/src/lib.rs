@@ -82,7 +82,11 @@ pub use tensor::Tensor;
 
 /// The names most programs need, for `use voltaic::prelude::*;`.
 pub mod prelude {
+    pub use crate::device::Device;
+    pub use crate::dtype::DType;
+    pub use crate::error::{Error, Result};
     pub use crate::nn::{self, Forward, Module, Parameter};
+    pub use crate::ops::nn::Reduction;
     pub use crate::optim::{self, Optimizer};
-    pub use crate::{DType, Device, Error, Reduction, Result, Tensor};
+    pub use crate::tensor::Tensor;
 }

@@ -141,7 +141,9 @@ fn root_reexports(lib: &str) -> HashMap<String, String> {
     let mut map = HashMap::new();
     for line in lib.lines() {
         let Some(rest) = line.trim().strip_prefix("pub use ") else { continue };
+        // `pub use crate::a::b` (the prelude) names the same module as `pub use a::b`.
         let rest = rest.trim_end_matches(';');
+        let rest = rest.strip_prefix("crate::").unwrap_or(rest);
         let (module, names) = match rest.split_once("::{") {
             Some((m, names)) => (m.to_string(), names.trim_end_matches('}').split(',').map(|s| s.trim().to_string()).collect::<Vec<_>>()),
             None => {
