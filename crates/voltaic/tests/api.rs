@@ -35,6 +35,9 @@ fn close(got: &Tensor, want: &[f64], dims: &[usize], what: &str) {
     }
 }
 
+/// A binary op in f64.
+type Op = fn(f64, f64) -> f64;
+
 fn fmod_floor(x: f64, y: f64) -> f64 {
     // PyTorch's remainder: the sign of the divisor.
     let r = x % y;
@@ -64,7 +67,7 @@ fn check_on(dev: Device) {
         }
         let b = Tensor::from_vec(bv.iter().map(|&x| x as f32).collect::<Vec<_>>(), bd, dev).unwrap();
         let what = |op: &str| format!("{op} {ad:?} {bd:?} on {dev}");
-        let ops: [(&str, fn(f64, f64) -> f64); 5] = [("+", |x, y| x + y), ("-", |x, y| x - y), ("*", |x, y| x * y), ("/", |x, y| x / y), ("%", fmod_floor)];
+        let ops: [(&str, Op); 5] = [("+", |x, y| x + y), ("-", |x, y| x - y), ("*", |x, y| x * y), ("/", |x, y| x / y), ("%", fmod_floor)];
         for (name, f) in ops {
             let (want, od) = reference(&av, &ad, &bv, bd, f);
             let forms: Vec<(&str, voltaic::Result<Tensor>)> = match name {
