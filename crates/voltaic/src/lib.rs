@@ -75,7 +75,7 @@ pub use tensor::inspect;
 pub use layout::Layout;
 pub use ops::nn::{Conv2dOpts, CrossEntropyOpts, Reduction};
 pub use ops::IntoOperand;
-pub use rng::{manual_seed, Generator};
+pub use rng::{manual_seed, rng_state, set_rng_state, Generator};
 pub use shape::Shape;
 pub use storage::{CpuStorage, StorageElem};
 pub use tensor::Tensor;

@@ -38,6 +38,23 @@ impl Generator {
         Generator { seed, offset: 0 }
     }
 
+    /// A generator `offset` numbers into the stream of `seed`: with
+    /// [`Generator::seed`] and [`Generator::offset`], how a checkpoint
+    /// saves and restores one.
+    pub fn at(seed: u64, offset: u64) -> Generator {
+        Generator { seed, offset }
+    }
+
+    /// The seed of this stream.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// How many numbers of the stream have been used.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
     fn bits(&self, i: u64) -> [u32; 4] {
         let c = self.offset.wrapping_add(i);
         philox4x32([c as u32, (c >> 32) as u32, 0, 0], [self.seed as u32, (self.seed >> 32) as u32])
@@ -86,6 +103,16 @@ pub const DEFAULT_SEED: u64 = 0x0005_EED0_F701_7A1C;
 /// Reset the default generator to the start of `seed`'s stream (PyTorch's `torch.manual_seed`).
 pub fn manual_seed(seed: u64) {
     *DEFAULT.lock().unwrap_or_else(|e| e.into_inner()) = Some(Generator::new(seed));
+}
+
+/// The default generator's state (PyTorch's `torch.get_rng_state`).
+pub fn rng_state() -> Generator {
+    with_default(|g| g.clone())
+}
+
+/// Restore the default generator's state (PyTorch's `torch.set_rng_state`).
+pub fn set_rng_state(g: Generator) {
+    *DEFAULT.lock().unwrap_or_else(|e| e.into_inner()) = Some(g);
 }
 
 /// Run `f` with the default generator.

@@ -5,4 +5,4 @@
 pub mod idx;
 pub mod safetensors;
 
-pub use crate::files::write_atomic;
+pub use crate::files::{cache_dir, remove_stale_temp_files, write_atomic};

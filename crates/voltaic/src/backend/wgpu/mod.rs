@@ -79,7 +79,9 @@ fn registry() -> &'static Registry {
                 if primary.is_empty() { find(wgpu::Backends::GL) } else { primary }
             }
         };
-        // Real GPUs first, then the native APIs before GL: gpu:0 is the best.
+        // gpu:N is stable across set-ups: the native APIs (Vulkan, Metal,
+        // DX12) before GL, then real GPUs before software ones, then the
+        // driver's order (`voltaic devices` prints this rule).
         let rank = |a: &wgpu::Adapter| {
             let i = a.get_info();
             let t = match i.device_type {
@@ -89,7 +91,7 @@ fn registry() -> &'static Registry {
                 wgpu::DeviceType::Other => 3,
                 wgpu::DeviceType::Cpu => 4,
             };
-            (t, matches!(i.backend, wgpu::Backend::Gl) as u8)
+            (matches!(i.backend, wgpu::Backend::Gl) as u8, t)
         };
         adapters.sort_by_key(rank);
         Registry { adapters, contexts: Mutex::new(HashMap::new()) }
