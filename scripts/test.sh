@@ -42,8 +42,19 @@ python3 -c "import numpy" >/dev/null 2>&1 || pip_install numpy
 # every dependency the main job (`cargo run --release`) already compiled.
 say "cargo test --workspace --release"
 cargo test --workspace --release
-# The examples were built by cargo test; run the short ones as a user would.
+# The examples were built by cargo test; run the short ones as a user would,
+# from those binaries (`cargo run --example` would build them again without
+# the test build's features).
+examples=$(cargo test --workspace --release --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    j = json.loads(line)
+    if j.get("reason") == "compiler-artifact" and j["target"]["kind"] == ["example"] and j.get("executable"):
+        print(j["target"]["name"], j["executable"])
+')
 for ex in tensor_basics autograd custom_module minilm fashion_mnist; do
-    say "cargo run --release --example $ex"
-    cargo run --release -q -p voltaic --example "$ex" >/dev/null
+    bin=$(echo "$examples" | awk -v n="$ex" '$1 == n { print $2 }')
+    [ -n "$bin" ] || { say "error: example $ex was not built"; exit 1; }
+    say "example $ex (cargo run --release --example $ex)"
+    "$bin" >/dev/null
 done

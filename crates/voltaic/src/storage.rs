@@ -44,6 +44,8 @@ pub trait StorageElem: WithDType {
     fn wrap(v: Vec<Self>) -> CpuStorage;
     /// Borrow the Vec if the storage holds this type.
     fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    /// Take the Vec out if the storage holds this type.
+    fn unwrap(s: CpuStorage) -> Option<Vec<Self>>;
 }
 macro_rules! elem {
     ($t:ty, $v:ident) => {
@@ -52,6 +54,12 @@ macro_rules! elem {
                 CpuStorage::$v(v)
             }
             fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn unwrap(s: CpuStorage) -> Option<Vec<Self>> {
                 match s {
                     CpuStorage::$v(v) => Some(v),
                     _ => None,

@@ -236,7 +236,10 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> Cpu
         let pad = T::from_f64(pad);
         let [nb, c, h, w, kh, kw, oh, ow] = dims;
         let plane = kh * kw * oh * ow;
-        let mut out = vec![pad; nb * c * plane];
+        // From the pool, so a training loop reuses the (large) patch buffer
+        // rather than faulting in fresh pages every step.
+        let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
+        out.fill(pad);
         if plane == 0 {
             return T::wrap(out);
         }
