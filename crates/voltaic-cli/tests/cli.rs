@@ -216,7 +216,7 @@ fn long_inputs_warn_once_and_broken_pipes_exit_quietly() {
 fn a_killed_run_resumes_to_the_same_weights() {
     let base = std::env::temp_dir().join(format!("voltaic-cli-resume-{}", std::process::id()));
     let (a, b) = (base.join("a"), base.join("b"));
-    let args = ["train", "--device", "cpu", "--quiet", "--limit", "12000", "--epochs", "3", "--seed", "5", "--out"];
+    let args = ["train", "--device", "cpu", "--quiet", "--limit", "24000", "--epochs", "3", "--seed", "5", "--out"];
     let o = voltaic().args(args).arg(&a).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let mut child = voltaic().args(args).arg(&b).spawn().unwrap();
