@@ -21,7 +21,7 @@ if [[ "$what" == *embed* ]] && [ -z "${VOLTAIC_MINILM_DIR:-}" ]; then
     export VOLTAIC_MINILM_DIR=$PWD/.m2/model
 fi
 if [[ "$what" == *tests* ]]; then
-    for t in lib gpu gpu_runtime grad train bert opinfo; do
+    for t in lib gpu gpu_runtime grad train bert opinfo api; do
         [ -x ".bin/$t" ] && ".bin/$t" --test-threads=4 2>&1 | tee -a "$OUT/tests.txt" | grep -E "^test |test result|panicked"
     done
 fi
