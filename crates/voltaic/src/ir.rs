@@ -63,6 +63,9 @@ pub(crate) struct Expr {
     /// Values of the constants, each already rounded to its dtype;
     /// `Instr::Const(k)` instructions number them 0, 1, ... in order.
     pub consts: Vec<f64>,
+    /// For each constant, the position of the graph node it came from in the
+    /// collected graph: a cached plan takes new values from there.
+    pub const_nodes: Vec<usize>,
 }
 
 impl PartialEq for Expr {
@@ -166,6 +169,16 @@ impl KernelKind {
         }
     }
 
+    /// The kernel's expressions, mutably, in [`KernelKind::exprs`] order.
+    pub fn exprs_mut(&mut self) -> Vec<&mut Expr> {
+        match self {
+            KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => vec![expr],
+            KernelKind::Matmul { epilogue: Some(e), .. } => vec![&mut e.expr],
+            KernelKind::Rows { stages, out, .. } => stages.iter_mut().chain([out]).map(|s| &mut s.expr).collect(),
+            _ => vec![],
+        }
+    }
+
     /// Every constant of the kernel with its dtype, in [`KernelKind::exprs`] order.
     pub fn consts(&self) -> Vec<(f64, DType)> {
         let mut out = vec![];
@@ -210,6 +223,10 @@ pub(crate) struct SlotInfo {
     pub numel: usize,
 }
 
+/// What an executor prepares once for a plan and reuses while the plan is
+/// cached (compiled kernels, resolved variants); shared by the plan's clones.
+pub(crate) type Prepared = std::sync::Arc<std::sync::Mutex<Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>>>;
+
 /// The kernels of one realization, in order, with buffer lifetimes.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Plan {
@@ -219,6 +236,8 @@ pub(crate) struct Plan {
     pub free_after: Vec<Vec<Slot>>,
     /// Slots whose buffers the run returns, in this order.
     pub outputs: Vec<Slot>,
+    /// The executor's prepared state for this plan (see [`Prepared`]).
+    pub prepared: Prepared,
 }
 
 impl Plan {

@@ -13,6 +13,7 @@ pub(crate) fn realize(targets: &[&Value]) -> Result<()> {
     if pending.is_empty() {
         return Ok(());
     }
+    crate::profile::realization_starts();
     let mut devices: Vec<Device> = pending.iter().map(|t| t.node.device).collect();
     devices.dedup();
     for d in devices {
@@ -23,6 +24,7 @@ pub(crate) fn realize(targets: &[&Value]) -> Result<()> {
         for (node, buf) in s.store.iter().zip(outs) {
             *node.state() = State::Realized(buf);
         }
+        crate::profile::realization_ends(d, s.cached);
     }
     Ok(())
 }

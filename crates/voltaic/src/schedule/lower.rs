@@ -23,11 +23,13 @@ pub(crate) struct Lowered {
     pub slot_of: Vec<Option<Slot>>,
     /// The buffers of the plan's input slots, in order.
     pub inputs: Vec<Buffer>,
+    /// The graph positions of the nodes those buffers belong to.
+    pub input_nodes: Vec<usize>,
 }
 
 /// Lower every node of `g` that `inline` does not fuse into a consumer.
 pub(crate) fn lower(g: &Dag, inline: &[bool]) -> Lowered {
-    let mut l = Lowered { plan: Plan::default(), slot_of: vec![None; g.nodes.len()], inputs: vec![] };
+    let mut l = Lowered { plan: Plan::default(), slot_of: vec![None; g.nodes.len()], inputs: vec![], input_nodes: vec![] };
     for i in 0..g.nodes.len() {
         if g.ops[i].is_none() || inline[i] {
             continue;
@@ -53,6 +55,7 @@ fn slot_for(g: &Dag, l: &mut Lowered, j: usize) -> Slot {
     let s = l.plan.slots.len();
     l.plan.slots.push(SlotInfo { source: SlotSource::Input(l.inputs.len()), dtype: node.dtype, numel: node.numel() });
     l.inputs.push(buf);
+    l.input_nodes.push(j);
     l.slot_of[j] = Some(s);
     s
 }
@@ -126,6 +129,7 @@ impl Builder<'_> {
         let v = match &op.kind {
             OpKind::Const(c) => {
                 self.expr.consts.push(*c);
+                self.expr.const_nodes.push(j);
                 self.push(Instr::Const(self.expr.consts.len() - 1), dt)
             }
             OpKind::Map(m) => {

@@ -10,6 +10,7 @@
 //!    asks for them (`Capabilities::row_kernels`).
 //! 7. [`lifetimes`]: which buffers are kept, and when the others are freed.
 
+pub(crate) mod cache;
 pub(crate) mod collect;
 pub(crate) mod epilogue;
 pub(crate) mod fuse;
@@ -23,6 +24,7 @@ pub(crate) mod testing;
 use crate::backend::{Buffer, Capabilities};
 use crate::graph::{Node, Value};
 use crate::ir::Plan;
+use crate::profile::{self, Phase};
 use std::sync::Arc;
 
 /// A plan and what ties it to the graph: the buffers it runs with, and the
@@ -31,22 +33,45 @@ pub(crate) struct Scheduled {
     pub plan: Plan,
     pub inputs: Vec<Buffer>,
     pub store: Vec<Arc<Node>>,
+    /// Whether the plan came from the plan cache.
+    pub cached: bool,
 }
 
-/// Schedule the realization of `targets` for an executor with `caps`.
+/// Schedule the realization of `targets` for an executor with `caps`,
+/// reusing the plan of an earlier graph of the same structure (see [`cache`]).
 pub(crate) fn schedule(targets: &[&Value], caps: Capabilities) -> Scheduled {
-    let dag = collect::collect(targets);
-    let inline = fuse::inline_decisions(&dag);
-    let survives = lifetimes::survivors(&dag, &inline);
-    let lower::Lowered { mut plan, slot_of, inputs } = lower::lower(&dag, &inline);
+    let (dag, key) = profile::time(Phase::Collect, || {
+        let dag = collect::collect(targets);
+        let key = cache::Key::of(&dag, caps.row_kernels);
+        (dag, key)
+    });
+    profile::time(Phase::Schedule, || {
+        if let Some(e) = cache::lookup(&key) {
+            let inputs = e.input_nodes.iter().map(|&p| dag.nodes[p].buffer().expect("a plan input is realized")).collect();
+            let store = e.store_nodes.iter().map(|&p| dag.nodes[p].clone()).collect();
+            return Scheduled { plan: e.plan_for(&dag), inputs, store, cached: true };
+        }
+        let (s, entry) = schedule_dag(&dag, caps);
+        cache::insert(key, entry);
+        s
+    })
+}
+
+/// Schedule a collected graph; also returns the cache entry of its plan.
+fn schedule_dag(dag: &collect::Dag, caps: Capabilities) -> (Scheduled, cache::Entry) {
+    let inline = fuse::inline_decisions(dag);
+    let survives = lifetimes::survivors(dag, &inline);
+    let lower::Lowered { mut plan, slot_of, inputs, input_nodes } = lower::lower(dag, &inline);
     refine::refine(&mut plan);
-    let (kept, store) = lifetimes::kept_slots(&dag, &slot_of, &survives);
+    let (kept, store) = lifetimes::kept_slots(dag, &slot_of, &survives);
     epilogue::fuse_epilogues(&mut plan, &kept);
     if caps.row_kernels {
         rows::fuse_rows(&mut plan, &kept);
     }
     lifetimes::plan_lifetimes(&mut plan, &kept, &store);
-    Scheduled { plan, inputs, store: store.into_iter().map(|(_, n)| n).collect() }
+    let store_nodes = store.iter().map(|(_, n)| dag.index[&n.id]).collect();
+    let entry = cache::Entry { plan: plan.clone(), input_nodes, store_nodes };
+    (Scheduled { plan, inputs, store: store.into_iter().map(|(_, n)| n).collect(), cached: false }, entry)
 }
 
 /// A summary of a plan, for tests and tools: one entry per kernel.
@@ -65,7 +90,8 @@ pub struct KernelSummary {
 /// The kernel summaries of the plan that would realize `targets` on an
 /// executor with `caps`, without running it.
 pub(crate) fn summarize(targets: &[&Value], caps: Capabilities) -> Vec<KernelSummary> {
-    schedule(targets, caps)
+    schedule_dag(&collect::collect(targets), caps)
+        .0
         .plan
         .kernels
         .iter()

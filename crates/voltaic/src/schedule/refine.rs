@@ -250,13 +250,13 @@ mod tests {
         use crate::dtype::DType;
         use crate::ir::{Instr, Load};
         let load = |l: Layout| Load { input: 0, dtype: DType::F32, path: vec![l] };
-        let expr = Expr { instrs: vec![(Instr::Load(0), DType::F32)], loads: vec![load(Layout::contiguous(&[2, 3, 4]))], consts: vec![] };
+        let expr = Expr { instrs: vec![(Instr::Load(0), DType::F32)], loads: vec![load(Layout::contiguous(&[2, 3, 4]))], consts: vec![], const_nodes: vec![] };
         let (shape, e) = coalesce_expr(expr, &[2, 3, 4], &[3]);
         assert_eq!(shape, vec![24]);
         assert_eq!(e.loads[0].path[0].strides(), &[1]);
         // A transposed load keeps the dims it walks out of order.
         let t = Layout::contiguous(&[4, 6]).permute(&[1, 0]);
-        let expr = Expr { instrs: vec![(Instr::Load(0), DType::F32)], loads: vec![load(t)], consts: vec![] };
+        let expr = Expr { instrs: vec![(Instr::Load(0), DType::F32)], loads: vec![load(t)], consts: vec![], const_nodes: vec![] };
         let (shape, _) = coalesce_expr(expr, &[6, 4], &[2]);
         assert_eq!(shape, vec![6, 4]);
     }
@@ -270,7 +270,7 @@ mod tests {
         let path = vec![Layout::contiguous(&[7, 7]).reshape(&[7, 1, 7, 1]).unwrap(), split, Layout::contiguous(&[14, 14])];
         let mut p = path.clone();
         simplify(&mut p);
-        let expr = Expr { instrs: vec![(Instr::Load(0), DType::F32)], loads: vec![Load { input: 0, dtype: DType::F32, path: p }], consts: vec![] };
+        let expr = Expr { instrs: vec![(Instr::Load(0), DType::F32)], loads: vec![Load { input: 0, dtype: DType::F32, path: p }], consts: vec![], const_nodes: vec![] };
         let (shape, e) = refine_expr(expr, &[7, 7]);
         assert_eq!(e.loads[0].path.len(), 1, "one strided layout: {:?} over {shape:?}", e.loads[0].path);
     }

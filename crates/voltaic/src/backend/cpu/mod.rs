@@ -26,12 +26,8 @@ pub(crate) fn executor() -> Arc<dyn Executor> {
     EXEC.get_or_init(|| Arc::new(CpuExecutor { kernels: AtomicU64::new(0) })).clone()
 }
 
-impl Executor for CpuExecutor {
-    fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: false, strided_reads: true }
-    }
-
-    fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+impl CpuExecutor {
+    fn run_plan(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
         if inputs.len() != plan.input_count() {
             bail!(Device, "realize", "internal: a plan of {} inputs was run with {}", plan.input_count(), inputs.len());
         }
@@ -88,6 +84,16 @@ impl Executor for CpuExecutor {
                 None => bail!(Device, "realize", "internal: output slot {slot} of the plan was never computed"),
             })
             .collect()
+    }
+}
+
+impl Executor for CpuExecutor {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { row_kernels: false, strided_reads: true }
+    }
+
+    fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+        crate::profile::time(crate::profile::Phase::Execute, || self.run_plan(plan, inputs))
     }
 
     fn upload(&self, data: CpuStorage) -> Result<Buffer> {

@@ -1,0 +1,263 @@
+//! The plan cache: a realization whose pending graph has the same structure
+//! as an earlier one reuses that plan instead of being scheduled again.
+//!
+//! A training or decode loop builds a graph shaped like the one before at
+//! every step; only the buffers it reads and the values of its constants
+//! (a learning rate, Adam's bias correction) change. The key is the graph's
+//! structure in topological order: every node's op (constants without their
+//! values), dtype, shape and device, every edge with its layout, which nodes
+//! were asked for and which are referenced from outside the graph (these
+//! decide which buffers the plan keeps). A hit clones the cached plan, puts
+//! the new constants into it, and binds the new input buffers; the clone
+//! shares the executor's prepared state (compiled kernels), so a hit skips
+//! scheduling and compilation alike.
+//!
+//! The cache is bounded by entries and by an estimate of the bytes its
+//! plans hold, and evicts the least recently used plan first.
+
+use super::collect::Dag;
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::graph::OpKind;
+use crate::ir::Plan;
+use crate::layout::Layout;
+use crate::primitive::{IndexOp, MapOp, ReduceOp};
+use foldhash::{HashMap, HashMapExt};
+use std::sync::{LazyLock, Mutex, MutexGuard};
+
+/// One word of a structure key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Tok {
+    N(u64),
+    Map(MapOp),
+    Reduce(ReduceOp),
+    Index(IndexOp),
+    DType(DType),
+    Device(Device),
+}
+
+/// The structure of a collected graph (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Key(Vec<Tok>);
+
+impl Key {
+    /// The key of `g` for an executor that does (`rows`) or does not lower row kernels.
+    pub(crate) fn of(g: &Dag, rows: bool) -> Key {
+        let mut t = Vec::with_capacity(g.nodes.len() * 16);
+        t.push(Tok::N(rows as u64));
+        for (i, node) in g.nodes.iter().enumerate() {
+            // Our own references are `g.nodes` and two per edge (see
+            // `lifetimes::survivors`). Only pending nodes' count: whether a
+            // realized input is held elsewhere changes nothing in the plan
+            // (and another thread may be taking references to it).
+            let external = g.ops[i].is_some() && std::sync::Arc::strong_count(node) > 1 + 2 * g.edges_in[i];
+            t.push(Tok::N(((g.target[i] as u64) << 1) | external as u64));
+            t.push(Tok::DType(node.dtype));
+            t.push(Tok::Device(node.device));
+            push_dims(&mut t, &node.dims);
+            let Some(op) = &g.ops[i] else {
+                t.push(Tok::N(0));
+                continue;
+            };
+            match &op.kind {
+                OpKind::Const(_) => t.push(Tok::N(1)),
+                OpKind::Map(m) => t.extend([Tok::N(2), Tok::Map(*m)]),
+                OpKind::Copy => t.push(Tok::N(3)),
+                OpKind::Reduce(r, axes) => {
+                    t.extend([Tok::N(4), Tok::Reduce(*r)]);
+                    push_dims(&mut t, axes);
+                }
+                OpKind::Matmul => t.push(Tok::N(5)),
+                OpKind::Index(x) => t.extend([Tok::N(6), Tok::Index(*x)]),
+            }
+            t.push(Tok::N(op.inputs.len() as u64));
+            for v in &op.inputs {
+                t.push(Tok::N(g.index[&v.node.id] as u64));
+                push_layout(&mut t, &v.layout);
+            }
+        }
+        Key(t)
+    }
+
+    fn bytes(&self) -> usize {
+        std::mem::size_of::<Key>() + self.0.len() * std::mem::size_of::<Tok>()
+    }
+}
+
+fn push_dims(t: &mut Vec<Tok>, dims: &[usize]) {
+    t.push(Tok::N(dims.len() as u64));
+    t.extend(dims.iter().map(|&d| Tok::N(d as u64)));
+}
+
+fn push_layout(t: &mut Vec<Tok>, l: &Layout) {
+    push_dims(t, l.dims());
+    t.extend(l.strides().iter().map(|&s| Tok::N(s as u64)));
+    t.push(Tok::N(l.offset as u64));
+}
+
+/// A scheduled plan with what ties it to any graph of its key.
+#[derive(Clone)]
+pub(crate) struct Entry {
+    pub plan: Plan,
+    /// Graph positions of the nodes whose buffers are the plan's inputs, in order.
+    pub input_nodes: Vec<usize>,
+    /// Graph positions of the nodes that receive the plan's outputs, in order.
+    pub store_nodes: Vec<usize>,
+}
+
+impl Entry {
+    /// The plan with the constants of `g` (a graph of the same key).
+    pub(crate) fn plan_for(&self, g: &Dag) -> Plan {
+        let mut plan = self.plan.clone();
+        for k in plan.kernels.iter_mut() {
+            for e in k.kind.exprs_mut() {
+                for (c, &pos) in e.consts.iter_mut().zip(&e.const_nodes) {
+                    if let Some(crate::graph::Op { kind: OpKind::Const(v), .. }) = &g.ops[pos] {
+                        *c = *v;
+                    }
+                }
+            }
+        }
+        plan
+    }
+
+    /// An estimate of the bytes the entry holds (plan, layouts, expressions).
+    fn bytes(&self) -> usize {
+        let layout = |l: &Layout| std::mem::size_of::<Layout>() + 16 * l.dims().len();
+        let mut n = std::mem::size_of::<Entry>() + 8 * (self.input_nodes.len() + self.store_nodes.len());
+        n += self.plan.slots.len() * std::mem::size_of::<crate::ir::SlotInfo>();
+        for k in &self.plan.kernels {
+            n += std::mem::size_of::<crate::ir::Kernel>() + 8 * (k.inputs.len() + k.ops.len());
+            for e in k.kind.exprs() {
+                n += 24 * e.instrs.len() + 16 * e.consts.len();
+                n += e.loads.iter().map(|l| std::mem::size_of::<crate::ir::Load>() + l.path.iter().map(layout).sum::<usize>()).sum::<usize>();
+            }
+            match &k.kind {
+                crate::ir::KernelKind::Matmul { a, b, .. } => n += layout(&a.layout) + layout(&b.layout),
+                crate::ir::KernelKind::Index { args, .. } => n += args.iter().map(|s| layout(&s.layout)).sum::<usize>(),
+                _ => {}
+            }
+        }
+        n + 8 * self.plan.free_after.iter().map(|f| f.len() + 3).sum::<usize>()
+    }
+}
+
+/// Counters and size of the plan cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanCacheStats {
+    /// Realizations that reused a cached plan.
+    pub hits: u64,
+    /// Realizations that were scheduled (and their plan cached).
+    pub misses: u64,
+    /// Plans dropped to stay within the limits.
+    pub evictions: u64,
+    /// Plans held now.
+    pub entries: usize,
+    /// Estimated bytes the held plans take.
+    pub bytes: usize,
+    /// The most plans held.
+    pub max_entries: usize,
+    /// The most estimated bytes held.
+    pub max_bytes: usize,
+}
+
+struct Slot {
+    entry: Entry,
+    bytes: usize,
+    used: u64,
+}
+
+struct Cache {
+    map: HashMap<Key, Slot>,
+    tick: u64,
+    stats: PlanCacheStats,
+}
+
+fn cache() -> MutexGuard<'static, Cache> {
+    static CACHE: LazyLock<Mutex<Cache>> = LazyLock::new(|| {
+        let (max_entries, max_bytes) = default_limits();
+        Mutex::new(Cache { map: HashMap::new(), tick: 0, stats: PlanCacheStats { max_entries, max_bytes, ..Default::default() } })
+    });
+    CACHE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Limits from `VOLTAIC_PLAN_CACHE` (entries; 0 turns the cache off) and
+/// `VOLTAIC_PLAN_CACHE_MB`; by default 1024 plans and 64 MiB.
+fn default_limits() -> (usize, usize) {
+    let num = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<usize>().ok());
+    (num("VOLTAIC_PLAN_CACHE").unwrap_or(1024), num("VOLTAIC_PLAN_CACHE_MB").unwrap_or(64) << 20)
+}
+
+/// The cached entry for `key`, if any (counted as a hit or a miss).
+pub(crate) fn lookup(key: &Key) -> Option<Entry> {
+    let mut c = cache();
+    if c.stats.max_entries == 0 {
+        return None;
+    }
+    c.tick += 1;
+    let tick = c.tick;
+    match c.map.get_mut(key) {
+        Some(s) => {
+            s.used = tick;
+            let e = s.entry.clone();
+            c.stats.hits += 1;
+            Some(e)
+        }
+        None => {
+            c.stats.misses += 1;
+            None
+        }
+    }
+}
+
+/// Remember `entry` under `key`, evicting the least recently used plans
+/// beyond the limits.
+pub(crate) fn insert(key: Key, entry: Entry) {
+    let mut c = cache();
+    let bytes = key.bytes() + entry.bytes();
+    if c.stats.max_entries == 0 || bytes > c.stats.max_bytes {
+        return;
+    }
+    c.tick += 1;
+    let used = c.tick;
+    if let Some(old) = c.map.insert(key, Slot { entry, bytes, used }) {
+        c.stats.bytes -= old.bytes;
+    }
+    c.stats.bytes += bytes;
+    evict(&mut c);
+}
+
+fn evict(c: &mut Cache) {
+    while c.map.len() > c.stats.max_entries || c.stats.bytes > c.stats.max_bytes {
+        let Some(oldest) = c.map.iter().min_by_key(|(_, s)| s.used).map(|(k, _)| k.clone()) else { break };
+        if let Some(s) = c.map.remove(&oldest) {
+            c.stats.bytes -= s.bytes;
+            c.stats.evictions += 1;
+        }
+    }
+    c.stats.entries = c.map.len();
+}
+
+/// Counters and size of the plan cache (one cache serves every device).
+pub fn plan_cache_stats() -> PlanCacheStats {
+    let c = cache();
+    PlanCacheStats { entries: c.map.len(), ..c.stats }
+}
+
+/// Bound the plan cache to `entries` plans and about `bytes` bytes (0
+/// entries turns it off), evicting what no longer fits. The defaults are
+/// 1024 plans and 64 MiB, or `VOLTAIC_PLAN_CACHE` / `VOLTAIC_PLAN_CACHE_MB`.
+pub fn set_plan_cache_limits(entries: usize, bytes: usize) {
+    let mut c = cache();
+    c.stats.max_entries = entries;
+    c.stats.max_bytes = bytes;
+    evict(&mut c);
+}
+
+/// Drop every cached plan (counters are kept).
+pub fn clear_plan_cache() {
+    let mut c = cache();
+    c.map.clear();
+    c.stats.bytes = 0;
+    c.stats.entries = 0;
+}
