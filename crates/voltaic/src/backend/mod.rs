@@ -142,14 +142,20 @@ pub(crate) fn executor(device: Device) -> Result<Arc<dyn Executor>> {
 
 /// Whether `VOLTAIC_PROFILE` asks for per-kernel times (read once).
 pub(crate) fn profiling() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VOLTAIC_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
+    crate::profile::enabled()
 }
 
 /// Write the on-disk caches of every open device now (they are also written
 /// every few seconds while kernels compile). Call before a short program exits.
 pub fn save_caches() {
     self::wgpu::save_caches();
+}
+
+/// Wait until the matmul autotuner has measured every shape it queued
+/// (it runs in the background, beside the work it tunes). Benchmarks call
+/// this before timing so that they time the tuned kernels.
+pub fn finish_tuning() {
+    self::wgpu::finish_tuning();
 }
 
 impl Device {

@@ -1,10 +1,15 @@
 //! Matmul kernel choice by measurement, remembered per adapter and driver.
 //!
-//! The first time a matmul shape meets a hardware GPU, each candidate plan
-//! (tile sizes, or the split-K column kernel for few rows) runs a few times
-//! on scratch buffers and the fastest is kept, in memory and in a small text
-//! file under the user's cache directory, so later runs pay nothing. Software
-//! adapters (lavapipe) and `VOLTAIC_AUTOTUNE=0` use the shape heuristic.
+//! A matmul shape that meets a hardware GPU for the first time runs at once
+//! with the shape heuristic's kernel; a background thread meanwhile runs
+//! each candidate plan (tile sizes, or the split-K column kernel for few
+//! rows) a few times on scratch buffers, timed on the GPU's clock where the
+//! adapter has timestamps, and the fastest replaces the heuristic from the
+//! next step on. Choices are kept in memory and in a small text file under
+//! the user's cache directory, so later runs pay nothing; adapters in
+//! [`SHIPPED`] start from plans measured offline. Software adapters
+//! (lavapipe) and `VOLTAIC_AUTOTUNE=0` use the heuristic only;
+//! `VOLTAIC_AUTOTUNE=sync` measures before the first run instead.
 
 use super::codegen::elem_bytes;
 use super::context::GpuContext;
@@ -13,9 +18,10 @@ use super::pool::alloc;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ir::{Kernel, KernelKind};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Condvar, Mutex};
 use std::time::Instant;
 
 /// What decides the best plan: shape, operand layouts and dtype.
@@ -82,11 +88,39 @@ pub(crate) fn key_of(k: &Kernel) -> Option<Key> {
     Some(Key { batch: *batch, m: *m, k: *kk, n: *n, a_kfast: sak == 1 && sam != 1, b_nfast: sbn == 1 || sbk != 1, dtype: k.dtype })
 }
 
+/// How the tuner runs (`VOLTAIC_AUTOTUNE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// The shape heuristic only (`0`; the default on software adapters).
+    Off,
+    /// The heuristic serves at once while a background thread measures the
+    /// candidates; the winner replaces it when known (`1`; the default).
+    Background,
+    /// Measure before the first run of a shape (`sync`): for offline tuning
+    /// and benchmarks that must see the tuned kernel from the first step.
+    Blocking,
+}
+
+/// A matmul shape waiting for the background tuner.
+struct Job {
+    kernel: Kernel,
+    inputs: Vec<(DType, usize)>,
+    key: Key,
+    default: Variant,
+}
+
 /// Remembered plans of one device.
 pub(crate) struct Tuner {
     plans: Mutex<HashMap<Key, Variant>>,
     file: Option<PathBuf>,
-    enabled: bool,
+    /// A software adapter: tuning is off unless asked for.
+    software: bool,
+    /// Bumped whenever a remembered plan changes: prepared plans re-resolve.
+    generation: AtomicU64,
+    /// Shapes queued or being measured in the background.
+    queued: Mutex<HashSet<Key>>,
+    idle: Condvar,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
 }
 
 /// A file name part that names this adapter and driver.
@@ -95,35 +129,83 @@ pub(crate) fn device_tag(info: &wgpu::AdapterInfo) -> String {
     raw.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect()
 }
 
+/// Plans measured offline on common adapters (`tuned/*.txt`, produced with
+/// `VOLTAIC_AUTOTUNE=sync`), by the start of the adapter's name and its
+/// backend: a fresh machine with one of these starts with tuned kernels.
+const SHIPPED: &[(&str, wgpu::Backend, &str)] = &[
+    ("NVIDIA H100", wgpu::Backend::Vulkan, include_str!("tuned/nvidia-h100-vulkan.txt")),
+];
+
+/// The shipped plans for an adapter, if any.
+fn shipped(info: &wgpu::AdapterInfo) -> impl Iterator<Item = (Key, Variant)> + '_ {
+    SHIPPED
+        .iter()
+        .filter(|(name, backend, _)| info.name.starts_with(name) && info.backend == *backend)
+        .flat_map(|(_, _, text)| text.lines().filter_map(parse_line))
+}
+
 impl Tuner {
     pub(crate) fn new(info: &wgpu::AdapterInfo) -> Tuner {
         let software = info.device_type == wgpu::DeviceType::Cpu;
-        let enabled = match std::env::var("VOLTAIC_AUTOTUNE") {
-            Ok(v) => v != "0" && !v.is_empty(),
-            Err(_) => !software,
-        };
         let file = crate::files::cache_dir().map(|d| d.join(format!("matmul-{}.txt", device_tag(info))));
-        let mut plans = HashMap::new();
+        let mut plans: HashMap<Key, Variant> = shipped(info).collect();
         if let Some(f) = &file {
             if let Ok(text) = std::fs::read_to_string(f) {
                 plans.extend(text.lines().filter_map(parse_line));
             }
         }
-        Tuner { plans: Mutex::new(plans), file, enabled }
+        Tuner {
+            plans: Mutex::new(plans),
+            file,
+            software,
+            generation: AtomicU64::new(0),
+            queued: Mutex::new(HashSet::new()),
+            idle: Condvar::new(),
+            jobs: Mutex::new(None),
+        }
+    }
+
+    /// The mode `VOLTAIC_AUTOTUNE` asks for now (read when a shape is new).
+    fn mode(&self) -> Mode {
+        match std::env::var("VOLTAIC_AUTOTUNE").as_deref() {
+            Ok("0") | Ok("") => Mode::Off,
+            Ok("sync") => Mode::Blocking,
+            Ok(_) => Mode::Background,
+            Err(_) if self.software => Mode::Off,
+            Err(_) => Mode::Background,
+        }
+    }
+
+    /// Changes whenever a remembered plan does.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     fn remember(&self, key: Key, plan: Variant) {
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-        plans.insert(key, plan);
+        let changed = plans.insert(key, plan) != Some(plan);
         if let Some(f) = &self.file {
             let text: String = plans.iter().map(|(k, p)| format!("{} {}\n", k.line(), plan_text(p))).collect();
             // A cache that cannot be written only costs a re-tune next time.
             let _ = crate::files::write_atomic(f, text.as_bytes());
         }
+        if changed {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Block until the background tuner has measured every queued shape.
+    pub(crate) fn finish(&self) {
+        let mut q = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+        while !q.is_empty() {
+            q = self.idle.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
     }
 }
 
-/// The plan for matmul kernel `k`: remembered, measured now, or the default.
+/// The plan for matmul kernel `k`: remembered, or the shape heuristic (and,
+/// for work large enough to repay it, measured in the background or, with
+/// `VOLTAIC_AUTOTUNE=sync`, now).
 pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)]) -> Result<Option<Variant>> {
     let Some(key) = key_of(k) else { return Ok(None) };
     if let Some(p) = super::matmul::FORCE.with(|f| f.get()) {
@@ -134,17 +216,64 @@ pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)
     }
     let coop = key.dtype == DType::F16 && ctx.caps.coop_f16 && key.m >= 64 && key.n >= 64;
     let default = if coop { Variant::CoopWide } else { default_variant(key.batch, key.m, key.k, key.n, key.b_nfast) };
-    // Too small to matter, or tuning is off: the heuristic.
     let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
-    if !ctx.tuner.enabled || flops < 1e7 {
+    let mode = ctx.tuner.mode();
+    if mode == Mode::Off || flops < 1e7 {
+        return Ok(Some(default));
+    }
+    if mode == Mode::Background {
+        enqueue(ctx, Job { kernel: k.clone(), inputs: inputs.to_vec(), key, default });
         return Ok(Some(default));
     }
     let best = measure(ctx, k, inputs, &key, default)?;
-    if std::env::var_os("VOLTAIC_AUTOTUNE_LOG").is_some() {
-        eprintln!("voltaic autotune: {} -> {}", key.line(), plan_text(&best));
-    }
+    ctx.clear_in_flight();
+    log_choice(&key, &best);
     ctx.tuner.remember(key, best);
     Ok(Some(best))
+}
+
+fn log_choice(key: &Key, best: &Variant) {
+    if std::env::var_os("VOLTAIC_AUTOTUNE_LOG").is_some() {
+        eprintln!("voltaic autotune: {} -> {}", key.line(), plan_text(best));
+    }
+}
+
+/// Queue a shape for the device's tuner thread (started on first use).
+fn enqueue(ctx: &GpuContext, job: Job) {
+    if !ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner()).insert(job.key.clone()) {
+        return;
+    }
+    let mut jobs = ctx.tuner.jobs.lock().unwrap_or_else(|e| e.into_inner());
+    if jobs.is_none() {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let index = ctx.index;
+        let started = std::thread::Builder::new().name(format!("voltaic-tune-gpu{index}")).spawn(move || {
+            // The registry keeps every opened device: this finds ours.
+            let Ok(ctx) = super::context(index) else { return };
+            for job in rx {
+                // A shape whose measurement fails keeps the heuristic.
+                let best = measure(&ctx, &job.kernel, &job.inputs, &job.key, job.default).unwrap_or(job.default);
+                log_choice(&job.key, &best);
+                ctx.tuner.remember(job.key.clone(), best);
+                let mut q = ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner());
+                q.remove(&job.key);
+                ctx.tuner.idle.notify_all();
+            }
+        });
+        if started.is_err() {
+            // No thread: this shape keeps the heuristic.
+            ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner()).remove(&job.key);
+            return;
+        }
+        *jobs = Some(tx);
+    }
+    if let Some(tx) = jobs.as_ref() {
+        let key = job.key.clone();
+        if tx.send(job).is_err() {
+            ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+            ctx.tuner.idle.notify_all();
+        }
+    }
 }
 
 fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
@@ -211,24 +340,38 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
         let encoded = super::exec::bind(ctx, &compiled, &|i| bufs[i].raw(), out.raw(), &consts)?;
         runs.push((plan, encoded, f64::INFINITY, 0usize));
     }
+    // The GPU's own clock where the adapter has one: in the background,
+    // the wall clock would also count the training steps queued before us.
     let time = |encoded: &[super::exec::Encoded], reps: usize| -> Result<f64> {
         let mut enc = ctx.device.create_command_encoder(&Default::default());
+        let timing = ctx.caps.timestamps.then(|| super::transfer::Timing::new(ctx, 1));
         {
-            let mut pass = enc.begin_compute_pass(&Default::default());
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: timing.as_ref().map(|t| t.writes(0)) });
             for _ in 0..reps {
                 for e in encoded {
                     super::exec::dispatch(&mut pass, e);
                 }
             }
         }
-        let t = Instant::now();
+        if let Some(t) = &timing {
+            t.resolve(&mut enc);
+        }
+        let start = Instant::now();
         let idx = ctx.submit(enc.finish())?;
-        ctx.wait(Some(idx))?;
-        Ok(t.elapsed().as_secs_f64() / reps as f64)
+        let secs = match &timing {
+            Some(t) => t.seconds(ctx, idx)?[0],
+            None => {
+                ctx.wait(Some(idx))?;
+                start.elapsed().as_secs_f64()
+            }
+        };
+        Ok(secs / reps as f64)
     };
+    // About 2 ms of work per timing: enough for the clock, little enough
+    // that tuning beside a training loop does not hold its GPU for long.
     for r in runs.iter_mut() {
         let first = time(&r.1, 1)?;
-        r.3 = ((0.01 / first.max(1e-6)) as usize).clamp(2, 200);
+        r.3 = ((0.002 / first.max(1e-6)) as usize).clamp(2, 100);
     }
     // Rounds over every candidate, each keeping its best time: a clock that
     // ramps or a neighbour's burst during one candidate's turn does not decide.
@@ -248,6 +391,5 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
             best = (r.2, r.0);
         }
     }
-    ctx.clear_in_flight();
     Ok(best.1)
 }

@@ -391,7 +391,7 @@ impl GpuContext {
     fn submit_locked(&self, pending: &mut Option<Pending>, cmd: Option<wgpu::CommandBuffer>) -> Result<wgpu::SubmissionIndex> {
         let first = pending.take().map(Pending::finish);
         let had_pending = first.is_some();
-        let idx = self.queue.submit(first.into_iter().chain(cmd));
+        let idx = crate::profile::time(crate::profile::Phase::Submit, || self.queue.submit(first.into_iter().chain(cmd)));
         if had_pending {
             self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
         }
@@ -426,11 +426,15 @@ impl GpuContext {
 
     /// Block until a submission (or all work) has finished.
     pub(crate) fn wait(&self, idx: Option<wgpu::SubmissionIndex>) -> Result<()> {
+        crate::profile::exclusive(crate::profile::Phase::Wait, || self.wait_untimed(idx))
+    }
+
+    fn wait_untimed(&self, idx: Option<wgpu::SubmissionIndex>) -> Result<()> {
         if idx.is_none() {
             self.flush()?;
         }
         // A full wait first polls without blocking for a short while: see `spin_until`.
-        if idx.is_none() && self.spin_until(&|status| matches!(status, wgpu::PollStatus::QueueEmpty))? {
+        if idx.is_none() && self.spin_until_untimed(&|status| matches!(status, wgpu::PollStatus::QueueEmpty))? {
             return self.check_alive();
         }
         self.device
@@ -447,6 +451,10 @@ impl GpuContext {
     /// plain polls are used: wgpu 30 can panic when threads race waits with
     /// a zero timeout on one device.
     pub(crate) fn spin_until(&self, done: &dyn Fn(wgpu::PollStatus) -> bool) -> Result<bool> {
+        crate::profile::time(crate::profile::Phase::Wait, || self.spin_until_untimed(done))
+    }
+
+    fn spin_until_untimed(&self, done: &dyn Fn(wgpu::PollStatus) -> bool) -> Result<bool> {
         let start = std::time::Instant::now();
         let limit = spin_wait();
         while start.elapsed() < limit {

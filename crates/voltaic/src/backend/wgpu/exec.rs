@@ -7,6 +7,7 @@ use crate::backend::Buffer;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ir::{Kernel, KernelKind, Plan, SlotSource};
+use crate::profile::Phase;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -49,17 +50,10 @@ pub(crate) struct Signature {
 /// kernel was compiled before (a training loop generates and compiles each
 /// kernel once), else generated and compiled now.
 pub(crate) fn compile(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], variant: Option<super::matmul::Variant>) -> Result<Arc<Compiled>> {
-    use std::hash::BuildHasher;
-    // A fast hasher: this runs on every realization, over whole kernels.
-    
-    
-    let key = foldhash::fast::FixedState::default().hash_one((&k.kind, inputs, k.dtype, k.numel, variant));
-    let same = |s: &Signature| s.kind == k.kind && s.inputs == inputs && s.dtype == k.dtype && s.numel == k.numel && s.variant == variant;
-    if let Some(v) = ctx.compiled_kernels.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        if let Some((_, c)) = v.iter().find(|(s, _)| same(s)) {
-            return Ok(c.clone());
-        }
+    if let Some(c) = cached(ctx, k, inputs, variant) {
+        return Ok(c);
     }
+    let key = signature_hash(k, inputs, variant);
     let prog = super::kernels::program(&ctx.caps, k, inputs, variant)?;
     let mut dispatches = Vec::with_capacity(prog.dispatches.len());
     for d in prog.dispatches {
@@ -83,6 +77,20 @@ pub(crate) fn compile(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], v
     let sig = Signature { kind: k.kind.clone(), inputs: inputs.to_vec(), dtype: k.dtype, numel: k.numel, variant };
     ctx.compiled_kernels.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_default().push((sig, c.clone()));
     Ok(c)
+}
+
+fn signature_hash(k: &Kernel, inputs: &[(DType, usize)], variant: Option<super::matmul::Variant>) -> u64 {
+    use std::hash::BuildHasher;
+    // A fast hasher: this runs over whole kernels.
+    foldhash::fast::FixedState::default().hash_one((&k.kind, inputs, k.dtype, k.numel, variant))
+}
+
+/// Kernel `k` if the device compiled an equal one before.
+fn cached(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], variant: Option<super::matmul::Variant>) -> Option<Arc<Compiled>> {
+    let key = signature_hash(k, inputs, variant);
+    let same = |s: &Signature| s.kind == k.kind && s.inputs == inputs && s.dtype == k.dtype && s.numel == k.numel && s.variant == variant;
+    let cache = ctx.compiled_kernels.lock().unwrap_or_else(|e| e.into_inner());
+    cache.get(&key)?.iter().find(|(s, _)| same(s)).map(|(_, c)| c.clone())
 }
 
 /// Constants as the 32-bit words kernels read them as.
@@ -182,11 +190,99 @@ pub(crate) fn run_plan(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Resu
     // validation error while binding or encoding (a bug, not bad input)
     // reaches the uncaptured-error record, checked here. No scopes around the
     // whole encoding: pushing and popping them costs on every realization.
-    let res = encode_and_submit(ctx, plan, inputs);
+    let res = crate::profile::exclusive(Phase::Encode, || encode_and_submit(ctx, plan, inputs));
     if let Some(e) = ctx.take_uncaptured() {
         return Err(e);
     }
     res
+}
+
+/// The compiled kernels of a plan, kept with the plan while it is cached
+/// (valid while the tuner's choices are those of `generation`).
+struct Prepared {
+    device: usize,
+    generation: u64,
+    kernels: Vec<Arc<Compiled>>,
+}
+
+/// Every kernel of `plan` compiled: from the plan's prepared state when it
+/// was prepared on this device before, else checked, its matmul variants
+/// chosen, and the kernels not yet compiled compiled on parallel threads.
+fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
+    let generation = ctx.tuner.generation();
+    let forced = super::matmul::FORCE.with(|f| f.get()).is_some();
+    let mut cell = plan.prepared.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = cell.as_ref().and_then(|p| p.clone().downcast::<Prepared>().ok()) {
+        if p.device == ctx.index && p.generation == generation && !forced {
+            return Ok(p);
+        }
+    }
+    let mut work = Vec::with_capacity(plan.kernels.len());
+    for k in &plan.kernels {
+        check_dtype(&ctx.caps, k.dtype, k.kind.name())?;
+        // A buffer too large for the device is out of memory, before any compile error it would cause.
+        super::pool::fits(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(k.dtype))?;
+        let inputs: Vec<_> = k.inputs.iter().map(|&s| (plan.slots[s].dtype, plan.slots[s].numel)).collect();
+        for &(dt, _) in &inputs {
+            check_dtype(&ctx.caps, dt, k.kind.name())?;
+        }
+        // Fused intermediates too: `x.to_dtype(F64).to_dtype(F32)` never stores an f64.
+        for e in k.kind.exprs() {
+            for &(_, dt) in &e.instrs {
+                check_dtype(&ctx.caps, dt, k.ops.first().copied().unwrap_or("realize"))?;
+            }
+        }
+        let variant = super::autotune::variant_for(ctx, k, &inputs)?;
+        work.push((k, inputs, variant));
+    }
+    let kernels = compile_all(ctx, &work)?;
+    let p = Arc::new(Prepared { device: ctx.index, generation, kernels });
+    if !forced {
+        *cell = Some(p.clone());
+    }
+    Ok(p)
+}
+
+/// Compile `work` (kernel, input shapes, variant), the kernels that are
+/// not compiled yet on up to one thread per core: a driver compiles a
+/// pipeline in milliseconds to tens of them, and a cold training step
+/// needs dozens.
+fn compile_all(ctx: &GpuContext, work: &[(&Kernel, Vec<(DType, usize)>, Option<super::matmul::Variant>)]) -> Result<Vec<Arc<Compiled>>> {
+    let mut out: Vec<Option<Arc<Compiled>>> = work.iter().map(|(k, i, v)| cached(ctx, k, i, *v)).collect();
+    // One of each distinct kernel; its twins find it compiled afterwards.
+    let mut seen = std::collections::HashSet::new();
+    let missing: Vec<usize> = (0..work.len()).filter(|&i| out[i].is_none() && seen.insert(signature_hash(work[i].0, &work[i].1, work[i].2))).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(missing.len());
+    if threads > 1 {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let results: Vec<Vec<(usize, Result<Arc<Compiled>>)>> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut done = vec![];
+                        loop {
+                            let j = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(&i) = missing.get(j) else { break };
+                            let (k, inputs, v) = &work[i];
+                            done.push((i, compile(ctx, k, inputs, *v)));
+                        }
+                        done
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().unwrap_or_default()).collect()
+        });
+        for (i, r) in results.into_iter().flatten() {
+            out[i] = Some(r?);
+        }
+    }
+    // Serially: what one thread suffices for, and anything a worker lost.
+    for (i, (k, inputs, v)) in work.iter().enumerate() {
+        if out[i].is_none() {
+            out[i] = Some(compile(ctx, k, inputs, *v)?);
+        }
+    }
+    Ok(out.into_iter().map(|c| c.expect("every kernel compiled above")).collect())
 }
 
 fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
@@ -210,34 +306,25 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
             SlotSource::Kernel => None,
         });
     }
+    let compiled = crate::profile::time(Phase::Compile, || prepare(ctx, plan))?;
     // Outputs are taken as their kernels are encoded: a later kernel may free them.
     let mut outs: Vec<Option<Arc<GpuBuf>>> = vec![None; plan.outputs.len()];
     let mut encoded: Vec<(Encoded, usize)> = Vec::new();
     let mut labels: Vec<String> = Vec::new();
     for (ki, k) in plan.kernels.iter().enumerate() {
-        check_dtype(&ctx.caps, k.dtype, k.kind.name())?;
-        let inputs: Vec<_> = k.inputs.iter().map(|&s| (plan.slots[s].dtype, plan.slots[s].numel)).collect();
-        for &(dt, _) in &inputs {
-            check_dtype(&ctx.caps, dt, k.kind.name())?;
-        }
-        // Fused intermediates too: `x.to_dtype(F64).to_dtype(F32)` never stores an f64.
-        for e in k.kind.exprs() {
-            for &(_, dt) in &e.instrs {
-                check_dtype(&ctx.caps, dt, k.ops.first().copied().unwrap_or("realize"))?;
-            }
-        }
         let bytes = k.numel as u64 * elem_bytes(k.dtype);
         let out = Arc::new(match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {
             Some(i) => retired.swap_remove(i).reuse(k.dtype, k.numel),
             None => alloc(ctx, k.dtype, k.numel, bytes)?,
         });
-        let variant = super::autotune::variant_for(ctx, k, &inputs)?;
-        let compiled = compile(ctx, k, &inputs, variant)?;
+        let compiled = &compiled.kernels[ki];
         let input_buf = |i: usize| bufs[k.inputs[i]].as_ref().expect("inputs are live").raw();
-        for e in bind(ctx, &compiled, &input_buf, out.raw(), &k.kind.consts())? {
+        for e in bind(ctx, compiled, &input_buf, out.raw(), &k.kind.consts())? {
             encoded.push((e, ki));
         }
-        labels.push(compiled.label().unwrap_or(k.kind.name()).to_string());
+        if crate::backend::profiling() {
+            labels.push(compiled.label().unwrap_or(k.kind.name()).to_string());
+        }
         for (o, &slot) in outs.iter_mut().zip(&plan.outputs) {
             if slot == k.out {
                 *o = Some(out.clone());

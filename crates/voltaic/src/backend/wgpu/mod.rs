@@ -172,6 +172,14 @@ pub(crate) fn save_caches() {
     }
 }
 
+/// Block until every open device's background tuner is idle.
+pub(crate) fn finish_tuning() {
+    let ctxs: Vec<Arc<GpuContext>> = registry().contexts.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+    for c in ctxs {
+        c.tuner.finish();
+    }
+}
+
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
         Capabilities { row_kernels: true, strided_reads: false }

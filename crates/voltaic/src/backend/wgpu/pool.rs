@@ -127,17 +127,27 @@ impl Drop for GpuBuf {
     }
 }
 
+/// Whether a buffer of `bytes` can exist on the device at all.
+pub(crate) fn fits(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64) -> Result<()> {
+    let max = ctx.pool.lock().unwrap_or_else(|e| e.into_inner()).max_buffer;
+    check_size(ctx.index, max, dtype, numel, bytes)
+}
+
+fn check_size(index: usize, max_buffer: u64, dtype: DType, numel: usize, bytes: u64) -> Result<()> {
+    if bucket(bytes.max(4)) > max_buffer {
+        return Err(Error::OutOfMemory(format!(
+            "gpu:{index}: a buffer of {numel} {dtype} elements ({bytes} bytes) exceeds the adapter's largest buffer ({max_buffer} bytes)"
+        )));
+    }
+    Ok(())
+}
+
 /// A buffer for `numel` elements of `dtype`, `bytes` long, from the pool of
 /// `ctx` or newly created. Its contents are unspecified.
 pub(crate) fn alloc(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64) -> Result<GpuBuf> {
     let size = bucket(bytes.max(4));
     let mut p = ctx.pool.lock().unwrap_or_else(|e| e.into_inner());
-    if size > p.max_buffer {
-        return Err(Error::OutOfMemory(format!(
-            "gpu:{}: a buffer of {numel} {dtype} elements ({bytes} bytes) exceeds the adapter's largest buffer ({} bytes)",
-            ctx.index, p.max_buffer
-        )));
-    }
+    check_size(ctx.index, p.max_buffer, dtype, numel, bytes)?;
     if let Some(b) = p.free.get_mut(&size).and_then(|v| v.pop()) {
         p.stats.cached -= size;
         p.stats.in_use += size;

@@ -195,15 +195,21 @@ impl Timing {
         enc.copy_buffer_to_buffer(&self.resolve, 0, &self.staging, 0, 16 * self.n as u64);
     }
 
-    /// Wait for the realization and print one line per kernel to stderr.
-    pub(crate) fn report(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex, rows: &[(String, usize)]) -> Result<()> {
+    /// Wait for submission `idx` and return each pass's time in seconds.
+    pub(crate) fn seconds(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex) -> Result<Vec<f64>> {
         let bytes = map_read(ctx, &self.staging, idx, 16 * self.n)?;
         let ticks: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
         let period = ctx.queue.get_timestamp_period() as f64;
+        Ok((0..self.n).map(|i| ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period / 1e9).collect())
+    }
+
+    /// Wait for the realization and print one line per kernel to stderr.
+    pub(crate) fn report(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex, rows: &[(String, usize)]) -> Result<()> {
+        let secs = self.seconds(ctx, idx)?;
         let mut total = 0.0;
         eprintln!("voltaic profile (gpu:{}, {}):", ctx.index, ctx.info.name);
         for (i, (label, numel)) in rows.iter().enumerate() {
-            let us = ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period / 1e3;
+            let us = secs[i] * 1e6;
             total += us;
             eprintln!("  {:>10.1} us  {:>12} elements  {label}", us, numel);
         }
