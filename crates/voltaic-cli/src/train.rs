@@ -10,7 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-use voltaic::data::{fashion_mnist, DataLoader, Dataset, LoaderOpts, FASHION_MNIST_DIR};
+use voltaic::data::{fashion_mnist, DataLoader, Dataset, DeviceDataset, LoaderOpts, FASHION_MNIST_DIR};
 use voltaic::nn::{Forward, Module, Sequential};
 use voltaic::optim::{Adam, CosineLr, LrSchedule, Optimizer, Sgd};
 use voltaic::{DType, Device, Reduction, Tensor};
@@ -45,7 +45,7 @@ pub struct TrainArgs {
     /// Directory for the checkpoint, metrics.csv and curves.png.
     #[arg(long, default_value = "runs/fashion-mnist")]
     pub out: PathBuf,
-    /// Directory with the four Fashion-MNIST IDX files (default: the Debian package's).
+    /// Directory with the four Fashion-MNIST IDX files (default: $VOLTAIC_FASHION_MNIST, else the Debian package's).
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Seed of initialisation, shuffling and dropout.
@@ -58,6 +58,11 @@ pub struct TrainArgs {
     /// with its settings; reaches the same weights as an uninterrupted run.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "epochs", "batch_size", "lr", "optimizer", "schedule", "seed", "limit", "out"])]
     pub resume: Option<PathBuf>,
+    /// Keep the dataset on the device and gather each batch there: auto (on
+    /// a GPU when both splits fit in 2 GiB), yes, or no (batches are made on
+    /// the host, one step ahead, and uploaded).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "yes", "no"])]
+    pub data_on_device: String,
     /// End with one JSON line of results.
     #[arg(long)]
     pub json: bool,
@@ -101,6 +106,9 @@ pub struct EpochStats {
 pub fn locate_data(arg: Option<&Path>, quiet: bool) -> anyhow::Result<PathBuf> {
     if let Some(d) = arg {
         return Ok(d.to_path_buf());
+    }
+    if let Some(d) = std::env::var_os("VOLTAIC_FASHION_MNIST").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d));
     }
     let dir = PathBuf::from(FASHION_MNIST_DIR);
     if dir.join("train-images-idx3-ubyte.gz").exists() {
@@ -150,14 +158,55 @@ pub fn build_optimizer(args: &TrainArgs, model: &Sequential) -> Box<dyn Optimize
     }
 }
 
+/// One split of the data, and its copy on the device when it lives there.
+pub struct Split {
+    /// The examples on the host.
+    pub host: Arc<Dataset>,
+    /// The normalized examples on the training device, if kept there.
+    pub resident: Option<Arc<DeviceDataset>>,
+}
+
+/// Most bytes `--data-on-device auto` keeps on a GPU.
+const RESIDENT_LIMIT: u64 = 2 << 30;
+
+impl Split {
+    /// Wrap `data`; with `resident`, also upload it to `device`.
+    pub fn new(data: Dataset, device: Device, resident: bool) -> anyhow::Result<Split> {
+        let resident = if resident { Some(Arc::new(DeviceDataset::new(&data, MEAN, STD, device)?)) } else { None };
+        Ok(Split { host: Arc::new(data), resident })
+    }
+
+    /// Whether `--data-on-device` (`choice`) keeps datasets of `bytes` on `device`.
+    pub fn keep_on_device(choice: &str, device: Device, bytes: u64) -> bool {
+        match choice {
+            "yes" => true,
+            "no" => false,
+            _ => matches!(device, Device::Gpu(_)) && bytes <= RESIDENT_LIMIT,
+        }
+    }
+
+    /// Number of examples.
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    /// The batches of one epoch.
+    fn loader(&self, opts: &LoaderOpts, epoch: u64) -> voltaic::Result<DataLoader> {
+        match &self.resident {
+            Some(d) => DataLoader::on_device(d.clone(), opts, epoch),
+            None => DataLoader::new(self.host.clone(), opts, epoch),
+        }
+    }
+}
+
 /// Loss sum and correct count over a test set, without gradients.
-pub fn evaluate(model: &Sequential, data: &Arc<Dataset>, device: Device) -> anyhow::Result<(f64, f64)> {
+pub fn evaluate(model: &Sequential, data: &Split, device: Device) -> anyhow::Result<(f64, f64)> {
     model.eval();
     let _g = voltaic::NoGradGuard::new();
     let opts = LoaderOpts { batch_size: 1000, shuffle: false, seed: 0, mean: MEAN, std: STD, drop_last: false, device };
     let mut loss_sum = Tensor::zeros(&[], DType::F32, device)?;
     let mut correct = Tensor::zeros(&[], DType::I32, device)?;
-    for b in DataLoader::new(data.clone(), &opts, 0)? {
+    for b in data.loader(&opts, 0)? {
         let b = b?;
         let logits = model.forward(&b.x)?;
         loss_sum = loss_sum.add(&logits.cross_entropy(&b.y, 0.0, Reduction::Sum)?)?;
@@ -192,8 +241,8 @@ pub fn train_loop(
     device: Device,
     model: &Sequential,
     opt: &mut dyn Optimizer,
-    train: &Arc<Dataset>,
-    test: Option<&Arc<Dataset>>,
+    train: &Split,
+    test: Option<&Split>,
     mut progress: Progress,
     mut on_epoch: impl FnMut(&Progress, &dyn Optimizer) -> anyhow::Result<()>,
 ) -> anyhow::Result<Progress> {
@@ -217,7 +266,7 @@ pub fn train_loop(
         let mut correct = Tensor::zeros(&[], DType::I32, device)?;
         let (mut seen, mut window_seen) = (0usize, 0usize);
         let mut window = Tensor::zeros(&[], DType::F32, device)?;
-        for b in DataLoader::new(train.clone(), &opts, epoch as u64)? {
+        for b in train.loader(&opts, epoch as u64)? {
             let b = b?;
             let bs = b.y.numel();
             if args.schedule == "cosine" {
@@ -400,7 +449,8 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
     if let Some(n) = args.limit {
         train = train.take(n);
     }
-    let (train, test) = (Arc::new(train), Arc::new(test));
+    let resident = Split::keep_on_device(&args.data_on_device, device, DeviceDataset::bytes(&train) + DeviceDataset::bytes(&test));
+    let (train, test) = (Split::new(train, device, resident)?, Split::new(test, device, resident)?);
     voltaic::manual_seed(args.seed);
     let model = build_model(&args.model, device)?;
     let mut opt = build_optimizer(&args, &model);
@@ -499,6 +549,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
                 "test_accuracy": (last.test_acc * 1e4).round() / 1e4,
                 "train_seconds": (train_seconds * 100.0).round() / 100.0,
                 "samples_per_second": (samples / train_seconds).round(),
+                "epoch_seconds": history.iter().map(|s| (s.train_seconds * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
             })
         );
     }
@@ -531,7 +582,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let (_, test) = fashion_mnist(&data).with_context(|| format!("loading Fashion-MNIST from {}", data.display()))?;
     let model = build_model(&state.args.model, device)?;
     load_model(&file, &model, device)?;
-    let (loss, acc) = evaluate(&model, &Arc::new(test), device)?;
+    let (loss, acc) = evaluate(&model, &Split::new(test, device, false)?, device)?;
     let epoch = state.progress.epoch;
     if args.json {
         println!("{}", json!({ "dir": args.dir.display().to_string(), "model": state.args.model, "epoch": epoch, "test_loss": loss, "test_accuracy": acc }));

@@ -155,41 +155,115 @@ pub fn epoch_order(n: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize>
     order
 }
 
+fn check_opts(opts: &LoaderOpts) -> Result<()> {
+    if opts.batch_size == 0 {
+        bail!(Value, "DataLoader", "batch_size must be positive");
+    }
+    if opts.std == 0.0 {
+        bail!(Value, "DataLoader", "std must be nonzero");
+    }
+    Ok(())
+}
+
+/// A dataset normalized once and kept on a device, for
+/// [`DataLoader::on_device`]: what a PyTorch user does by moving the whole
+/// tensor to the GPU and indexing it there, rather than copying each batch.
+#[derive(Clone, Debug)]
+pub struct DeviceDataset {
+    /// Every example, `(pixel / 255 - mean) / std`, as `[n, item dims...]` f32.
+    pub x: Tensor,
+    /// Every label, `[n]` i32.
+    pub y: Tensor,
+}
+
+impl DeviceDataset {
+    /// Normalize `data` with `mean` and `std` (of pixels scaled to [0, 1])
+    /// and upload it to `device`.
+    pub fn new(data: &Dataset, mean: f64, std: f64, device: Device) -> Result<DeviceDataset> {
+        if std == 0.0 {
+            bail!(Value, "DeviceDataset", "std must be nonzero");
+        }
+        // The same arithmetic as the host loader, so both give the same batches.
+        let (scale, shift) = (1.0 / (255.0 * std) as f32, (mean / std) as f32);
+        let x: Vec<f32> = data.pixels.iter().map(|&p| p as f32 * scale - shift).collect();
+        let mut dims = vec![data.len()];
+        dims.extend_from_slice(&data.item_dims);
+        Ok(DeviceDataset {
+            x: Tensor::from_storage(CpuStorage::F32(x), &dims, device)?,
+            y: Tensor::from_storage(CpuStorage::I32(data.labels.clone()), &[data.len()], device)?,
+        })
+    }
+
+    /// Bytes the dataset takes on its device.
+    pub fn bytes(data: &Dataset) -> u64 {
+        4 * (data.pixels.len() + data.labels.len()) as u64
+    }
+
+    /// Number of examples.
+    pub fn len(&self) -> usize {
+        self.y.dims()[0]
+    }
+
+    /// No examples?
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 impl DataLoader {
-    /// Start preparing the batches of `epoch`.
+    /// Start preparing the batches of `epoch` on a thread: normalized on the
+    /// host and uploaded to `opts.device`, two batches ahead of the consumer,
+    /// so the upload of the next batch overlaps the current step.
     pub fn new(data: Arc<Dataset>, opts: &LoaderOpts, epoch: u64) -> Result<DataLoader> {
-        if opts.batch_size == 0 {
-            bail!(Value, "DataLoader", "batch_size must be positive");
+        check_opts(opts)?;
+        let k = data.item_numel();
+        let (scale, shift) = (1.0 / (255.0 * opts.std) as f32, (opts.mean / opts.std) as f32);
+        let device = opts.device;
+        let item_dims = data.item_dims.clone();
+        DataLoader::spawn(data.len(), opts, epoch, move |idx: &[usize]| {
+            let mut x = Vec::with_capacity(idx.len() * k);
+            for &i in idx {
+                x.extend(data.pixels[i * k..(i + 1) * k].iter().map(|&p| p as f32 * scale - shift));
+            }
+            let y: Vec<i32> = idx.iter().map(|&i| data.labels[i]).collect();
+            let mut dims = vec![idx.len()];
+            dims.extend_from_slice(&item_dims);
+            Ok(Batch { x: Tensor::from_storage(CpuStorage::F32(x), &dims, device)?, y: Tensor::from_storage(CpuStorage::I32(y), &[idx.len()], device)? })
+        })
+    }
+
+    /// Batches gathered on the device from a dataset that lives there: each
+    /// step uploads only its indices (prepared ahead on a thread), and the
+    /// gather runs on the device, in the same realization as the step that
+    /// reads it. The batches are those [`DataLoader::new`] makes (same order,
+    /// same values); `opts.mean`, `opts.std` and `opts.device` are the
+    /// dataset's.
+    pub fn on_device(data: Arc<DeviceDataset>, opts: &LoaderOpts, epoch: u64) -> Result<DataLoader> {
+        check_opts(opts)?;
+        if opts.device != data.x.device() {
+            bail!(Device, "DataLoader::on_device", "the dataset is on {} but the loader was asked for {}", data.x.device(), opts.device);
         }
-        if opts.std == 0.0 {
-            bail!(Value, "DataLoader", "std must be nonzero");
-        }
-        let n = data.len();
+        let device = opts.device;
+        DataLoader::spawn(data.len(), opts, epoch, move |idx: &[usize]| {
+            let index: Vec<i32> = idx.iter().map(|&i| i as i32).collect();
+            let index = Tensor::from_storage(CpuStorage::I32(index), &[idx.len()], device)?;
+            Ok(Batch { x: data.x.index_select(0, &index)?, y: data.y.index_select(0, &index)? })
+        })
+    }
+
+    /// Start a thread that makes the batches of `epoch` with `make` (given
+    /// each batch's example indices), two ahead of the consumer.
+    fn spawn(n: usize, opts: &LoaderOpts, epoch: u64, make: impl Fn(&[usize]) -> Result<Batch> + Send + 'static) -> Result<DataLoader> {
         let batches = if opts.drop_last { n / opts.batch_size } else { n.div_ceil(opts.batch_size) };
         let order = epoch_order(n, opts.shuffle, opts.seed, epoch);
         let (tx, rx) = sync_channel(2);
-        let opts = opts.clone();
+        let bs = opts.batch_size;
         std::thread::Builder::new()
             .name("voltaic-loader".into())
             .spawn(move || {
-                let k = data.item_numel();
-                let (scale, shift) = (1.0 / (255.0 * opts.std) as f32, (opts.mean / opts.std) as f32);
                 for b in 0..batches {
-                    let idx = &order[b * opts.batch_size..((b + 1) * opts.batch_size).min(n)];
-                    let mut x = Vec::with_capacity(idx.len() * k);
-                    for &i in idx {
-                        x.extend(data.pixels[i * k..(i + 1) * k].iter().map(|&p| p as f32 * scale - shift));
-                    }
-                    let y: Vec<i32> = idx.iter().map(|&i| data.labels[i]).collect();
-                    let mut dims = vec![idx.len()];
-                    dims.extend_from_slice(&data.item_dims);
-                    let batch = (|| {
-                        Ok(Batch {
-                            x: Tensor::from_storage(CpuStorage::F32(x), &dims, opts.device)?,
-                            y: Tensor::from_storage(CpuStorage::I32(y), &[idx.len()], opts.device)?,
-                        })
-                    })();
-                    if tx.send(batch).is_err() {
+                    let idx = &order[b * bs..((b + 1) * bs).min(n)];
+                    if tx.send(make(idx)).is_err() {
                         return; // the loader was dropped
                     }
                 }

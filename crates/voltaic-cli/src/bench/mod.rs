@@ -2,6 +2,7 @@
 //! run on the same machine. Times are medians of several runs after warm-up.
 
 mod check;
+mod cold;
 mod cpu;
 mod embed;
 mod gpu;
@@ -144,7 +145,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if embed_suite {
         meta.insert("unit".into(), json!("ms per batch of sequence length 128"));
     } else if train_suite {
-        meta.insert("unit".into(), json!("ms per Adam step"));
+        meta.insert("unit".into(), json!("ms per Adam step (train_*) or per epoch (epoch_*)"));
     }
     if !args.no_peer {
         pb.set_message(if gpu_suite || train_suite { "PyTorch peer" } else { "numpy peer" });
@@ -153,9 +154,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             peer_name = name;
             peer_ms = times;
         } else if train_suite {
-            let (name, times) = train::torch_peer(&cases, args.runs, device).context("running the PyTorch peer")?;
-            peer_name = name;
-            peer_ms = times;
+            let p = train::torch_peer(&cases, args.runs, device).context("running the PyTorch peer")?;
+            peer_name = p.name;
+            peer_ms = p.times;
+            peer_extra = p.extra;
         } else if gpu_suite {
             let p = gpu::torch_peer(&cases, args.runs).context("running the PyTorch peer")?;
             peer_name = p.name;
@@ -184,6 +186,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             cpu::run_case(c, args.runs)
         }
         .with_context(|| format!("benchmark {c}"))?;
+        let mut note = note;
+        // The epoch rows' second peer: PyTorch with the data on the device.
+        if let Some(r) = peer_extra.get(*c).and_then(|e| e.get("resident_ms")).and_then(|v| v.as_f64()) {
+            note = format!("{note}; vs the GPU-resident loop ({r:.1} ms): {:.2}x", r / ms);
+        }
         rows.push(Row { name: c.to_string(), voltaic_ms: ms, peer: peer_name.clone(), peer_ms: peer_ms.get(*c).copied(), note });
         pb.inc(1);
     }
@@ -235,6 +242,11 @@ fn target(suite: &str, name: &str) -> Option<f64> {
         "add_f32_256m" => 0.9,
         "sum_f32_256m" | "softmax_rows_8192" | "layernorm_rows_8192" => 0.8,
         "launch_1000_small" => 2.0,
+        "realize_small_graph" => 1.0,
+        "train_mlp_b64" | "train_cnn_b64" => 1.5,
+        "train_mlp_b256" | "train_cnn_b256" => 1.2,
+        n if n.starts_with("epoch_") => 1.5,
+        n if suite == "embed" && n.starts_with("embed") => 1.0,
         _ => return None,
     })
 }

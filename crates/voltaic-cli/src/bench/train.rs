@@ -1,5 +1,8 @@
-//! The training suite: Adam steps of the Fashion-MNIST models on a fixed
-//! batch, in samples per second, against PyTorch on the same device.
+//! The training suite, against PyTorch on the same device: Adam steps of
+//! the Fashion-MNIST models on a fixed batch (`train_*`, with the host's
+//! microseconds per phase of one step), and whole epochs through the loop
+//! of `voltaic train` (`epoch_*`) against two PyTorch loops, the idiomatic
+//! DataLoader one and the GPU-resident one an expert writes.
 
 use super::gpu::gpu_median_ms;
 use anyhow::{bail, Context};
@@ -9,9 +12,21 @@ use voltaic::nn::{Forward, Module};
 use voltaic::optim::{Adam, Optimizer};
 use voltaic::{DType, Device, Reduction, Tensor};
 
-pub const CASES: &[&str] = &["train_mlp_b64", "train_cnn_b64", "train_mlp_b256", "train_cnn_b256"];
+pub const CASES: &[&str] = &[
+    "train_mlp_b64",
+    "train_cnn_b64",
+    "train_mlp_b256",
+    "train_cnn_b256",
+    "epoch_mlp_b64",
+    "epoch_cnn_b64",
+    "epoch_mlp_b256",
+    "epoch_cnn_b256",
+    "cold_epoch_cnn_b64",
+    "cold_epoch_cnn_b256",
+];
 
 const TORCH_PEER: &str = include_str!("train_peer.py");
+const EPOCH_PEER: &str = include_str!("epoch_peer.py");
 
 /// A Python with PyTorch: `python3`, else Debian's `/usr/bin/python3` (whose
 /// python3-torch is the CPU build that works on these machines).
@@ -21,14 +36,33 @@ pub fn python_with_torch() -> Option<String> {
     })
 }
 
-/// Run the PyTorch side: its name and median ms per step, per case.
-pub fn torch_peer(cases: &[&str], runs: usize, device: Device) -> anyhow::Result<(String, HashMap<String, f64>)> {
-    run_torch_script(TORCH_PEER, &[cases.join(","), runs.to_string(), device.to_string(), rayon::current_num_threads().to_string()])
+/// Run the PyTorch side: median ms per step (`train_*`) or per epoch
+/// (`epoch_*`, with the resident loop's time as an extra field).
+pub fn torch_peer(cases: &[&str], runs: usize, device: Device) -> anyhow::Result<super::Peer> {
+    let threads = rayon::current_num_threads().to_string();
+    let (epochs, steps): (Vec<&str>, Vec<&str>) = cases.iter().filter(|c| !c.starts_with("cold_")).partition(|c| c.starts_with("epoch_"));
+    let mut peer = super::Peer { name: "torch".into(), times: HashMap::new(), extra: HashMap::new(), info: serde_json::Value::Null };
+    if !steps.is_empty() {
+        let p = run_torch_peer(TORCH_PEER, &[steps.join(","), runs.to_string(), device.to_string(), threads.clone()])?;
+        peer.name = p.name;
+        peer.times.extend(p.times);
+    }
+    if !epochs.is_empty() {
+        let data = crate::train::locate_data(None, true)?;
+        let p = run_torch_peer(EPOCH_PEER, &[epochs.join(","), epoch_runs(runs).to_string(), device.to_string(), threads, data.display().to_string()])?;
+        peer.name = p.name;
+        peer.times.extend(p.times);
+        peer.extra.extend(p.extra);
+    }
+    Ok(peer)
 }
 
-/// Run a PyTorch peer script with the Python that has torch; its name and
-/// median ms per case.
-pub fn run_torch_script(script: &str, args: &[String]) -> anyhow::Result<(String, HashMap<String, f64>)> {
+/// Timed epochs per `epoch_*` row (after one warm-up epoch): at most 3.
+fn epoch_runs(runs: usize) -> usize {
+    runs.clamp(1, 3)
+}
+
+fn run_torch_peer(script: &str, args: &[String]) -> anyhow::Result<super::Peer> {
     let Some(py) = python_with_torch() else {
         bail!("no Python with PyTorch found (on Debian: apt-get install python3-torch), or pass --no-peer");
     };
@@ -36,12 +70,64 @@ pub fn run_torch_script(script: &str, args: &[String]) -> anyhow::Result<(String
     if !out.status.success() {
         bail!("the PyTorch peer failed: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let peer = super::Peer::parse(&out.stdout, "torch")?;
-    Ok((peer.name, peer.times))
+    super::Peer::parse(&out.stdout, "torch")
 }
 
-/// Time Adam steps of one case; returns (median ms per step, note).
+/// Run a PyTorch peer script with the Python that has torch; its name and
+/// median ms per case.
+pub fn run_torch_script(script: &str, args: &[String]) -> anyhow::Result<(String, HashMap<String, f64>)> {
+    let p = run_torch_peer(script, args)?;
+    Ok((p.name, p.times))
+}
+
+/// Time one case: median ms per step or per epoch, and a note.
 pub fn run_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
+    if name.starts_with("epoch_") {
+        return epoch_case(name, device, runs);
+    }
+    if name.starts_with("cold_epoch_") {
+        return super::cold::epoch(name, device);
+    }
+    step_case(name, device, runs)
+}
+
+/// One epoch of Fashion-MNIST through `voltaic train`'s loop (the dataset
+/// on the device when `--data-on-device auto` would keep it there), after a
+/// warm-up epoch; evaluation excluded. The note gives the first epoch too.
+fn epoch_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: crate::train::TrainArgs,
+    }
+    let batch = name.rsplit("_b").next().context("case name ends in _bN")?;
+    let model = if name.starts_with("epoch_mlp") { "mlp" } else { "cnn" };
+    let epochs = 1 + epoch_runs(runs);
+    let argv = ["train", "--model", model, "--batch-size", batch, "--epochs", &epochs.to_string(), "--quiet", "--device", &device.to_string()];
+    let args = Wrap::try_parse_from(argv)?.args;
+    let dir = crate::train::locate_data(None, true)?;
+    let (train, _) = voltaic::data::fashion_mnist(&dir)?;
+    let resident = crate::train::Split::keep_on_device(&args.data_on_device, device, voltaic::data::DeviceDataset::bytes(&train));
+    let train = crate::train::Split::new(train, device, resident)?;
+    voltaic::manual_seed(0);
+    let m = crate::train::build_model(model, device)?;
+    let mut opt = crate::train::build_optimizer(&args, &m);
+    let progress = crate::train::train_loop(&args, device, &m, opt.as_mut(), &train, None, Default::default(), |_, _| Ok(()))?;
+    let secs: Vec<f64> = progress.history.iter().map(|h| h.train_seconds).collect();
+    let mut warm = secs[1..].to_vec();
+    warm.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+    let ms = warm[warm.len() / 2] * 1e3;
+    let last = progress.history.last().context("an epoch ran")?;
+    anyhow::ensure!(last.train_acc > 0.5, "{name}: training accuracy {:.3} after {epochs} epochs", last.train_acc);
+    let n = train.len() as f64;
+    let place = if resident { "data on the device" } else { "host loader" };
+    Ok((ms, format!("{:.0} samples/s, first epoch {:.2} s, {place}", n / (ms / 1e3), secs[0])))
+}
+
+/// Time Adam steps on a fixed batch: median ms per step, and the host's
+/// microseconds per phase of one step.
+fn step_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
     let batch: usize = name.rsplit("_b").next().and_then(|b| b.parse().ok()).context("case name ends in _bN")?;
     voltaic::manual_seed(0);
     let model = if name.starts_with("train_mlp") {
@@ -66,6 +152,15 @@ pub fn run_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64,
     }
     let later = model.forward(&x)?.cross_entropy(&y, 0.0, Reduction::Mean)?.item::<f32>()?;
     anyhow::ensure!(later < first, "{name}: the loss did not decrease ({first} -> {later})");
-    let ms = gpu_median_ms(device, runs, false, step)?;
-    Ok((ms, format!("{:.0} samples/s", batch as f64 / (ms / 1e3))))
+    let mut steps = 0usize;
+    let before = voltaic::host_profile();
+    let ms = gpu_median_ms(device, runs, false, || {
+        steps += 1;
+        step()
+    })?;
+    let host = voltaic::host_profile().since(&before);
+    let phases: Vec<String> =
+        host.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.0}", us / steps as f64)).collect();
+    let per = host.realizations as f64 / steps as f64;
+    Ok((ms, format!("{:.0} samples/s; host us/step ({per:.0} realizations): {}", batch as f64 / (ms / 1e3), phases.join(", "))))
 }
