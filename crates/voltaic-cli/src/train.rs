@@ -550,6 +550,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
                 "train_seconds": (train_seconds * 100.0).round() / 100.0,
                 "samples_per_second": (samples / train_seconds).round(),
                 "epoch_seconds": history.iter().map(|s| (s.train_seconds * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
+                "pipelines": device.stats().map(|s| s.pipelines).unwrap_or(0),
             })
         );
     }

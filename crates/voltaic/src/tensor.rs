@@ -319,7 +319,7 @@ impl Tensor {
     pub(crate) fn read_host<R>(&self, f: impl FnOnce(&CpuStorage, &Layout) -> R) -> Result<R> {
         let exec = executor(self.device())?;
         let t = if exec.capabilities().strided_reads || self.is_contiguous() { self.clone() } else { self.contiguous()? };
-        t.realize()?;
+        crate::backend::read_follows(|| t.realize())?;
         let buf = t.value.node.buffer().expect("realized");
         let host = exec.read(&buf, &t.value.layout)?;
         Ok(f(host.storage(), &host.layout))

@@ -237,11 +237,17 @@ pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, St
             let b = Tensor::randn(&[1024], DType::F32, dev)?;
             let got = a.add(&b)?.to_vec::<f32>()?;
             ensure!(got[5] == a.to_vec::<f32>()?[5] + b.to_vec::<f32>()?[5], "add check failed");
+            let mut calls = 0usize;
+            let before = voltaic::host_profile();
             let ms = gpu_median_ms(dev, runs, true, || {
+                calls += 1;
                 a.add(&b)?.to_vec::<f32>()?;
                 Ok(())
             })?;
-            Ok((ms, format!("{:.0} us to record, encode, submit, wait and read one kernel", ms * 1e3)))
+            let host = voltaic::host_profile().since(&before);
+            let phases: Vec<String> =
+                host.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.1}", us / calls as f64)).collect();
+            Ok((ms, format!("{:.0} us to record, encode, submit, wait and read one kernel; host us: {}", ms * 1e3, phases.join(", "))))
         }
         _ => bail!("unknown case {name}"),
     }

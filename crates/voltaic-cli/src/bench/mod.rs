@@ -31,7 +31,9 @@ pub struct BenchArgs {
     /// Timed runs per row (the median is reported).
     #[arg(long, default_value_t = 7)]
     runs: usize,
-    /// Only run rows whose name contains this.
+    /// Only run rows whose name contains this. The cold-start rows
+    /// (`cold_*`, each a fresh process with empty caches) run only when the
+    /// filter names them: `--filter cold`.
     #[arg(long)]
     filter: Option<String>,
     /// Skip the peer (report Voltaic alone).
@@ -116,7 +118,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         cpu::CASES
     };
-    let cases: Vec<&str> = all.iter().copied().filter(|c| args.filter.as_deref().is_none_or(|f| c.contains(f))).collect();
+    // Cold-start rows start fresh processes and take a minute: only when the filter names them.
+    let wanted = |c: &str| match args.filter.as_deref() {
+        Some(f) => c.contains(f) && (!c.starts_with("cold_") || f.contains("cold")),
+        None => !c.starts_with("cold_"),
+    };
+    let cases: Vec<&str> = all.iter().copied().filter(|c| wanted(c)).collect();
     let device = match (&args.device, gpu_suite) {
         (Some(d), _) => voltaic::Device::parse(d)?,
         (None, false) if train_suite => voltaic::Device::best(),

@@ -140,6 +140,25 @@ pub(crate) fn executor(device: Device) -> Result<Arc<dyn Executor>> {
     }
 }
 
+thread_local! {
+    static READ_FOLLOWS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Run `f` (a realization) telling executors that this thread reads a
+/// result right after: a GPU then leaves the work for the read's submission
+/// instead of submitting it alone (one submission instead of two).
+pub(crate) fn read_follows<R>(f: impl FnOnce() -> R) -> R {
+    let was = READ_FOLLOWS.with(|c| c.replace(true));
+    let out = f();
+    READ_FOLLOWS.with(|c| c.set(was));
+    out
+}
+
+/// Whether the current realization is followed by a read (see [`read_follows`]).
+pub(crate) fn is_read_following() -> bool {
+    READ_FOLLOWS.with(|c| c.get())
+}
+
 /// Whether `VOLTAIC_PROFILE` asks for per-kernel times (read once).
 pub(crate) fn profiling() -> bool {
     crate::profile::enabled()

@@ -16,11 +16,11 @@ use super::context::GpuContext;
 use super::matmul::{default_variant, Tile, Variant, TILES};
 use super::pool::alloc;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ir::{Kernel, KernelKind};
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -238,6 +238,53 @@ fn log_choice(key: &Key, best: &Variant) {
     }
 }
 
+/// Set when the process exits: tuner threads stop before the next driver call.
+static STOP: AtomicBool = AtomicBool::new(false);
+/// Tuner threads inside a measurement (calling into the driver).
+static BUSY: AtomicU64 = AtomicU64::new(0);
+
+/// Runs at process exit, before the driver's own exit handlers (those were
+/// registered when the device was opened, earlier; exit runs handlers in
+/// reverse order): a tuner thread still compiling or timing while the driver
+/// tears itself down would crash the process after its work was done.
+extern "C" fn stop_tuners() {
+    STOP.store(true, Ordering::SeqCst);
+    let start = Instant::now();
+    while BUSY.load(Ordering::SeqCst) > 0 && start.elapsed().as_secs_f64() < 5.0 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+fn stopping() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
+
+/// The tuner thread of device `index`: measures queued shapes until the
+/// process exits.
+fn tuner_thread(index: usize, rx: mpsc::Receiver<Job>) {
+    // The registry keeps every opened device: this finds ours.
+    let Ok(ctx) = super::context(index) else { return };
+    for job in rx {
+        BUSY.fetch_add(1, Ordering::SeqCst);
+        if stopping() {
+            BUSY.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        // A shape whose measurement fails (or is cut short by exit) keeps the heuristic.
+        let measured = measure(&ctx, &job.kernel, &job.inputs, &job.key, job.default);
+        BUSY.fetch_sub(1, Ordering::SeqCst);
+        if stopping() {
+            return;
+        }
+        let best = measured.unwrap_or(job.default);
+        log_choice(&job.key, &best);
+        ctx.tuner.remember(job.key.clone(), best);
+        let mut q = ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner());
+        q.remove(&job.key);
+        ctx.tuner.idle.notify_all();
+    }
+}
+
 /// Queue a shape for the device's tuner thread (started on first use).
 fn enqueue(ctx: &GpuContext, job: Job) {
     if !ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner()).insert(job.key.clone()) {
@@ -247,19 +294,12 @@ fn enqueue(ctx: &GpuContext, job: Job) {
     if jobs.is_none() {
         let (tx, rx) = mpsc::channel::<Job>();
         let index = ctx.index;
-        let started = std::thread::Builder::new().name(format!("voltaic-tune-gpu{index}")).spawn(move || {
-            // The registry keeps every opened device: this finds ours.
-            let Ok(ctx) = super::context(index) else { return };
-            for job in rx {
-                // A shape whose measurement fails keeps the heuristic.
-                let best = measure(&ctx, &job.kernel, &job.inputs, &job.key, job.default).unwrap_or(job.default);
-                log_choice(&job.key, &best);
-                ctx.tuner.remember(job.key.clone(), best);
-                let mut q = ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner());
-                q.remove(&job.key);
-                ctx.tuner.idle.notify_all();
-            }
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        // SAFETY: registers a function without arguments that touches only atomics.
+        AT_EXIT.call_once(|| unsafe {
+            libc::atexit(stop_tuners);
         });
+        let started = std::thread::Builder::new().name(format!("voltaic-tune-gpu{index}")).spawn(move || tuner_thread(index, rx));
         if started.is_err() {
             // No thread: this shape keeps the heuristic.
             ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner()).remove(&job.key);
@@ -325,7 +365,11 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     // An epilogue (bias, GELU) may read constants: bind the kernel's own.
     let consts = k.kind.consts();
     let mut runs = vec![];
+    let stopped = || Error::Backend("the process is exiting: tuning stopped".into());
     for plan in candidates(ctx, key, default) {
+        if stopping() {
+            return Err(stopped());
+        }
         // A candidate the driver refuses is skipped; only the default must compile.
         let compiled = match super::exec::compile(ctx, k, inputs, Some(plan)) {
             Ok(c) => c,
@@ -370,6 +414,9 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     // About 2 ms of work per timing: enough for the clock, little enough
     // that tuning beside a training loop does not hold its GPU for long.
     for r in runs.iter_mut() {
+        if stopping() {
+            return Err(stopped());
+        }
         let first = time(&r.1, 1)?;
         r.3 = ((0.002 / first.max(1e-6)) as usize).clamp(2, 100);
     }
@@ -377,6 +424,9 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     // ramps or a neighbour's burst during one candidate's turn does not decide.
     for _ in 0..3 {
         for r in runs.iter_mut() {
+            if stopping() {
+                return Err(stopped());
+            }
             r.2 = r.2.min(time(&r.1, r.3)?);
         }
     }

@@ -364,7 +364,9 @@ impl GpuContext {
         p.dispatches += dispatches;
         let full = p.dispatches >= batch_dispatches()
             || self.pool.lock().unwrap_or_else(|e| e.into_inner()).deferred_bytes() > MAX_DEFERRED_BYTES;
-        let idle = self.submissions.load(Ordering::Relaxed) <= self.finished.load(Ordering::Acquire);
+        // An idle GPU gets the work at once, unless a read follows: its
+        // submission carries this work too.
+        let idle = self.submissions.load(Ordering::Relaxed) <= self.finished.load(Ordering::Acquire) && !crate::backend::is_read_following();
         if now || full || idle {
             self.submit_locked(&mut pending, None)?;
         }

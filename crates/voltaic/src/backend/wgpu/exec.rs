@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Kernel, KernelKind, Plan, SlotSource};
 use crate::profile::Phase;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// One dispatch of a kernel, compiled.
 pub(crate) struct CompiledDispatch {
@@ -129,57 +129,138 @@ pub(crate) fn bind<'b>(
     consts: &[(f64, DType)],
 ) -> Result<Vec<Encoded>> {
     let mut scratch: Vec<GpuBuf> = c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
-    // The constants travel in their own small buffer, written before the submit.
-    let consts_buf = if consts.is_empty() {
-        None
-    } else {
-        let words = const_words(consts);
-        let b = alloc(ctx, DType::U32, consts.len(), words.len() as u64)?;
-        ctx.queue.write_buffer(b.raw(), 0, &words);
+    let consts_buf = if consts.is_empty() { None } else { Some(consts_buffer(ctx, &const_words(consts))?) };
+    let consts_at = consts_buf.map(|b| {
         scratch.push(b);
-        Some(scratch.len() - 1)
-    };
+        scratch.len() - 1
+    });
     let scratch = Arc::new(scratch);
     let mut encoded = Vec::with_capacity(c.dispatches.len());
     for d in &c.dispatches {
-        if consts_buf.is_none() && d.binds.iter().any(|b| matches!(b.src, Src::Consts)) {
-            return Err(Error::Backend(format!("kernel {} reads constants but none were given", d.label)));
-        }
-        let buffer_of = |b: &Bind| -> &wgpu::Buffer {
-            match b.src {
+        let entries = entries(ctx, d, input, out, &scratch, consts_at)?;
+        let bind_group = bind_group(ctx, d, &entries);
+        encoded.push(Encoded { pipeline: d.pipeline.clone(), bind_group, grid: d.grid, _scratch: scratch.clone() });
+    }
+    Ok(encoded)
+}
+
+/// A new buffer holding a kernel's constants (written before the next submit).
+fn consts_buffer(ctx: &GpuContext, words: &[u8]) -> Result<GpuBuf> {
+    let b = alloc(ctx, DType::U32, words.len() / 4, words.len() as u64)?;
+    ctx.queue.write_buffer(b.raw(), 0, words);
+    Ok(b)
+}
+
+/// What one binding of a dispatch binds: buffer, offset and size.
+type Entry<'b> = (&'b wgpu::Buffer, u64, u64);
+
+/// The buffers a dispatch binds, in binding order.
+fn entries<'s, 'b: 's>(
+    ctx: &'s GpuContext,
+    d: &CompiledDispatch,
+    input: &dyn Fn(usize) -> &'b wgpu::Buffer,
+    out: &'s wgpu::Buffer,
+    scratch: &'s [GpuBuf],
+    consts_at: Option<usize>,
+) -> Result<Vec<Entry<'s>>> {
+    if consts_at.is_none() && d.binds.iter().any(|b| matches!(b.src, Src::Consts)) {
+        return Err(Error::Backend(format!("kernel {} reads constants but none were given", d.label)));
+    }
+    Ok(d.binds
+        .iter()
+        .map(|b| {
+            let buf: &wgpu::Buffer = match b.src {
                 Src::Input(i) => input(i),
                 Src::Output => out,
                 Src::Scratch(i) => scratch[i].raw(),
                 Src::IndexError => &ctx.index_error,
                 // Checked above: a kernel that reads constants has them.
-                Src::Consts => consts_buf.map(|c| scratch[c].raw()).unwrap_or(&ctx.index_error),
-            }
-        };
-        let entries: Vec<wgpu::BindGroupEntry> = d
-            .binds
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let buf = buffer_of(b);
-                let offset = b.chunk as u64 * b.chunk_bytes;
-                let size = b.chunk_bytes.min(buf.size() - offset);
-                wgpu::BindGroupEntry {
-                    binding: i as u32,
-                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                        buffer: buf,
-                        offset,
-                        size: std::num::NonZeroU64::new(size),
-                    }),
+                Src::Consts => consts_at.map(|c| scratch[c].raw()).unwrap_or(&ctx.index_error),
+            };
+            let offset = b.chunk as u64 * b.chunk_bytes;
+            (buf, offset, b.chunk_bytes.min(buf.size() - offset))
+        })
+        .collect())
+}
+
+fn bind_group(ctx: &GpuContext, d: &CompiledDispatch, entries: &[Entry<'_>]) -> wgpu::BindGroup {
+    let entries: Vec<wgpu::BindGroupEntry> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, &(buffer, offset, size))| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding { buffer, offset, size: std::num::NonZeroU64::new(size) }),
+        })
+        .collect();
+    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor { label: None, layout: &d.pipeline.get_bind_group_layout(0), entries: &entries })
+}
+
+/// What a cached plan's kernel keeps from its last run: its scratch and
+/// constants buffers, and the bind groups of the buffers it bound then. A
+/// training step gets the same buffers from the pool step after step, so
+/// most kernels bind nothing new.
+pub(crate) struct Bound {
+    /// Scratch buffers, then the constants' buffer if any.
+    scratch: Arc<Vec<GpuBuf>>,
+    /// The constants as written into their buffer.
+    words: Vec<u8>,
+    /// Per dispatch: the (buffer, offset, size) bound, and the bind group.
+    groups: Vec<(Vec<(wgpu::Buffer, u64, u64)>, wgpu::BindGroup)>,
+}
+
+/// [`bind`] for a kernel of a cached plan: reuses what `cell` kept from
+/// the last run where the buffers and constants are the same.
+fn bind_cached<'b>(
+    ctx: &'b GpuContext,
+    c: &Compiled,
+    cell: &Mutex<Option<Bound>>,
+    input: &dyn Fn(usize) -> &'b wgpu::Buffer,
+    out: &'b wgpu::Buffer,
+    consts: &[(f64, DType)],
+) -> Result<Vec<Encoded>> {
+    // Taken out while in use: a second thread running the same plan binds afresh.
+    let last = cell.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let words = const_words(consts);
+    let mut groups = Vec::with_capacity(c.dispatches.len());
+    let (scratch, old_groups) = match last {
+        // The constants' buffer is reused only with the same values: a new
+        // value goes to a new buffer, since queued work may still read the old.
+        Some(b) if b.words == words => (b.scratch, b.groups),
+        Some(b) => {
+            let mut scratch: Vec<GpuBuf> = Vec::with_capacity(c.scratch.len() + 1);
+            let old = Arc::try_unwrap(b.scratch).ok();
+            match old {
+                Some(mut v) if v.len() == c.scratch.len() + !consts.is_empty() as usize => {
+                    v.truncate(c.scratch.len());
+                    scratch.extend(v);
                 }
-            })
-            .collect();
-        let bind_group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &d.pipeline.get_bind_group_layout(0),
-            entries: &entries,
+                _ => scratch = c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?,
+            }
+            if !consts.is_empty() {
+                scratch.push(consts_buffer(ctx, &words)?);
+            }
+            (Arc::new(scratch), vec![])
+        }
+        None => {
+            let mut scratch: Vec<GpuBuf> = c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
+            if !consts.is_empty() {
+                scratch.push(consts_buffer(ctx, &words)?);
+            }
+            (Arc::new(scratch), vec![])
+        }
+    };
+    let consts_at = (!consts.is_empty()).then(|| scratch.len() - 1);
+    let mut encoded = Vec::with_capacity(c.dispatches.len());
+    for (i, d) in c.dispatches.iter().enumerate() {
+        let entries = entries(ctx, d, input, out, &scratch, consts_at)?;
+        let same = old_groups.get(i).is_some_and(|(bound, _)| {
+            bound.len() == entries.len() && bound.iter().zip(&entries).all(|(a, b)| &a.0 == b.0 && a.1 == b.1 && a.2 == b.2)
         });
-        encoded.push(Encoded { pipeline: d.pipeline.clone(), bind_group, grid: d.grid, _scratch: scratch.clone() });
+        let group = if same { old_groups[i].1.clone() } else { bind_group(ctx, d, &entries) };
+        encoded.push(Encoded { pipeline: d.pipeline.clone(), bind_group: group.clone(), grid: d.grid, _scratch: scratch.clone() });
+        groups.push((entries.iter().map(|&(b, o, s)| (b.clone(), o, s)).collect(), group));
     }
+    *cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(Bound { scratch, words, groups });
     Ok(encoded)
 }
 
@@ -203,6 +284,8 @@ struct Prepared {
     device: usize,
     generation: u64,
     kernels: Vec<Arc<Compiled>>,
+    /// What each kernel bound last time (see [`Bound`]).
+    bound: Vec<Mutex<Option<Bound>>>,
 }
 
 /// Every kernel of `plan` compiled: from the plan's prepared state when it
@@ -236,7 +319,8 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
         work.push((k, inputs, variant));
     }
     let kernels = compile_all(ctx, &work)?;
-    let p = Arc::new(Prepared { device: ctx.index, generation, kernels });
+    let bound = kernels.iter().map(|_| Mutex::new(None)).collect();
+    let p = Arc::new(Prepared { device: ctx.index, generation, kernels, bound });
     if !forced {
         *cell = Some(p.clone());
     }
@@ -306,7 +390,7 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
             SlotSource::Kernel => None,
         });
     }
-    let compiled = crate::profile::time(Phase::Compile, || prepare(ctx, plan))?;
+    let compiled_plan = crate::profile::time(Phase::Compile, || prepare(ctx, plan))?;
     // Outputs are taken as their kernels are encoded: a later kernel may free them.
     let mut outs: Vec<Option<Arc<GpuBuf>>> = vec![None; plan.outputs.len()];
     let mut encoded: Vec<(Encoded, usize)> = Vec::new();
@@ -317,9 +401,9 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
             Some(i) => retired.swap_remove(i).reuse(k.dtype, k.numel),
             None => alloc(ctx, k.dtype, k.numel, bytes)?,
         });
-        let compiled = &compiled.kernels[ki];
+        let compiled = &compiled_plan.kernels[ki];
         let input_buf = |i: usize| bufs[k.inputs[i]].as_ref().expect("inputs are live").raw();
-        for e in bind(ctx, compiled, &input_buf, out.raw(), &k.kind.consts())? {
+        for e in bind_cached(ctx, compiled, &compiled_plan.bound[ki], &input_buf, out.raw(), &k.kind.consts())? {
             encoded.push((e, ki));
         }
         if crate::backend::profiling() {

@@ -220,7 +220,10 @@ impl Executor for GpuContext {
     }
 
     fn empty_cache(&self) -> Result<()> {
-        self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        // Queued work may still read cached buffers: finish it first.
+        self.wait(None)?;
+        self.clear_in_flight();
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).destroy_cached();
         Ok(())
     }
 

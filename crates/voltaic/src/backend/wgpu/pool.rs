@@ -68,6 +68,17 @@ impl Pool {
         self.stats
     }
 
+    /// Destroy every cached buffer (the caller made sure no work uses them):
+    /// their memory returns at once, even where a cached plan's bind group
+    /// still names one (it is never bound again: the pool cannot hand the
+    /// buffer out any more).
+    pub(crate) fn destroy_cached(&mut self) {
+        for b in self.free.values().flatten().chain(&self.deferred) {
+            b.destroy();
+        }
+        self.clear();
+    }
+
     /// Drop every cached buffer.
     pub(crate) fn clear(&mut self) {
         // Deferred buffers may be dropped too: wgpu keeps a buffer alive
