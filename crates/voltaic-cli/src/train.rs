@@ -551,6 +551,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
                 "samples_per_second": (samples / train_seconds).round(),
                 "epoch_seconds": history.iter().map(|s| (s.train_seconds * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
                 "pipelines": device.stats().map(|s| s.pipelines).unwrap_or(0),
+                "compile_seconds": (voltaic::host_profile().compile_us / 1e4).round() / 100.0,
             })
         );
     }

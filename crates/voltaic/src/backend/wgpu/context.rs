@@ -86,6 +86,12 @@ fn spin_wait() -> std::time::Duration {
     })
 }
 
+/// Whether `VOLTAIC_COMPILE_LOG` asks for a line per compiled pipeline.
+fn compile_log() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_COMPILE_LOG").is_ok_and(|v| !v.is_empty() && v != "0"))
+}
+
 /// An open wgpu device with everything Voltaic keeps per device.
 pub(crate) struct GpuContext {
     pub index: usize,
@@ -246,6 +252,7 @@ impl GpuContext {
         if let Some(p) = self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).get(source) {
             return Ok(p.clone());
         }
+        let started = std::time::Instant::now();
         let (p, err) = self.scoped(|| {
             // SAFETY: every index a generated kernel computes is in bounds by
             // construction (index tensors are checked in the kernel), and its
@@ -297,6 +304,9 @@ impl GpuContext {
             return Err(Error::Backend(format!("the driver of gpu:{} refused the kernel: {}", self.index, short_error(&e.to_string(), source))));
         }
         self.compiled.fetch_add(1, Ordering::Relaxed);
+        if compile_log() {
+            eprintln!("voltaic compile: {:.1} ms, {} bytes of WGSL", started.elapsed().as_secs_f64() * 1e3, source.len());
+        }
         self.save_pipeline_cache(false);
         let p = Arc::new(p);
         self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).insert(source.to_string(), p.clone());
@@ -380,6 +390,28 @@ impl GpuContext {
             return Ok(None);
         }
         self.submit_locked(&mut pending, None).map(Some)
+    }
+
+    /// Record commands with `record` at the end of the pending command
+    /// buffer (after its compute pass; a new one if none is pending) and
+    /// submit it: a read right after a realization costs one command buffer
+    /// and one submission.
+    pub(crate) fn submit_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<wgpu::SubmissionIndex> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let had_pending = pending.is_some();
+        let mut encoder = match pending.take() {
+            Some(mut p) => {
+                drop(p.pass.take());
+                p.encoder
+            }
+            None => self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }),
+        };
+        record(&mut encoder);
+        let idx = self.submit_locked(&mut pending, Some(encoder.finish()))?;
+        if had_pending {
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
+        }
+        Ok(idx)
     }
 
     /// Submit a command buffer, after the pending one (in the same

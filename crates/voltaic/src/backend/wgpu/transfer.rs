@@ -61,20 +61,21 @@ pub(crate) fn download(ctx: &GpuContext, buf: &GpuBuf, start: usize, len: usize)
     let hi = ((start + len) as u64 * eb).next_multiple_of(4);
     let size = hi - lo;
     let staging_size = size + 16;
-    let (res, err) = ctx.scoped(|| {
-        let staging = take_staging(ctx, staging_size);
-        let mut enc = ctx.device.create_command_encoder(&Default::default());
+    let (staging, err) = ctx.scoped(|| take_staging(ctx, staging_size));
+    if let Some(e) = err {
+        return Err(e);
+    }
+    // The copies go at the end of the pending work (the realization this
+    // read waits for, usually): one command buffer, one submission.
+    let idx = ctx.submit_recording(|enc| {
         if size > 0 {
             enc.copy_buffer_to_buffer(buf.raw(), lo, &staging, 0, size);
         }
         enc.copy_buffer_to_buffer(&ctx.index_error, 0, &staging, size, 16);
-        (staging, enc.finish())
-    });
-    if let Some(e) = err {
+    })?;
+    if let Some(e) = ctx.take_uncaptured() {
         return Err(e);
     }
-    let (staging, cmd) = res;
-    let idx = ctx.submit(cmd)?;
     let bytes = map_read(ctx, &staging, idx, size as usize + 16)?;
     ctx.clear_in_flight();
     give_staging(ctx, staging);
