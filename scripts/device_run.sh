@@ -24,9 +24,18 @@ if [[ "$what" == *embed* ]] && [ -z "${VOLTAIC_MINILM_DIR:-}" ]; then
     [ -f .m2/model/model.safetensors ] || cat .m1/part1 .m2/part2 > .m2/model/model.safetensors
     export VOLTAIC_MINILM_DIR=$PWD/.m2/model
 fi
+if [[ "$what" == *perf* ]]; then
+    # Where the host's time goes in a training step (when the machine has perf).
+    if command -v perf > /dev/null; then
+        perf record -F 4000 -g -o /tmp/perf.data .bin/voltaic bench --suite train --filter train_cnn_b64 --no-peer --runs 20 > /dev/null 2>&1
+        perf report -i /tmp/perf.data --no-children --sort symbol 2>/dev/null | grep -E "^ +[0-9]" | head -80 > "$OUT/perf.txt"
+    else
+        echo "no perf" > "$OUT/perf.txt"
+    fi
+fi
 if [[ "$what" == *cold* ]]; then
     .bin/voltaic bench --suite gpu --filter cold_start_demo --no-peer --json 2>> "$OUT/cold.err" | tee -a "$OUT/cold.jsonl"
-    .bin/voltaic bench --suite train --filter cold_epoch --no-peer --json 2>> "$OUT/cold.err" | tee -a "$OUT/cold.jsonl"
+    VOLTAIC_COMPILE_LOG=1 .bin/voltaic bench --suite train --filter cold_epoch --no-peer --json 2>> "$OUT/cold.err" | tee -a "$OUT/cold.jsonl"
 fi
 if [[ "$what" == *tune* ]]; then
     # Every matmul shape of the training runs (last batches and evaluation

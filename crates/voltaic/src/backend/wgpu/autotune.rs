@@ -119,6 +119,8 @@ pub(crate) struct Tuner {
     generation: AtomicU64,
     /// Shapes queued or being measured in the background.
     queued: Mutex<HashSet<Key>>,
+    /// Kernels being compiled in the background while a stand-in serves.
+    compiling: Mutex<HashSet<u64>>,
     idle: Condvar,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
 }
@@ -160,6 +162,7 @@ impl Tuner {
             software,
             generation: AtomicU64::new(0),
             queued: Mutex::new(HashSet::new()),
+            compiling: Mutex::new(HashSet::new()),
             idle: Condvar::new(),
             jobs: Mutex::new(None),
         }
@@ -194,11 +197,20 @@ impl Tuner {
         }
     }
 
-    /// Block until the background tuner has measured every queued shape.
+    /// Block until the background tuner has measured every queued shape
+    /// and every kernel compiling in the background is compiled.
     pub(crate) fn finish(&self) {
-        let mut q = self.queued.lock().unwrap_or_else(|e| e.into_inner());
-        while !q.is_empty() {
-            q = self.idle.wait(q).unwrap_or_else(|e| e.into_inner());
+        loop {
+            let q = self.queued.lock().unwrap_or_else(|e| e.into_inner());
+            if !q.is_empty() {
+                let _ = self.idle.wait_timeout(q, std::time::Duration::from_millis(10));
+                continue;
+            }
+            drop(q);
+            if self.compiling.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
 }
@@ -236,6 +248,63 @@ fn log_choice(key: &Key, best: &Variant) {
     if std::env::var_os("VOLTAIC_AUTOTUNE_LOG").is_some() {
         eprintln!("voltaic autotune: {} -> {}", key.line(), plan_text(best));
     }
+}
+
+/// Whether a matmul variant takes the driver long to compile (large
+/// register tiles, tensor-core kernels: 100-250 ms each on the H100, where
+/// the small tile takes 10-30 ms).
+fn is_heavy(v: &Variant) -> bool {
+    match v {
+        Variant::Tiled(t) | Variant::SplitK { tile: t, .. } => t.tm * t.tn > 16 || t.double,
+        Variant::Coop | Variant::CoopWide => true,
+        Variant::Columns { .. } => false,
+    }
+}
+
+/// The small tile that stands in for a heavy kernel while it compiles.
+const STAND_IN: Variant = Variant::Tiled(TILES[6]);
+
+/// A variant to run now instead of `chosen` for matmul kernel `k`, when
+/// `chosen` is not compiled yet and would take long: `chosen` then compiles
+/// on a thread of its own and replaces the stand-in from the next run (a
+/// first training step does not wait for the slowest kernels). Only where
+/// the tuner works in the background (hardware adapters by default).
+pub(crate) fn stand_in(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], chosen: Variant, sig: u64) -> Option<Variant> {
+    if ctx.tuner.mode() != Mode::Background || !is_heavy(&chosen) || key_of(k).is_none() {
+        return None;
+    }
+    if !ctx.tuner.compiling.lock().unwrap_or_else(|e| e.into_inner()).insert(sig) {
+        return Some(STAND_IN);
+    }
+    register_exit_handler();
+    let (index, kernel, inputs) = (ctx.index, k.clone(), inputs.to_vec());
+    let started = std::thread::Builder::new().name(format!("voltaic-compile-gpu{index}")).spawn(move || {
+        let Ok(ctx) = super::context(index) else { return };
+        BUSY.fetch_add(1, Ordering::SeqCst);
+        if !stopping() {
+            // A kernel that fails to compile here fails again, with its error, when it is chosen.
+            let _ = super::exec::compile(&ctx, &kernel, &inputs, Some(chosen));
+        }
+        BUSY.fetch_sub(1, Ordering::SeqCst);
+        if stopping() {
+            return;
+        }
+        ctx.tuner.generation.fetch_add(1, Ordering::AcqRel);
+        ctx.tuner.compiling.lock().unwrap_or_else(|e| e.into_inner()).remove(&sig);
+    });
+    if started.is_err() {
+        ctx.tuner.compiling.lock().unwrap_or_else(|e| e.into_inner()).remove(&sig);
+        return None;
+    }
+    Some(STAND_IN)
+}
+
+fn register_exit_handler() {
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a function without arguments that touches only atomics.
+    AT_EXIT.call_once(|| unsafe {
+        libc::atexit(stop_tuners);
+    });
 }
 
 /// Set when the process exits: tuner threads stop before the next driver call.
@@ -294,11 +363,7 @@ fn enqueue(ctx: &GpuContext, job: Job) {
     if jobs.is_none() {
         let (tx, rx) = mpsc::channel::<Job>();
         let index = ctx.index;
-        static AT_EXIT: std::sync::Once = std::sync::Once::new();
-        // SAFETY: registers a function without arguments that touches only atomics.
-        AT_EXIT.call_once(|| unsafe {
-            libc::atexit(stop_tuners);
-        });
+        register_exit_handler();
         let started = std::thread::Builder::new().name(format!("voltaic-tune-gpu{index}")).spawn(move || tuner_thread(index, rx));
         if started.is_err() {
             // No thread: this shape keeps the heuristic.

@@ -315,7 +315,12 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
                 check_dtype(&ctx.caps, dt, k.ops.first().copied().unwrap_or("realize"))?;
             }
         }
-        let variant = super::autotune::variant_for(ctx, k, &inputs)?;
+        let mut variant = super::autotune::variant_for(ctx, k, &inputs)?;
+        if let Some(v) = variant.filter(|_| !forced) {
+            if cached(ctx, k, &inputs, Some(v)).is_none() {
+                variant = super::autotune::stand_in(ctx, k, &inputs, v, signature_hash(k, &inputs, Some(v))).or(variant);
+            }
+        }
         work.push((k, inputs, variant));
     }
     let kernels = compile_all(ctx, &work)?;
