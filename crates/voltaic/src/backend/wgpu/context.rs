@@ -86,6 +86,11 @@ fn spin_wait() -> std::time::Duration {
     })
 }
 
+thread_local! {
+    /// The label of the kernel this thread is compiling, for the compile log.
+    pub(crate) static COMPILING: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
 /// Whether `VOLTAIC_COMPILE_LOG` asks for a line per compiled pipeline.
 fn compile_log() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -305,12 +310,16 @@ impl GpuContext {
         }
         self.compiled.fetch_add(1, Ordering::Relaxed);
         if compile_log() {
-            eprintln!("voltaic compile: {:.1} ms, {} bytes of WGSL", started.elapsed().as_secs_f64() * 1e3, source.len());
+            eprintln!("voltaic compile: {:.1} ms, {} bytes of WGSL: {}", started.elapsed().as_secs_f64() * 1e3, source.len(), self.compiling_label());
         }
         self.save_pipeline_cache(false);
         let p = Arc::new(p);
         self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).insert(source.to_string(), p.clone());
         Ok(p)
+    }
+
+    fn compiling_label(&self) -> String {
+        COMPILING.with(|c| c.borrow().clone())
     }
 
     /// Write the driver's pipeline cache to disk (at most every few seconds

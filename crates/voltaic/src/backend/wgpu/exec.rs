@@ -67,6 +67,7 @@ pub(crate) fn compile(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], v
             )));
         }
         let read_only: Vec<bool> = d.binds.iter().map(|b| b.read_only).collect();
+        super::context::COMPILING.with(|c| *c.borrow_mut() = format!("{} ({})", d.label, k.ops.join(" ")));
         let pipeline = ctx.pipeline(&d.source, &read_only).map_err(|e| match e {
             Error::Backend(msg) => Error::Backend(format!("{} ({}, {} -> {} {}): {msg}", d.label, k.ops.join(" "), shapes(inputs), k.numel, k.dtype)),
             e => e,
