@@ -91,6 +91,13 @@ thread_local! {
     pub(crate) static COMPILING: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
 }
 
+/// Whether pipelines are compiled through the driver pipeline cache that
+/// Voltaic keeps on disk (`VOLTAIC_PIPELINE_CACHE=0` turns it off).
+fn pipeline_cache_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_PIPELINE_CACHE").map_or(true, |v| v != "0"))
+}
+
 /// Whether `VOLTAIC_COMPILE_LOG` asks for a line per compiled pipeline.
 fn compile_log() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -296,7 +303,7 @@ impl GpuContext {
                 module: &module,
                 entry_point: Some("main"),
                 compilation_options: Default::default(),
-                cache: self.pipeline_cache.as_ref(),
+                cache: if pipeline_cache_on() { self.pipeline_cache.as_ref() } else { None },
             });
             // A driver that fails to compile the shader (seen on the H100:
             // "NVVM compilation failed") leaves an invalid pipeline without an
