@@ -206,8 +206,14 @@ pub(crate) struct Bound {
     /// The constants as written into their buffer.
     words: Vec<u8>,
     /// Per dispatch: the (buffer, offset, size) bound, and the bind group.
-    groups: Vec<(Vec<(wgpu::Buffer, u64, u64)>, wgpu::BindGroup)>,
+    groups: Vec<(Vec<OwnedEntry>, wgpu::BindGroup)>,
 }
+
+/// A binding kept with its bind group: buffer, offset and size.
+type OwnedEntry = (wgpu::Buffer, u64, u64);
+
+/// A kernel to compile: the kernel, its inputs' (dtype, length), its matmul variant.
+type Work<'k> = (&'k Kernel, Vec<(DType, usize)>, Option<super::matmul::Variant>);
 
 /// [`bind`] for a kernel of a cached plan: reuses what `cell` kept from
 /// the last run where the buffers and constants are the same.
@@ -337,7 +343,7 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
 /// not compiled yet on up to one thread per core: a driver compiles a
 /// pipeline in milliseconds to tens of them, and a cold training step
 /// needs dozens.
-fn compile_all(ctx: &GpuContext, work: &[(&Kernel, Vec<(DType, usize)>, Option<super::matmul::Variant>)]) -> Result<Vec<Arc<Compiled>>> {
+fn compile_all(ctx: &GpuContext, work: &[Work<'_>]) -> Result<Vec<Arc<Compiled>>> {
     let mut out: Vec<Option<Arc<Compiled>>> = work.iter().map(|(k, i, v)| cached(ctx, k, i, *v)).collect();
     // One of each distinct kernel; its twins find it compiled afterwards.
     let mut seen = std::collections::HashSet::new();
