@@ -1,7 +1,9 @@
-//! Files: safetensors (weights, checkpoints) and IDX (MNIST-style datasets).
+//! Files: safetensors (weights, checkpoints), GGUF (quantized language
+//! models) and IDX (MNIST-style datasets).
 //! Readers check every size and offset and never panic on malformed input;
 //! writers never leave a half-written file behind.
 
+pub mod gguf;
 pub mod idx;
 pub mod safetensors;
 
