@@ -140,7 +140,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     if !ty.can_dequantize() {
         return Err(Error::DType { op: "dequantize", msg: format!("{} tensors cannot be dequantized yet (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K can)", ty.name()) });
     }
-    if bytes.len() % block_bytes != 0 || bytes.len() / block_bytes * per_block != out.len() {
+    if !bytes.len().is_multiple_of(block_bytes) || bytes.len() / block_bytes * per_block != out.len() {
         return Err(Error::Value {
             op: "dequantize",
             msg: format!("{} bytes of {} ({block_bytes} per {per_block} elements) do not hold {} elements", bytes.len(), ty.name(), out.len()),

@@ -206,7 +206,7 @@ impl GgufFile {
             let offset = r.u64(&format!("{name:?} offset"))?;
             let numel = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
             let (per_block, block_bytes) = dtype.block();
-            let bytes = numel.filter(|n| n % per_block == 0).and_then(|n| (n / per_block).checked_mul(block_bytes));
+            let bytes = numel.filter(|n| n.is_multiple_of(per_block)).and_then(|n| (n / per_block).checked_mul(block_bytes));
             let Some(bytes) = bytes else {
                 return Err(r.err(
                     &format!("{name:?} dims"),
@@ -230,7 +230,7 @@ impl GgufFile {
             if !names.insert(t.name.as_str()) {
                 return Err(r.err(&format!("{:?}", t.name), "the name appears twice in the tensor directory"));
             }
-            if t.offset % alignment != 0 {
+            if !t.offset.is_multiple_of(alignment) {
                 return Err(r.err(&format!("{:?} offset", t.name), format!("{} is not a multiple of the alignment {alignment}", t.offset)));
             }
             if t.offset.checked_add(t.bytes).is_none_or(|end| end > data_len) {
