@@ -13,7 +13,7 @@ use std::time::Instant;
 use voltaic::data::{fashion_mnist, DataLoader, Dataset, DeviceDataset, LoaderOpts, FASHION_MNIST_DIR};
 use voltaic::nn::{Forward, Module, Sequential};
 use voltaic::optim::{Adam, CosineLr, LrSchedule, Optimizer, Sgd};
-use voltaic::{DType, Device, Reduction, Tensor};
+use voltaic::{Device, Reduction, Tensor};
 
 /// Arguments of `voltaic train`.
 #[derive(clap::Args, Clone)]
@@ -204,8 +204,8 @@ pub fn evaluate(model: &Sequential, data: &Split, device: Device) -> anyhow::Res
     model.eval();
     let _g = voltaic::NoGradGuard::new();
     let opts = LoaderOpts { batch_size: 1000, shuffle: false, seed: 0, mean: MEAN, std: STD, drop_last: false, device };
-    let mut loss_sum = Tensor::zeros(&[], DType::F32, device)?;
-    let mut correct = Tensor::zeros(&[], DType::I32, device)?;
+    let mut loss_sum = Tensor::from_vec(vec![0f32], &[], device)?;
+    let mut correct = Tensor::from_vec(vec![0i32], &[], device)?;
     for b in data.loader(&opts, 0)? {
         let b = b?;
         let logits = model.forward(&b.x)?;
@@ -262,10 +262,12 @@ pub fn train_loop(
         );
         pb.set_prefix(format!("{epoch}/{}", args.epochs));
         let t0 = Instant::now();
-        let mut loss_sum = Tensor::zeros(&[], DType::F32, device)?;
-        let mut correct = Tensor::zeros(&[], DType::I32, device)?;
+        // Sums start as uploaded zeros, not constants: every step's metrics
+        // then have one structure (one cached plan, no kernels of their own).
+        let mut loss_sum = Tensor::from_vec(vec![0f32], &[], device)?;
+        let mut correct = Tensor::from_vec(vec![0i32], &[], device)?;
         let (mut seen, mut window_seen) = (0usize, 0usize);
-        let mut window = Tensor::zeros(&[], DType::F32, device)?;
+        let mut window = Tensor::from_vec(vec![0f32], &[], device)?;
         for b in train.loader(&opts, epoch as u64)? {
             let b = b?;
             let bs = b.y.numel();
@@ -296,7 +298,7 @@ pub fn train_loop(
                 let rate = seen as f64 / t0.elapsed().as_secs_f64();
                 let acc = correct.item::<i32>()? as f64 / seen as f64;
                 pb.set_message(format!("loss {avg:.4} acc {:.2}% {rate:.0} samples/s", 100.0 * acc));
-                window = Tensor::zeros(&[], DType::F32, device)?;
+                window = Tensor::from_vec(vec![0f32], &[], device)?;
                 window_seen = 0;
             }
         }

@@ -173,6 +173,11 @@ impl Adam {
     }
 }
 
+/// A realized tensor of zeros shaped like `t` (uploaded: no kernel runs).
+fn zeros_like(t: &Tensor) -> Result<Tensor> {
+    Tensor::from_storage(crate::storage::CpuStorage::zeros(t.dtype(), t.numel()), t.dims(), t.device())
+}
+
 impl Optimizer for Adam {
     fn step(&mut self) -> Result<()> {
         let _g = crate::NoGradGuard::new();
@@ -191,14 +196,20 @@ impl Optimizer for Adam {
                     g = g.add(&w.mul(self.weight_decay)?)?;
                 }
             }
+            // The first step starts from uploaded zeros rather than a graph
+            // without the moments: then every step has the same structure,
+            // is scheduled once and compiles no kernels of its own (0 * b + x
+            // is x exactly).
             let m = match self.m[i].take() {
-                Some(m) => m.mul(b1)?.add(&g.mul(1.0 - b1)?)?,
-                None => g.mul(1.0 - b1)?,
+                Some(m) => m,
+                None => zeros_like(&w)?,
             };
             let v = match self.v[i].take() {
-                Some(v) => v.mul(b2)?.add(&g.sqr()?.mul(1.0 - b2)?)?,
-                None => g.sqr()?.mul(1.0 - b2)?,
+                Some(v) => v,
+                None => zeros_like(&w)?,
             };
+            let m = m.mul(b1)?.add(&g.mul(1.0 - b1)?)?;
+            let v = v.mul(b2)?.add(&g.sqr()?.mul(1.0 - b2)?)?;
             let denom = v.div(bc2)?.sqrt()?.add(self.eps)?;
             p.set(w.sub(&m.div(&denom)?.mul(self.lr / bc1)?)?)?;
             self.m[i] = Some(m);
