@@ -200,7 +200,9 @@ impl Tuner {
     /// Block until the background tuner has measured every queued shape
     /// and every kernel compiling in the background is compiled.
     pub(crate) fn finish(&self) {
-        loop {
+        // Bounded: a driver that hangs in a compile must not hang the caller too.
+        let start = Instant::now();
+        while start.elapsed().as_secs() < 300 {
             let q = self.queued.lock().unwrap_or_else(|e| e.into_inner());
             if !q.is_empty() {
                 let _ = self.idle.wait_timeout(q, std::time::Duration::from_millis(10));
@@ -283,7 +285,7 @@ pub(crate) fn stand_in(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], 
         BUSY.fetch_add(1, Ordering::SeqCst);
         if !stopping() {
             // A kernel that fails to compile here fails again, with its error, when it is chosen.
-            let _ = super::exec::compile(&ctx, &kernel, &inputs, Some(chosen));
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| super::exec::compile(&ctx, &kernel, &inputs, Some(chosen))));
         }
         BUSY.fetch_sub(1, Ordering::SeqCst);
         if stopping() {
@@ -339,8 +341,10 @@ fn tuner_thread(index: usize, rx: mpsc::Receiver<Job>) {
             BUSY.fetch_sub(1, Ordering::SeqCst);
             return;
         }
-        // A shape whose measurement fails (or is cut short by exit) keeps the heuristic.
-        let measured = measure(&ctx, &job.kernel, &job.inputs, &job.key, job.default);
+        // A shape whose measurement fails, panics or is cut short by exit
+        // keeps the heuristic (and leaves the queue, so `finish` returns).
+        let measured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| measure(&ctx, &job.kernel, &job.inputs, &job.key, job.default)))
+            .unwrap_or_else(|_| Err(Error::Backend("the autotuner panicked".into())));
         BUSY.fetch_sub(1, Ordering::SeqCst);
         if stopping() {
             return;
