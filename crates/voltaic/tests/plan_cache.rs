@@ -113,3 +113,24 @@ fn the_cache_stays_bounded_over_ten_thousand_shapes() {
     assert!(after.evictions - before.evictions >= 10_000 - 64, "{before:?} -> {after:?}");
     voltaic::set_plan_cache_limits(1024, 64 << 20);
 }
+
+#[test]
+fn errors_are_reported_on_every_repeat_of_a_cached_plan() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for dev in [Device::Cpu, gpu()] {
+        let x = Tensor::arange(0.0, 12.0, 1.0, DType::F32, dev).unwrap().reshape(&[4, 3]).unwrap();
+        let before = plan_cache_stats();
+        // The same structure three times with an out-of-range index, between good ones.
+        for round in 0..3 {
+            let bad = Tensor::from_vec(vec![1i32, 4 + round], &[2], Device::Cpu).unwrap().to_device(dev).unwrap();
+            let e = x.index_select(0, &bad).and_then(|r| r.mul(2.0)).and_then(|r| r.to_vec::<f32>()).unwrap_err().to_string();
+            assert!(e.contains("index_select") && e.contains(&format!("index {}", 4 + round)), "{dev} round {round}: {e}");
+            let good = Tensor::from_vec(vec![3i32, round], &[2], Device::Cpu).unwrap().to_device(dev).unwrap();
+            let v = x.index_select(0, &good).unwrap().mul(2.0).unwrap().to_vec::<f32>().unwrap();
+            let r = round as f32;
+            assert_eq!(v, vec![18.0, 20.0, 22.0, 6.0 * r, 6.0 * r + 2.0, 6.0 * r + 4.0], "{dev} round {round}");
+        }
+        let after = plan_cache_stats();
+        assert!(after.hits > before.hits, "{dev}: the repeats were cached: {before:?} -> {after:?}");
+    }
+}
