@@ -326,3 +326,30 @@ fn dequantize_refuses_wrong_sizes_and_unsupported_types() {
     let e = dequantize(GgmlType::Q5K, &[0; 176], &mut [0.0; 256]).unwrap_err().to_string();
     assert!(e.contains("Q5_K") && e.contains("cannot"), "{e}");
 }
+
+#[test]
+fn llama_hyperparameters_come_from_the_metadata_and_are_checked() {
+    use voltaic::models::llama::LlamaConfig;
+    let f = GgufFile::open(smollm2()).unwrap();
+    let c = LlamaConfig::from_gguf(&f).unwrap();
+    assert_eq!((c.layers, c.hidden, c.ffn, c.heads, c.kv_heads, c.head_dim, c.rope_dims), (30, 576, 1536, 9, 3, 64, 64));
+    assert_eq!((c.rope_freq_base, c.context, c.vocab, c.tied_output), (100000.0, 8192, 49152, true));
+    assert!((c.rms_eps - 1e-5).abs() < 1e-12, "{}", c.rms_eps);
+
+    // A synthetic model: 4 heads over a hidden size of 6 is refused by name.
+    let mut w = Writer::new(3);
+    w.kv.push(("general.architecture".into(), 8, s("llama")));
+    for (k, v) in [("block_count", 2u32), ("embedding_length", 6), ("feed_forward_length", 8), ("attention.head_count", 4)] {
+        w.kv.push((format!("llama.{k}"), 4, v.to_le_bytes().to_vec()));
+    }
+    w.kv.push(("llama.attention.layer_norm_rms_epsilon".into(), 6, 1e-5f32.to_le_bytes().to_vec()));
+    w.tensors.push(("token_embd.weight".into(), vec![6, 5], 0, vec![0; 120]));
+    let f = GgufFile::from_bytes("tiny.gguf", w.bytes()).unwrap();
+    let e = LlamaConfig::from_gguf(&f).unwrap_err().to_string();
+    assert!(e.contains("tiny.gguf") && e.contains("4 heads") && e.contains("6"), "{e}");
+    // A missing key is named.
+    let mut w2 = Writer::new(3);
+    w2.kv.push(("general.architecture".into(), 8, s("llama")));
+    let e = LlamaConfig::from_gguf(&GgufFile::from_bytes("empty.gguf", w2.bytes()).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("llama.block_count"), "{e}");
+}

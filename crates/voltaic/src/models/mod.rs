@@ -2,3 +2,4 @@
 
 pub mod bert;
 pub mod classifier;
+pub mod llama;
