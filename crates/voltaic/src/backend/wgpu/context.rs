@@ -86,11 +86,6 @@ fn spin_wait() -> std::time::Duration {
     })
 }
 
-thread_local! {
-    /// The label of the kernel this thread is compiling, for the compile log.
-    pub(crate) static COMPILING: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
-}
-
 /// Whether pipelines are compiled through the driver pipeline cache that
 /// Voltaic keeps on disk (`VOLTAIC_PIPELINE_CACHE=0` turns it off).
 fn pipeline_cache_on() -> bool {
@@ -260,7 +255,8 @@ impl GpuContext {
     /// The compute pipeline for a WGSL source, compiled once per device.
     /// `read_only` gives each binding's access; the layout is explicit so
     /// that a binding the shader happens not to use is still accepted.
-    pub(crate) fn pipeline(&self, source: &str, read_only: &[bool]) -> Result<Arc<wgpu::ComputePipeline>> {
+    /// `label` names the kernel in the compile log.
+    pub(crate) fn pipeline(&self, source: &str, read_only: &[bool], label: &str) -> Result<Arc<wgpu::ComputePipeline>> {
         if let Some(p) = self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).get(source) {
             return Ok(p.clone());
         }
@@ -317,16 +313,12 @@ impl GpuContext {
         }
         self.compiled.fetch_add(1, Ordering::Relaxed);
         if compile_log() {
-            eprintln!("voltaic compile: {:.1} ms, {} bytes of WGSL: {}", started.elapsed().as_secs_f64() * 1e3, source.len(), self.compiling_label());
+            eprintln!("voltaic compile: {:.1} ms, {} bytes of WGSL: {}", started.elapsed().as_secs_f64() * 1e3, source.len(), label);
         }
         self.save_pipeline_cache(false);
         let p = Arc::new(p);
         self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).insert(source.to_string(), p.clone());
         Ok(p)
-    }
-
-    fn compiling_label(&self) -> String {
-        COMPILING.with(|c| c.borrow().clone())
     }
 
     /// Write the driver's pipeline cache to disk (at most every few seconds
@@ -414,20 +406,15 @@ impl GpuContext {
     /// and one submission.
     pub(crate) fn submit_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<wgpu::SubmissionIndex> {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let had_pending = pending.is_some();
-        let mut encoder = match pending.take() {
-            Some(mut p) => {
-                drop(p.pass.take());
-                p.encoder
-            }
-            None => self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }),
-        };
-        record(&mut encoder);
-        let idx = self.submit_locked(&mut pending, Some(encoder.finish()))?;
-        if had_pending {
-            self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
-        }
-        Ok(idx)
+        let p = pending.get_or_insert_with(|| Pending {
+            encoder: self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }),
+            pass: None,
+            dispatches: 0,
+        });
+        // Copies go after the compute pass, which must end first.
+        drop(p.pass.take());
+        record(&mut p.encoder);
+        self.submit_locked(&mut pending, None)
     }
 
     /// Submit a command buffer, after the pending one (in the same

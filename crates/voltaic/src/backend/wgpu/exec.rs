@@ -67,8 +67,7 @@ pub(crate) fn compile(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], v
             )));
         }
         let read_only: Vec<bool> = d.binds.iter().map(|b| b.read_only).collect();
-        super::context::COMPILING.with(|c| *c.borrow_mut() = format!("{} ({})", d.label, k.ops.join(" ")));
-        let pipeline = ctx.pipeline(&d.source, &read_only).map_err(|e| match e {
+        let pipeline = ctx.pipeline(&d.source, &read_only, &d.label).map_err(|e| match e {
             Error::Backend(msg) => Error::Backend(format!("{} ({}, {} -> {} {}): {msg}", d.label, k.ops.join(" "), shapes(inputs), k.numel, k.dtype)),
             e => e,
         })?;
@@ -129,20 +128,12 @@ pub(crate) fn bind<'b>(
     out: &'b wgpu::Buffer,
     consts: &[(f64, DType)],
 ) -> Result<Vec<Encoded>> {
-    let mut scratch: Vec<GpuBuf> = c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
-    let consts_buf = if consts.is_empty() { None } else { Some(consts_buffer(ctx, &const_words(consts))?) };
-    let consts_at = consts_buf.map(|b| {
-        scratch.push(b);
-        scratch.len() - 1
-    });
-    let scratch = Arc::new(scratch);
-    let mut encoded = Vec::with_capacity(c.dispatches.len());
-    for d in &c.dispatches {
-        let entries = entries(ctx, d, input, out, &scratch, consts_at)?;
-        let bind_group = bind_group(ctx, d, &entries);
-        encoded.push(Encoded { pipeline: d.pipeline.clone(), bind_group, grid: d.grid, _scratch: scratch.clone() });
-    }
-    Ok(encoded)
+    bind_cached(ctx, c, &Mutex::new(None), input, out, consts)
+}
+
+/// The scratch buffers of kernel `c`, from the pool.
+fn fresh_scratch(ctx: &GpuContext, c: &Compiled) -> Result<Vec<GpuBuf>> {
+    c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect()
 }
 
 /// A new buffer holding a kernel's constants (written before the next submit).
@@ -233,23 +224,15 @@ fn bind_cached<'b>(
         // The constants' buffer is reused only with the same values: a new
         // value goes to a new buffer, since queued work may still read the old.
         Some(b) if b.words == words => (b.scratch, b.groups),
-        Some(b) => {
-            let mut scratch: Vec<GpuBuf> = Vec::with_capacity(c.scratch.len() + 1);
-            let old = Arc::try_unwrap(b.scratch).ok();
-            match old {
+        last => {
+            // The scratch buffers stay when no other thread holds them.
+            let mut scratch = match last.and_then(|b| Arc::try_unwrap(b.scratch).ok()) {
                 Some(mut v) if v.len() == c.scratch.len() + !consts.is_empty() as usize => {
                     v.truncate(c.scratch.len());
-                    scratch.extend(v);
+                    v
                 }
-                _ => scratch = c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?,
-            }
-            if !consts.is_empty() {
-                scratch.push(consts_buffer(ctx, &words)?);
-            }
-            (Arc::new(scratch), vec![])
-        }
-        None => {
-            let mut scratch: Vec<GpuBuf> = c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
+                _ => fresh_scratch(ctx, c)?,
+            };
             if !consts.is_empty() {
                 scratch.push(consts_buffer(ctx, &words)?);
             }
