@@ -155,6 +155,12 @@ pub fn epoch_order(n: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize>
     order
 }
 
+/// `(pixel / 255 - mean) / std` in f32, as every loader computes it.
+fn normalizer(mean: f64, std: f64) -> impl Fn(&u8) -> f32 + Copy {
+    let (scale, shift) = (1.0 / (255.0 * std) as f32, (mean / std) as f32);
+    move |&p| p as f32 * scale - shift
+}
+
 fn check_opts(opts: &LoaderOpts) -> Result<()> {
     if opts.batch_size == 0 {
         bail!(Value, "DataLoader", "batch_size must be positive");
@@ -183,9 +189,8 @@ impl DeviceDataset {
         if std == 0.0 {
             bail!(Value, "DeviceDataset", "std must be nonzero");
         }
-        // The same arithmetic as the host loader, so both give the same batches.
-        let (scale, shift) = (1.0 / (255.0 * std) as f32, (mean / std) as f32);
-        let x: Vec<f32> = data.pixels.iter().map(|&p| p as f32 * scale - shift).collect();
+        // The host loader's arithmetic, so both give the same batches.
+        let x: Vec<f32> = data.pixels.iter().map(normalizer(mean, std)).collect();
         let mut dims = vec![data.len()];
         dims.extend_from_slice(&data.item_dims);
         Ok(DeviceDataset {
@@ -217,13 +222,13 @@ impl DataLoader {
     pub fn new(data: Arc<Dataset>, opts: &LoaderOpts, epoch: u64) -> Result<DataLoader> {
         check_opts(opts)?;
         let k = data.item_numel();
-        let (scale, shift) = (1.0 / (255.0 * opts.std) as f32, (opts.mean / opts.std) as f32);
+        let normalize = normalizer(opts.mean, opts.std);
         let device = opts.device;
         let item_dims = data.item_dims.clone();
         DataLoader::spawn(data.len(), opts, epoch, move |idx: &[usize]| {
             let mut x = Vec::with_capacity(idx.len() * k);
             for &i in idx {
-                x.extend(data.pixels[i * k..(i + 1) * k].iter().map(|&p| p as f32 * scale - shift));
+                x.extend(data.pixels[i * k..(i + 1) * k].iter().map(normalize));
             }
             let y: Vec<i32> = idx.iter().map(|&i| data.labels[i]).collect();
             let mut dims = vec![idx.len()];
