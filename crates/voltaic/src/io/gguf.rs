@@ -149,14 +149,7 @@ impl GgufFile {
     /// microseconds; tensor data is read when asked for).
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref().to_path_buf();
-        if path.is_dir() {
-            return Err(Error::Io(format!("{} is a directory, expected a GGUF file", path.display())));
-        }
-        let file = std::fs::File::open(&path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-        // SAFETY: the map is read-only; another process changing the file
-        // underneath could change what we read, never the memory safety of
-        // the bounds-checked parsing.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        let mmap = super::map_file(&path, "GGUF")?;
         GgufFile::parse(path, Bytes::Mapped(mmap))
     }
 

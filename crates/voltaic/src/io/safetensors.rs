@@ -25,14 +25,7 @@ impl SafetensorsFile {
     /// Open and validate `path` (header, offsets, sizes).
     pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile> {
         let path = path.as_ref().to_path_buf();
-        if path.is_dir() {
-            return Err(Error::Io(format!("{} is a directory, expected a safetensors file", path.display())));
-        }
-        let file = std::fs::File::open(&path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-        // SAFETY: the map is read-only; a file changed underneath by another
-        // process could change what we read, but never memory safety of the
-        // bounds-checked parsing below.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        let mmap = super::map_file(&path, "safetensors")?;
         SafeTensors::deserialize(&mmap).map_err(|e| format_err(&path, e))?;
         Ok(SafetensorsFile { path, mmap })
     }
