@@ -44,83 +44,51 @@ pub enum GgmlType {
     BF16,
 }
 
+/// Every type once: ggml's id, its name, (elements per block, bytes per block).
+const TYPES: [(GgmlType, u32, &str, (usize, usize)); 20] = {
+    use GgmlType::*;
+    [
+        (F32, 0, "F32", (1, 4)),
+        (F16, 1, "F16", (1, 2)),
+        (Q4_0, 2, "Q4_0", (32, 18)),
+        (Q4_1, 3, "Q4_1", (32, 20)),
+        (Q5_0, 6, "Q5_0", (32, 22)),
+        (Q5_1, 7, "Q5_1", (32, 24)),
+        (Q8_0, 8, "Q8_0", (32, 34)),
+        (Q8_1, 9, "Q8_1", (32, 36)),
+        (Q2K, 10, "Q2_K", (256, 84)),
+        (Q3K, 11, "Q3_K", (256, 110)),
+        (Q4K, 12, "Q4_K", (256, 144)),
+        (Q5K, 13, "Q5_K", (256, 176)),
+        (Q6K, 14, "Q6_K", (256, 210)),
+        (Q8K, 15, "Q8_K", (256, 292)),
+        (I8, 24, "I8", (1, 1)),
+        (I16, 25, "I16", (1, 2)),
+        (I32, 26, "I32", (1, 4)),
+        (I64, 27, "I64", (1, 8)),
+        (F64, 28, "F64", (1, 8)),
+        (BF16, 30, "BF16", (1, 2)),
+    ]
+};
+
 impl GgmlType {
+    fn entry(self) -> &'static (GgmlType, u32, &'static str, (usize, usize)) {
+        TYPES.iter().find(|t| t.0 == self).expect("every type is in TYPES")
+    }
+
     /// The type of ggml's numeric id, if Voltaic knows it.
     pub fn from_id(id: u32) -> Option<GgmlType> {
-        use GgmlType::*;
-        Some(match id {
-            0 => F32,
-            1 => F16,
-            2 => Q4_0,
-            3 => Q4_1,
-            6 => Q5_0,
-            7 => Q5_1,
-            8 => Q8_0,
-            9 => Q8_1,
-            10 => Q2K,
-            11 => Q3K,
-            12 => Q4K,
-            13 => Q5K,
-            14 => Q6K,
-            15 => Q8K,
-            24 => I8,
-            25 => I16,
-            26 => I32,
-            27 => I64,
-            28 => F64,
-            30 => BF16,
-            _ => return None,
-        })
+        TYPES.iter().find(|t| t.1 == id).map(|t| t.0)
     }
 
     /// (elements per block, bytes per block).
     pub fn block(self) -> (usize, usize) {
-        use GgmlType::*;
-        match self {
-            F32 | I32 => (1, 4),
-            F16 | BF16 | I16 => (1, 2),
-            I8 => (1, 1),
-            I64 | F64 => (1, 8),
-            Q4_0 => (32, 18),
-            Q4_1 => (32, 20),
-            Q5_0 => (32, 22),
-            Q5_1 => (32, 24),
-            Q8_0 => (32, 34),
-            Q8_1 => (32, 36),
-            Q2K => (256, 84),
-            Q3K => (256, 110),
-            Q4K => (256, 144),
-            Q5K => (256, 176),
-            Q6K => (256, 210),
-            Q8K => (256, 292),
-        }
+        self.entry().3
     }
 
     /// ggml's name for the type.
     pub fn name(self) -> &'static str {
-        use GgmlType::*;
-        match self {
-            F32 => "F32",
-            F16 => "F16",
-            Q4_0 => "Q4_0",
-            Q4_1 => "Q4_1",
-            Q5_0 => "Q5_0",
-            Q5_1 => "Q5_1",
-            Q8_0 => "Q8_0",
-            Q8_1 => "Q8_1",
-            Q2K => "Q2_K",
-            Q3K => "Q3_K",
-            Q4K => "Q4_K",
-            Q5K => "Q5_K",
-            Q6K => "Q6_K",
-            Q8K => "Q8_K",
-            I8 => "I8",
-            I16 => "I16",
-            I32 => "I32",
-            I64 => "I64",
-            F64 => "F64",
-            BF16 => "BF16",
-        }
+        self.entry().2
     }
 
     /// Whether [`dequantize`] reads this type.
@@ -235,5 +203,19 @@ fn q6_k(b: &[u8], o: &mut [f32]) {
                 o[e] = d * sc[e / 16] as i8 as f32 * q as f32;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_type_table_lists_each_type_and_id_once() {
+        for (i, t) in TYPES.iter().enumerate() {
+            assert_eq!(GgmlType::from_id(t.1), Some(t.0));
+            assert!(TYPES[..i].iter().all(|u| u.0 != t.0 && u.1 != t.1 && u.2 != t.2), "{:?} twice", t.0);
+        }
+        assert_eq!(GgmlType::from_id(4), None, "ids 4 and 5 were removed from ggml");
     }
 }
