@@ -63,6 +63,17 @@ def setup(name, batch, epochs):
     return m, opt, sched
 
 
+def train_step(m, opt, sched, x, y):
+    """One Adam step with the cosine schedule; the logits and the loss."""
+    out = m(x)
+    loss = torch.nn.functional.cross_entropy(out, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return out, loss
+
+
 def dataloader_epochs(name, batch, epochs):
     m, opt, sched = setup(name, batch, epochs)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_host, y_host), batch_size=batch, shuffle=True,
@@ -74,12 +85,7 @@ def dataloader_epochs(name, batch, epochs):
         running, correct, seen = 0.0, 0, 0
         for x, y in loader:
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            out = m(x)
-            loss = torch.nn.functional.cross_entropy(out, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
+            out, loss = train_step(m, opt, sched, x, y)
             running += loss.item() * len(y)
             correct += (out.argmax(1) == y).sum().item()
             seen += len(y)
@@ -102,12 +108,7 @@ def resident_epochs(name, batch, epochs):
         for step, i in enumerate(range(0, n, batch)):
             j = perm[i:i + batch]
             x, y = x_dev[j], y_dev[j]
-            out = m(x)
-            loss = torch.nn.functional.cross_entropy(out, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
+            out, loss = train_step(m, opt, sched, x, y)
             loss_sum += loss.detach() * len(y)
             correct += (out.argmax(1) == y).sum()
             if (step + 1) % 100 == 0:
