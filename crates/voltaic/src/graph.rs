@@ -48,6 +48,9 @@ pub(crate) enum OpKind {
     Matmul,
     /// An index-like primitive (its inputs in [`IndexOp`]'s order).
     Index(IndexOp),
+    /// `x [m, k] @ w.t()` for a block-quantized `w` `[n, k]` given as its
+    /// padded blocks (u32 `[n, words per row]`, see [`crate::QTensor`]); f32.
+    QMatmul(crate::quant::GgmlType),
 }
 
 /// The op that produces a node's output.
@@ -73,6 +76,7 @@ impl Op {
             OpKind::Reduce(r, _) => r.name(),
             OpKind::Matmul => "matmul",
             OpKind::Index(i) => i.name(),
+            OpKind::QMatmul(_) => "qmatmul",
         }
     }
 }
@@ -100,15 +104,34 @@ pub(crate) struct Node {
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Node {
-    pub(crate) fn new(state: State, dtype: DType, device: Device, dims: Vec<usize>, depth: u32) -> Arc<Node> {
-        Arc::new(Node { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), dtype, device, dims, depth, state: Mutex::new(state) })
+    pub(crate) fn new(
+        state: State,
+        dtype: DType,
+        device: Device,
+        dims: Vec<usize>,
+        depth: u32,
+    ) -> Arc<Node> {
+        Arc::new(Node {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            dtype,
+            device,
+            dims,
+            depth,
+            state: Mutex::new(state),
+        })
     }
     /// A pending node for `op`, its depth one more than its deepest pending input.
     pub(crate) fn pending(op: Op, dtype: DType, device: Device, dims: Vec<usize>) -> Arc<Node> {
         let depth = 1 + op
             .inputs
             .iter()
-            .map(|v| if matches!(&*v.node.state(), State::Pending(_)) { v.node.depth } else { 0 })
+            .map(|v| {
+                if matches!(&*v.node.state(), State::Pending(_)) {
+                    v.node.depth
+                } else {
+                    0
+                }
+            })
             .max()
             .unwrap_or(0);
         Node::new(State::Pending(op), dtype, device, dims, depth)
@@ -135,14 +158,26 @@ impl Drop for Node {
         // layouts, a cost per node that long chains feel).
         let mut stack: Vec<Arc<Node>> = Vec::new();
         let take = |state: &mut State, stack: &mut Vec<Arc<Node>>| {
-            if let State::Pending(op) = std::mem::replace(state, State::Pending(Op { kind: OpKind::Copy, inputs: vec![] })) {
+            if let State::Pending(op) = std::mem::replace(
+                state,
+                State::Pending(Op {
+                    kind: OpKind::Copy,
+                    inputs: vec![],
+                }),
+            ) {
                 stack.extend(op.inputs.into_iter().map(|v| v.node));
             }
         };
-        take(self.state.get_mut().unwrap_or_else(|e| e.into_inner()), &mut stack);
+        take(
+            self.state.get_mut().unwrap_or_else(|e| e.into_inner()),
+            &mut stack,
+        );
         while let Some(t) = stack.pop() {
             if let Ok(mut node) = Arc::try_unwrap(t) {
-                take(node.state.get_mut().unwrap_or_else(|e| e.into_inner()), &mut stack);
+                take(
+                    node.state.get_mut().unwrap_or_else(|e| e.into_inner()),
+                    &mut stack,
+                );
             }
         }
     }

@@ -73,12 +73,20 @@ const TYPES: [(GgmlType, u32, &str, (usize, usize)); 20] = {
 
 impl GgmlType {
     fn entry(self) -> &'static (GgmlType, u32, &'static str, (usize, usize)) {
-        TYPES.iter().find(|t| t.0 == self).expect("every type is in TYPES")
+        TYPES
+            .iter()
+            .find(|t| t.0 == self)
+            .expect("every type is in TYPES")
     }
 
     /// The type of ggml's numeric id, if Voltaic knows it.
     pub fn from_id(id: u32) -> Option<GgmlType> {
         TYPES.iter().find(|t| t.1 == id).map(|t| t.0)
+    }
+
+    /// ggml's numeric id of the type.
+    pub fn id(self) -> u32 {
+        self.entry().1
     }
 
     /// (elements per block, bytes per block).
@@ -91,6 +99,22 @@ impl GgmlType {
         self.entry().2
     }
 
+    /// Bytes of one block as a quantized tensor stores it on a device: the
+    /// block's bytes unchanged, padded to whole 32-bit words so that every
+    /// block (and every f16 scale in it) starts on a word boundary for GPU
+    /// kernels, which read memory in words (Q8_0: 34 -> 36, Q6_K: 210 -> 212).
+    pub fn padded_block_bytes(self) -> usize {
+        self.block().1.next_multiple_of(4)
+    }
+
+    /// Whether quantized tensors ([`crate::QTensor`]) of this type exist:
+    /// the block types that kernels multiply and gather without
+    /// dequantizing the whole tensor first.
+    pub fn is_block_quantized(self) -> bool {
+        use GgmlType::*;
+        matches!(self, Q8_0 | Q4_0 | Q4_1 | Q4K | Q6K)
+    }
+
     /// Whether [`dequantize`] reads this type.
     pub fn can_dequantize(self) -> bool {
         use GgmlType::*;
@@ -98,6 +122,7 @@ impl GgmlType {
     }
 }
 
+#[inline(always)]
 fn half(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
@@ -108,28 +133,62 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     if !ty.can_dequantize() {
         return Err(Error::DType { op: "dequantize", msg: format!("{} tensors cannot be dequantized yet (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K can)", ty.name()) });
     }
-    if !bytes.len().is_multiple_of(block_bytes) || bytes.len() / block_bytes * per_block != out.len() {
+    if !bytes.len().is_multiple_of(block_bytes)
+        || bytes.len() / block_bytes * per_block != out.len()
+    {
         return Err(Error::Value {
             op: "dequantize",
-            msg: format!("{} bytes of {} ({block_bytes} per {per_block} elements) do not hold {} elements", bytes.len(), ty.name(), out.len()),
+            msg: format!(
+                "{} bytes of {} ({block_bytes} per {per_block} elements) do not hold {} elements",
+                bytes.len(),
+                ty.name(),
+                out.len()
+            ),
         });
     }
-    let blocks = bytes.chunks_exact(block_bytes).zip(out.chunks_exact_mut(per_block));
+    let f = block_fn(ty).expect("checked by can_dequantize");
+    bytes
+        .chunks_exact(block_bytes)
+        .zip(out.chunks_exact_mut(per_block))
+        .for_each(|(b, o)| f(b, o));
+    Ok(())
+}
+
+/// The function that dequantizes one block of `ty` (its bytes, unpadded
+/// or padded) into its elements.
+pub(crate) fn block_fn(ty: GgmlType) -> Option<fn(&[u8], &mut [f32])> {
+    Some(match ty {
+        GgmlType::F32 => |b, o| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        GgmlType::F16 => |b, o| o[0] = half(b, 0),
+        GgmlType::BF16 => |b, o| o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        GgmlType::Q8_0 => q8_0,
+        GgmlType::Q4_0 => q4_0,
+        GgmlType::Q4_1 => q4_1,
+        GgmlType::Q4K => q4_k,
+        GgmlType::Q6K => q6_k,
+        _ => return None,
+    })
+}
+
+/// Dequantize blocks that start every `stride` bytes of `bytes` (padded
+/// blocks, as a [`crate::QTensor`] holds them) into `out`. Inlined into its
+/// callers so that a caller compiled for AVX2 vectorizes the block loops.
+#[inline(always)]
+pub(crate) fn dequantize_strided(ty: GgmlType, bytes: &[u8], stride: usize, out: &mut [f32]) {
+    let per = ty.block().0;
+    let blocks = bytes.chunks(stride).zip(out.chunks_exact_mut(per));
     match ty {
-        GgmlType::F32 => blocks.for_each(|(b, o)| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        GgmlType::F16 => blocks.for_each(|(b, o)| o[0] = half(b, 0)),
-        GgmlType::BF16 => blocks.for_each(|(b, o)| o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
         GgmlType::Q8_0 => blocks.for_each(|(b, o)| q8_0(b, o)),
         GgmlType::Q4_0 => blocks.for_each(|(b, o)| q4_0(b, o)),
         GgmlType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
         GgmlType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
         GgmlType::Q6K => blocks.for_each(|(b, o)| q6_k(b, o)),
-        _ => unreachable!("checked by can_dequantize"),
+        _ => blocks.for_each(|(b, o)| block_fn(ty).expect("a type that dequantizes")(b, o)),
     }
-    Ok(())
 }
 
 /// `[d: f16][q: 32 x i8]`.
+#[inline(always)]
 fn q8_0(b: &[u8], o: &mut [f32]) {
     let d = half(b, 0);
     for (o, &q) in o.iter_mut().zip(&b[2..34]) {
@@ -139,6 +198,7 @@ fn q8_0(b: &[u8], o: &mut [f32]) {
 
 /// `[d: f16][16 bytes]`: element `j` is the low nibble of byte `j`, element
 /// `j + 16` its high nibble.
+#[inline(always)]
 fn q4_0(b: &[u8], o: &mut [f32]) {
     let d = half(b, 0);
     for (j, &q) in b[2..18].iter().enumerate() {
@@ -148,6 +208,7 @@ fn q4_0(b: &[u8], o: &mut [f32]) {
 }
 
 /// `[d: f16][m: f16][16 bytes]`, nibbles as in Q4_0, unsigned.
+#[inline(always)]
 fn q4_1(b: &[u8], o: &mut [f32]) {
     let (d, m) = (half(b, 0), half(b, 2));
     for (j, &q) in b[4..20].iter().enumerate() {
@@ -160,16 +221,21 @@ fn q4_1(b: &[u8], o: &mut [f32]) {
 /// bytes: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7
 /// (mins); sub-blocks 4-7 in the nibbles of bytes 8-11 plus the top two bits
 /// of bytes 0-7.
+#[inline(always)]
 fn scale_min(s: &[u8], i: usize) -> (u8, u8) {
     if i < 4 {
         (s[i] & 63, s[i + 4] & 63)
     } else {
-        ((s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4), (s[i + 4] >> 4) | ((s[i] >> 6) << 4))
+        (
+            (s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4),
+            (s[i + 4] >> 4) | ((s[i] >> 6) << 4),
+        )
     }
 }
 
 /// `[d: f16][dmin: f16][scales: 12][qs: 128]`: four chunks of 32 bytes,
 /// chunk `c`'s low nibbles are sub-block `2c`, its high nibbles `2c + 1`.
+#[inline(always)]
 fn q4_k(b: &[u8], o: &mut [f32]) {
     let (d, dmin) = (half(b, 0), half(b, 2));
     let scales = &b[4..16];
@@ -190,6 +256,7 @@ fn q4_k(b: &[u8], o: &mut [f32]) {
 /// elements; in half `h`, element `32k + l` (k = 0..4) takes the low
 /// (k = 0, 1) or high (k = 2, 3) nibble of `ql[64h + 32(k % 2) + l]` and
 /// bits `2k..2k+2` of `qh[32h + l]` as its top two bits; scale `e / 16`.
+#[inline(always)]
 fn q6_k(b: &[u8], o: &mut [f32]) {
     let d = half(b, 208);
     let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
@@ -206,6 +273,64 @@ fn q6_k(b: &[u8], o: &mut [f32]) {
     }
 }
 
+/// Quantize `x` (whole blocks of 32) to Q8_0, Q4_0 or Q4_1 bytes the way
+/// ggml's reference quantizers do (`quantize_row_q8_0_ref`, ...), so that a
+/// tensor quantized here and one from a GGUF file are the same kind of data.
+pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
+    if !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1) {
+        return Err(Error::DType {
+            op: "quantize",
+            msg: format!(
+                "quantizing to {} is not supported (Q8_0, Q4_0 and Q4_1 are)",
+                ty.name()
+            ),
+        });
+    }
+    if !x.len().is_multiple_of(32) {
+        return Err(Error::Shape {
+            op: "quantize",
+            msg: format!("{} elements are not whole blocks of 32", x.len()),
+        });
+    }
+    let mut out = Vec::with_capacity(x.len() / 32 * ty.block().1);
+    for b in x.chunks_exact(32) {
+        match ty {
+            GgmlType::Q8_0 => {
+                let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(f16::from_f32(d).to_le_bytes());
+                out.extend(b.iter().map(|v| (v * id).round() as i8 as u8));
+            }
+            GgmlType::Q4_0 => {
+                // The value of largest magnitude, with its sign, maps to -8.
+                let max = b
+                    .iter()
+                    .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                let d = max / -8.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(f16::from_f32(d).to_le_bytes());
+                let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+                out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
+            }
+            _ => {
+                let (min, max) = b
+                    .iter()
+                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                        (lo.min(v), hi.max(v))
+                    });
+                let d = (max - min) / 15.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend(f16::from_f32(d).to_le_bytes());
+                out.extend(f16::from_f32(min).to_le_bytes());
+                let q = |v: f32| (((v - min) * id + 0.5) as i8).min(15) as u8;
+                out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,8 +339,18 @@ mod tests {
     fn the_type_table_lists_each_type_and_id_once() {
         for (i, t) in TYPES.iter().enumerate() {
             assert_eq!(GgmlType::from_id(t.1), Some(t.0));
-            assert!(TYPES[..i].iter().all(|u| u.0 != t.0 && u.1 != t.1 && u.2 != t.2), "{:?} twice", t.0);
+            assert!(
+                TYPES[..i]
+                    .iter()
+                    .all(|u| u.0 != t.0 && u.1 != t.1 && u.2 != t.2),
+                "{:?} twice",
+                t.0
+            );
         }
-        assert_eq!(GgmlType::from_id(4), None, "ids 4 and 5 were removed from ggml");
+        assert_eq!(
+            GgmlType::from_id(4),
+            None,
+            "ids 4 and 5 were removed from ggml"
+        );
     }
 }

@@ -1,0 +1,353 @@
+//! Kernels over block-quantized matrices (see [`crate::QTensor`]), which
+//! dequantize in registers: a GEMV for a few rows (decode: one token per
+//! sequence), a tiled matmul for many (prefill), and the dequantizing row
+//! gather (embedding lookups). Each quantization type is two WGSL
+//! functions (see [`deq_fn`]): the scale of a run of elements of a block,
+//! and each element's integer.
+
+use super::codegen::{Dispatch, WgslProgram};
+use super::kernels::{groups, Gen, WG};
+use crate::error::Result;
+use crate::ir::{Epilogue, Strided as View};
+use crate::quant::GgmlType;
+use std::fmt::Write;
+
+/// Rows of `x` up to which a product runs as a GEMV (each weight row is
+/// read once for all of them); above, as tiles.
+const GEMV_ROWS: usize = 8;
+
+/// Threads that share one weight row in the GEMV.
+const ROW_THREADS: usize = 64;
+
+/// The WGSL that reads blocks of `q` from the words `ld_{w}(i)`. Element
+/// `e` of the block at word `base` is `s.x * qv(base, e) + s.y` with
+/// `s = qscale(base, e)`: `qv` is the element's integer (as f32) and
+/// `qscale` its (sub-)block's scale and offset, the same for every run of 8
+/// elements that starts at a multiple of 8, so kernels compute it once per
+/// run and the per-element code has no branches (which also keeps
+/// lavapipe's LLVM compile of these kernels short). The arithmetic follows
+/// the CPU's dequantizers (`quant.rs`): every product below is exact in
+/// f32, and the one rounding is the final multiply or add, as there.
+fn deq_fn(q: GgmlType, w: &str) -> String {
+    let helpers = format!(
+        "fn qbyte(base: u32, off: u32) -> u32 {{ return (ld_{w}(base + off / 4u) >> ((off % 4u) * 8u)) & 255u; }}
+fn qhalf(base: u32, off: u32) -> f32 {{ return h2f_((ld_{w}(base + off / 4u) >> ((off % 4u) * 8u)) & 0xffffu); }}
+fn qi8(b: u32) -> f32 {{ return f32(bitcast<i32>(b << 24u) >> 24u); }}
+"
+    );
+    let (scale, value) = match q {
+        GgmlType::Q8_0 => ("    return vec2<f32>(qhalf(base, 0u), 0.0);", "    return qi8(qbyte(base, 2u + e));"),
+        GgmlType::Q4_0 => (
+            "    return vec2<f32>(qhalf(base, 0u), 0.0);",
+            "    let b = qbyte(base, 2u + e % 16u);
+    return f32(i32(select(b & 15u, b >> 4u, e >= 16u)) - 8);",
+        ),
+        GgmlType::Q4_1 => (
+            "    return vec2<f32>(qhalf(base, 0u), qhalf(base, 2u));",
+            "    let b = qbyte(base, 4u + e % 16u);
+    return f32(select(b & 15u, b >> 4u, e >= 16u));",
+        ),
+        GgmlType::Q4K => (
+            "    let s = e / 32u;
+    var sc: u32;
+    var mn: u32;
+    if (s < 4u) {
+        sc = qbyte(base, 4u + s) & 63u;
+        mn = qbyte(base, 8u + s) & 63u;
+    } else {
+        let hi = qbyte(base, 8u + s);
+        sc = (hi & 15u) | ((qbyte(base, s) >> 6u) << 4u);
+        mn = (hi >> 4u) | ((qbyte(base, 4u + s) >> 6u) << 4u);
+    }
+    return vec2<f32>(qhalf(base, 0u) * f32(sc), -(qhalf(base, 2u) * f32(mn)));",
+            "    return f32((qbyte(base, 16u + 32u * (e / 64u) + e % 32u) >> (4u * ((e / 32u) % 2u))) & 15u);",
+        ),
+        GgmlType::Q6K => (
+            "    return vec2<f32>(qhalf(base, 208u) * qi8(qbyte(base, 192u + e / 16u)), 0.0);",
+            "    let h = e / 128u;
+    let k = (e / 32u) % 4u;
+    let l = e % 32u;
+    let lo = qbyte(base, 64u * h + 32u * (k % 2u) + l);
+    let nib = select(lo & 15u, lo >> 4u, k >= 2u);
+    let hi = (qbyte(base, 128u + 32u * h + l) >> (2u * k)) & 3u;
+    return f32(i32(nib | (hi << 4u)) - 32);",
+        ),
+        _ => unreachable!("QTensor holds block types only"),
+    };
+    format!("{helpers}fn qscale(base: u32, e: u32) -> vec2<f32> {{\n{scale}\n}}\nfn qv(base: u32, e: u32) -> f32 {{\n{value}\n}}")
+}
+
+/// Words per block and per row of a quantized matrix of `k` columns.
+fn words(q: GgmlType, k: usize) -> (usize, usize) {
+    let wpb = q.padded_block_bytes() / 4;
+    (wpb, k / q.block().0 * wpb)
+}
+
+impl Gen<'_> {
+    /// The program for `a [m, k] @ w.t()`, `w` a quantized `[n, k]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn qmatmul(
+        &self,
+        p: &mut WgslProgram,
+        a: &View,
+        w: &View,
+        q: GgmlType,
+        m: usize,
+        k: usize,
+        n: usize,
+        epi: Option<&Epilogue>,
+    ) -> Result<()> {
+        p.dispatches.push(if m <= GEMV_ROWS {
+            self.qgemv(a, w, q, m, k, n, epi)?
+        } else {
+            self.qtiled(a, w, q, m, k, n, epi)?
+        });
+        Ok(())
+    }
+
+    /// The element of `a` at row `r`, column `c` (WGSL expressions).
+    fn a_at(a: &View, r: &str, c: &str) -> String {
+        let s = a.layout.strides();
+        format!(
+            "ld_in{}({}u + ({r}) * {}u + ({c}) * {}u)",
+            a.input, a.layout.offset, s[0], s[1]
+        )
+    }
+
+    /// `ROW_THREADS` threads per weight row, `WG / ROW_THREADS` rows per
+    /// workgroup; each thread takes runs of 8 elements of the row (one
+    /// block's worth of loads), keeps one sum per row of `a`, and the
+    /// threads of a row add their sums in workgroup memory.
+    #[allow(clippy::too_many_arguments)]
+    fn qgemv(
+        &self,
+        a: &View,
+        w: &View,
+        q: GgmlType,
+        m: usize,
+        k: usize,
+        n: usize,
+        epi: Option<&Epilogue>,
+    ) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[a.input, w.input]);
+        self.bind_out(&mut sh);
+        self.epilogue(&mut sh, epi)?;
+        sh.decl(&deq_fn(q, &format!("in{}", w.input)));
+        let (wpb, wpr) = words(q, k);
+        let per = q.block().0;
+        if self.caps.software {
+            // A thread per weight row and no barrier (see `Caps::software`).
+            let mut s =
+                format!("    let j = group * {WG}u + lid;\n    if (j >= {n}u) {{ return; }}\n");
+            let _ = writeln!(s, "    let row = {}u + j * {wpr}u;", w.layout.offset);
+            for i in 0..m {
+                let _ = writeln!(s, "    var acc{i} = 0.0;");
+            }
+            let _ = writeln!(s, "    for (var c0 = 0u; c0 < {k}u; c0 = c0 + 8u) {{");
+            let _ = writeln!(s, "        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;\n        let sc = qscale(base, e0);");
+            let _ = writeln!(s, "        for (var l = 0u; l < 8u; l = l + 1u) {{\n            let v = sc.x * qv(base, e0 + l) + sc.y;");
+            for i in 0..m {
+                let _ = writeln!(
+                    s,
+                    "            acc{i} = acc{i} + v * {};",
+                    Self::a_at(a, &i.to_string(), "c0 + l")
+                );
+            }
+            let _ = writeln!(s, "        }}\n    }}");
+            for i in 0..m {
+                let _ = writeln!(
+                    s,
+                    "    {{ let o = {}u + j; st_out(o, epi(o, acc{i})); }}",
+                    i * n
+                );
+            }
+            return Ok(sh.finish(
+                format!("qmatmul_gemv_rows {} {m}x{k}x{n}", q.name()),
+                WG,
+                groups(n, WG),
+                &s,
+            ));
+        }
+        let rows_per_wg = WG as usize / ROW_THREADS;
+        sh.decl(&format!(
+            "var<workgroup> part: array<f32, {}>;",
+            WG as usize * m.max(1)
+        ));
+        let mut s = String::new();
+        let _ = writeln!(s, "    let t = lid % {ROW_THREADS}u;\n    let j = group * {rows_per_wg}u + lid / {ROW_THREADS}u;");
+        let _ = writeln!(
+            s,
+            "    let row = {}u + min(j, {}u) * {wpr}u;",
+            w.layout.offset,
+            n.saturating_sub(1)
+        );
+        for i in 0..m {
+            let _ = writeln!(s, "    var acc{i} = 0.0;");
+        }
+        let _ = writeln!(
+            s,
+            "    for (var u = t; u < {}u; u = u + {ROW_THREADS}u) {{",
+            k / 8
+        );
+        let _ = writeln!(s, "        let c0 = u * 8u;\n        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
+        let _ = writeln!(s, "        let sc = qscale(base, e0);\n        for (var l = 0u; l < 8u; l = l + 1u) {{\n            let v = sc.x * qv(base, e0 + l) + sc.y;");
+        for i in 0..m {
+            let _ = writeln!(
+                s,
+                "            acc{i} = acc{i} + v * {};",
+                Self::a_at(a, &i.to_string(), "c0 + l")
+            );
+        }
+        let _ = writeln!(s, "        }}\n    }}");
+        for i in 0..m {
+            let _ = writeln!(s, "    part[{}u + lid] = acc{i};", i * WG as usize);
+        }
+        let _ = writeln!(s, "    workgroupBarrier();");
+        let _ = writeln!(
+            s,
+            "    for (var h = {}u; h > 0u; h = h / 2u) {{\n        if (t < h) {{",
+            ROW_THREADS / 2
+        );
+        for i in 0..m {
+            let o = i * WG as usize;
+            let _ = writeln!(
+                s,
+                "            part[{o}u + lid] = part[{o}u + lid] + part[{o}u + lid + h];"
+            );
+        }
+        let _ = writeln!(s, "        }}\n        workgroupBarrier();\n    }}");
+        let _ = writeln!(s, "    if (t == 0u && j < {n}u) {{");
+        for i in 0..m {
+            let _ = writeln!(
+                s,
+                "        {{ let o = {}u + j; st_out(o, epi(o, part[{}u + lid])); }}",
+                i * n,
+                i * WG as usize
+            );
+        }
+        let _ = writeln!(s, "    }}");
+        Ok(sh.finish(
+            format!("qmatmul_gemv {} {m}x{k}x{n}", q.name()),
+            WG,
+            n.div_ceil(rows_per_wg) as u64,
+            &s,
+        ))
+    }
+
+    /// 4 x 4 outputs per thread, 8 x 8 threads per workgroup, and no
+    /// workgroup memory: each thread dequantizes its four weight rows a run
+    /// of 8 elements at a time in registers and reads its four rows of `a`
+    /// through the cache. (Without barriers, lavapipe need not turn the
+    /// kernel into coroutines, which took LLVM minutes for a tiled kernel
+    /// with shared tiles; on a real GPU the repeated dequantization is
+    /// cheap next to the multiply-adds.)
+    #[allow(clippy::too_many_arguments)]
+    fn qtiled(
+        &self,
+        a: &View,
+        w: &View,
+        q: GgmlType,
+        m: usize,
+        k: usize,
+        n: usize,
+        epi: Option<&Epilogue>,
+    ) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[a.input, w.input]);
+        self.bind_out(&mut sh);
+        self.epilogue(&mut sh, epi)?;
+        sh.decl(&deq_fn(q, &format!("in{}", w.input)));
+        let (wpb, wpr) = words(q, k);
+        let per = q.block().0;
+        let (tiles_m, tiles_n) = (m.div_ceil(32), n.div_ceil(32));
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "    let tm = group / {tiles_n}u;\n    let tn = group % {tiles_n}u;"
+        );
+        let _ = writeln!(
+            s,
+            "    let r0 = tm * 32u + (lid / 8u) * 4u;\n    let j0 = tn * 32u + (lid % 8u) * 4u;"
+        );
+        for i in 0..4 {
+            let _ = writeln!(s, "    let xr{i} = min(r0 + {i}u, {}u);", m - 1);
+            let _ = writeln!(
+                s,
+                "    let wrow{i} = {}u + min(j0 + {i}u, {}u) * {wpr}u;",
+                w.layout.offset,
+                n - 1
+            );
+            for j in 0..4 {
+                let _ = writeln!(s, "    var acc{i}{j} = 0.0;");
+            }
+        }
+        let _ = writeln!(s, "    for (var c0 = 0u; c0 < {k}u; c0 = c0 + 8u) {{");
+        let _ = writeln!(
+            s,
+            "        let blk = (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;"
+        );
+        for j in 0..4 {
+            let _ = writeln!(s, "        let sc{j} = qscale(wrow{j} + blk, e0);");
+        }
+        let _ = writeln!(s, "        for (var l = 0u; l < 8u; l = l + 1u) {{");
+        for j in 0..4 {
+            let _ = writeln!(
+                s,
+                "            let w{j} = sc{j}.x * qv(wrow{j} + blk, e0 + l) + sc{j}.y;"
+            );
+        }
+        for i in 0..4 {
+            let _ = writeln!(
+                s,
+                "            let x{i} = {};",
+                Self::a_at(a, &format!("xr{i}"), "c0 + l")
+            );
+            for j in 0..4 {
+                let _ = writeln!(s, "            acc{i}{j} = acc{i}{j} + x{i} * w{j};");
+            }
+        }
+        let _ = writeln!(s, "        }}\n    }}");
+        for i in 0..4 {
+            for j in 0..4 {
+                let _ = writeln!(s, "    if (r0 + {i}u < {m}u && j0 + {j}u < {n}u) {{ let o = (r0 + {i}u) * {n}u + j0 + {j}u; st_out(o, epi(o, acc{i}{j})); }}");
+            }
+        }
+        Ok(sh.finish(
+            format!("qmatmul_tiled {} {m}x{k}x{n}", q.name()),
+            64,
+            (tiles_m * tiles_n) as u64,
+            &s,
+        ))
+    }
+
+    /// Rows `index[i]` of a quantized `[rows, cols]` matrix in f32: a thread per element.
+    pub(crate) fn dequantize_rows(
+        &self,
+        q: GgmlType,
+        cols: usize,
+        blocks: &View,
+        index: &View,
+        code: u32,
+    ) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[blocks.input, index.input]);
+        self.bind_out(&mut sh);
+        sh.index_errors();
+        sh.decl(&deq_fn(q, &format!("in{}", blocks.input)));
+        let (wpb, wpr) = words(q, cols);
+        let per = q.block().0;
+        let rows = blocks.layout.dims()[0];
+        let total = index.layout.numel() * cols;
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {total}u) {{ return; }}\n    let r = i / {cols}u;\n    let c = i % {cols}u;\n");
+        let off = super::codegen::strided(&["r".to_string()], &index.layout);
+        self.checked_index(&mut b, "x", index, &off, rows, code);
+        let _ = writeln!(b, "    let base = {}u + u32(x) * {wpr}u + (c / {per}u) * {wpb}u;\n    let e = c % {per}u;\n    let sc = qscale(base, e);\n    st_out(i, sc.x * qv(base, e) + sc.y);", blocks.layout.offset);
+        sh.finish(
+            format!("dequantize {}", q.name()),
+            WG,
+            groups(total, WG),
+            &b,
+        )
+    }
+}

@@ -1,0 +1,358 @@
+//! Quantized matrices: the quantized matmul (GEMV and tiled kernels, with
+//! epilogues), the dequantizing row gather, and gradients through them,
+//! against f64 loops over the host dequantizer, on the CPU and the GPU.
+
+mod common;
+
+use common::Rng;
+use voltaic::quant::{dequantize, quantize, GgmlType};
+use voltaic::{DType, Device, QTensor, Tensor};
+
+const TYPES: [GgmlType; 5] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+];
+
+/// Random blocks of `q`: random bytes, with the f16 scales set to modest
+/// values (random bits would give infinities and NaNs).
+fn random_blocks(rng: &mut Rng, q: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let (per, bytes) = q.block();
+    let blocks = rows * cols / per;
+    let mut out = Vec::with_capacity(blocks * bytes);
+    for _ in 0..blocks {
+        let mut b: Vec<u8> = (0..bytes).map(|_| rng.below(256) as u8).collect();
+        let mut half = |at: usize, scale: f64| {
+            let v = half::f16::from_f64(rng.range(-1.0, 1.0) * scale);
+            b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        };
+        match q {
+            GgmlType::Q8_0 | GgmlType::Q4_0 => half(0, 0.05),
+            GgmlType::Q4_1 => {
+                half(0, 0.05);
+                half(2, 0.5);
+            }
+            GgmlType::Q4K => {
+                half(0, 0.01);
+                half(2, 0.01);
+            }
+            GgmlType::Q6K => half(208, 0.002),
+            _ => unreachable!(),
+        }
+        out.extend(b);
+    }
+    out
+}
+
+fn host_dequantized(q: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Vec<f64> {
+    let mut w = vec![0f32; rows * cols];
+    dequantize(q, bytes, &mut w).unwrap();
+    w.into_iter().map(f64::from).collect()
+}
+
+/// One test at a time on the GPU: an out-of-range index is flagged on the
+/// device and reported by its next read, which must be this test's.
+static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn devices() -> Vec<Device> {
+    assert!(
+        !voltaic::backend::adapters().is_empty(),
+        "no GPU adapter found: the GPU tests need one"
+    );
+    vec![Device::Cpu, Device::Gpu(0)]
+}
+
+fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{what}: element {i}: got {g}, want {w} (scale {scale})"
+        );
+    }
+}
+
+#[test]
+fn quantized_matmul_matches_f64_loops_for_every_type_shape_and_device() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(17);
+    for q in TYPES {
+        let per = q.block().0;
+        let (n, k) = (37, per * if per == 32 { 5 } else { 2 });
+        let bytes = random_blocks(&mut rng, q, n, k);
+        let w = host_dequantized(q, &bytes, n, k);
+        // 1 row and 3 (GEMV), 10 and 70 (tiled, a partial tile and several).
+        for lead in [vec![1], vec![3], vec![2, 5], vec![70]] {
+            let m: usize = lead.iter().product();
+            let x = rng.normals(m * k);
+            let mut want = vec![0f64; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    want[i * n + j] = (0..k).map(|e| x[i * k + e] * w[j * k + e]).sum();
+                }
+            }
+            let mut xdims = lead.clone();
+            xdims.push(k);
+            for dev in devices() {
+                let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
+                let xt = Tensor::from_vec(x.clone(), &xdims, Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_device(dev)
+                    .unwrap();
+                let y = xt.matmul(&wq.t()).unwrap();
+                let mut ydims = lead.clone();
+                ydims.push(n);
+                assert_eq!(y.dims(), &ydims[..]);
+                close(
+                    &y.to_f64_vec().unwrap(),
+                    &want,
+                    1e-5,
+                    &format!("{} {xdims:?} @ [{n}, {k}].t() on {dev}", q.name()),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_matmul_takes_strided_rows_and_fuses_its_epilogue() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(3);
+    let q = GgmlType::Q4_1;
+    let (n, k) = (40, 64);
+    let bytes = random_blocks(&mut rng, q, n, k);
+    let w = host_dequantized(q, &bytes, n, k);
+    let bias = rng.normals(n);
+    for m in [2, 20] {
+        // x is the transpose of a [k, m] tensor: rows with stride 1, columns with stride m.
+        let xt_data = rng.normals(k * m);
+        let mut want = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k).map(|e| xt_data[e * m + i] * w[j * k + e]).sum();
+                want[i * n + j] = (s + bias[j]).max(0.0);
+            }
+        }
+        for dev in devices() {
+            let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
+            let x = Tensor::from_vec(xt_data.clone(), &[k, m], Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_device(dev)
+                .unwrap()
+                .t()
+                .unwrap();
+            let b = Tensor::from_vec(bias.clone(), &[n], Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_device(dev)
+                .unwrap();
+            let y = x.matmul(&wq.t()).unwrap().add(&b).unwrap().relu().unwrap();
+            if dev.is_gpu() {
+                let kinds: Vec<&str> = voltaic::inspect(&[&y])
+                    .into_iter()
+                    .map(|k| k.kind)
+                    .collect();
+                assert_eq!(
+                    kinds,
+                    vec!["matmul"],
+                    "bias and relu run in the quantized matmul's stores"
+                );
+            }
+            close(
+                &y.to_f64_vec().unwrap(),
+                &want,
+                1e-5,
+                &format!("relu(x @ w.t() + b), m {m}, on {dev}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn dequantize_and_embedding_give_the_host_dequantizer_rows() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(5);
+    for q in TYPES {
+        let per = q.block().0;
+        let (n, k) = (9, per * 2);
+        let bytes = random_blocks(&mut rng, q, n, k);
+        let w = host_dequantized(q, &bytes, n, k);
+        for dev in devices() {
+            let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
+            let all = wq.dequantize().unwrap();
+            assert_eq!(all.dims(), &[n, k]);
+            // The same f32 arithmetic in the same order: exact on the CPU; a
+            // GPU compiler may fuse a multiply-add.
+            let tol = if dev.is_gpu() { 1e-6 } else { 0.0 };
+            close(
+                &all.to_f64_vec().unwrap(),
+                &w,
+                tol,
+                &format!("{} dequantize on {dev}", q.name()),
+            );
+            close(
+                &wq.t()
+                    .dequantize()
+                    .unwrap()
+                    .t()
+                    .unwrap()
+                    .to_f64_vec()
+                    .unwrap(),
+                &w,
+                tol,
+                "dequantize of the transpose",
+            );
+            let ids = Tensor::from_vec(vec![8i32, 0, 3, 3, 8, 1], &[2, 3], dev).unwrap();
+            let e = wq.embedding(&ids).unwrap();
+            assert_eq!(e.dims(), &[2, 3, k]);
+            let want: Vec<f64> = [8, 0, 3, 3, 8, 1]
+                .iter()
+                .flat_map(|&r| w[r * k..(r + 1) * k].to_vec())
+                .collect();
+            close(
+                &e.to_f64_vec().unwrap(),
+                &want,
+                tol,
+                &format!("{} embedding on {dev}", q.name()),
+            );
+            let bad = Tensor::from_vec(vec![2i32, 9], &[2], dev).unwrap();
+            let err = wq
+                .embedding(&bad)
+                .and_then(|t| t.to_f64_vec())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("embedding") && err.contains('9') && err.contains("size 9"),
+                "{err}"
+            );
+            // The device still works after the reported error.
+            close(
+                &wq.embedding(&ids).unwrap().to_f64_vec().unwrap(),
+                &want,
+                tol,
+                "after an error",
+            );
+        }
+    }
+}
+
+#[test]
+fn quantizers_round_trip_within_their_step() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(11);
+    let x: Vec<f32> = rng.normals(64 * 3).into_iter().map(|v| v as f32).collect();
+    for (q, step) in [
+        (GgmlType::Q8_0, 1.0 / 127.0),
+        (GgmlType::Q4_0, 1.0 / 8.0),
+        (GgmlType::Q4_1, 1.0 / 15.0),
+    ] {
+        let bytes = quantize(q, &x).unwrap();
+        assert_eq!(bytes.len(), x.len() / 32 * q.block().1);
+        let mut back = vec![0f32; x.len()];
+        dequantize(q, &bytes, &mut back).unwrap();
+        for b in 0..x.len() / 32 {
+            let blk = &x[b * 32..(b + 1) * 32];
+            let range = blk.iter().fold(0f32, |m, v| m.max(v.abs())) * 2.0;
+            for i in 0..32 {
+                let e = (back[b * 32 + i] - blk[i]).abs();
+                assert!(
+                    e <= range * step as f32 * 0.51 + 1e-3,
+                    "{} block {b} element {i}: {} -> {}",
+                    q.name(),
+                    blk[i],
+                    back[b * 32 + i]
+                );
+            }
+        }
+    }
+    assert!(quantize(GgmlType::Q4K, &x)
+        .unwrap_err()
+        .to_string()
+        .contains("Q4_K"));
+    assert!(quantize(GgmlType::Q8_0, &x[..33])
+        .unwrap_err()
+        .to_string()
+        .contains("33"));
+}
+
+#[test]
+fn the_input_gradient_flows_through_a_quantized_weight() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(8);
+    let q = GgmlType::Q8_0;
+    let (n, k, m) = (6, 32, 3);
+    let bytes = random_blocks(&mut rng, q, n, k);
+    for dev in devices() {
+        let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
+        let wd = wq.dequantize().unwrap();
+        let x0 = Tensor::from_vec(rng.normals(m * k), &[m, k], Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_device(dev)
+            .unwrap();
+        let x = x0.requires_grad().unwrap();
+        x.matmul(&wq.t())
+            .unwrap()
+            .tanh()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let g = x.grad().unwrap().to_f64_vec().unwrap();
+        let xd = x0.requires_grad().unwrap();
+        xd.matmul(&wd.t().unwrap())
+            .unwrap()
+            .tanh()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gd = xd.grad().unwrap().to_f64_vec().unwrap();
+        close(&g, &gd, 1e-5, &format!("gradient on {dev}"));
+    }
+}
+
+#[test]
+fn bad_quantized_input_is_an_error_naming_what_is_wrong() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let d = Device::Cpu;
+    let e = QTensor::from_blocks(&[0u8; 33], GgmlType::Q8_0, &[1, 32], d)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("33 bytes"), "{e}");
+    let e = QTensor::from_blocks(&[0u8; 34], GgmlType::Q8_0, &[1, 33], d)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("33 elements"), "{e}");
+    let e = QTensor::from_blocks(&[0u8; 34], GgmlType::F16, &[1, 17], d)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("F16"), "{e}");
+    let wq = QTensor::from_blocks(&[0u8; 34], GgmlType::Q8_0, &[1, 32], d).unwrap();
+    let x = Tensor::ones(&[2, 32], DType::F32, d).unwrap();
+    let e = x.matmul(&wq).unwrap_err().to_string();
+    assert!(e.contains("w.t()"), "{e}");
+    let e = Tensor::ones(&[2, 31], DType::F32, d)
+        .unwrap()
+        .matmul(&wq.t())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[2, 31]") && e.contains("[32, 1]"), "{e}");
+    let e = Tensor::ones(&[2, 32], DType::I32, d)
+        .unwrap()
+        .matmul(&wq.t())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("float"), "{e}");
+}
