@@ -1,9 +1,10 @@
-//! The `voltaic` command: devices, demo, train, eval, embed, similarity, bench.
+//! The `voltaic` command: devices, demo, train, eval, embed, similarity, generate, bench.
 
 mod bench;
 mod demo;
 mod devices;
 mod embed;
+mod generate;
 mod plot;
 mod train;
 
@@ -39,6 +40,8 @@ enum Command {
     Embed(embed::EmbedArgs),
     /// Print the cosine similarity of two sentences.
     Similarity(embed::SimilarityArgs),
+    /// Generate text with a LLaMA-family GGUF model (SmolLM2-135M-Instruct by default).
+    Generate(generate::GenerateArgs),
     /// Benchmark Voltaic against a peer library measured in the same run.
     Bench(bench::BenchArgs),
 }
@@ -65,6 +68,7 @@ fn main() {
         Command::Eval(args) => train::eval(args),
         Command::Embed(args) => embed::run(args),
         Command::Similarity(args) => embed::similarity(args),
+        Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
     };
     if let Err(e) = res {

