@@ -19,7 +19,10 @@ use crate::primitive::{Caller, IndexOp};
 use crate::quant::{self, GgmlType};
 use crate::tensor::Tensor;
 
-/// A block-quantized matrix on a device; see the [module docs](self).
+/// A block-quantized matrix `[rows, cols]` on a device: its ggml blocks
+/// (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) kept as they are, each padded to whole
+/// 32-bit words. It multiplies as `x.matmul(&w.t())` and gathers rows with
+/// [`QTensor::embedding`], both dequantizing in registers.
 ///
 /// ```
 /// use voltaic::{quant::GgmlType, Device, DType, QTensor, Tensor};

@@ -154,9 +154,12 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// Dequantizes one block (its bytes) into its elements.
+pub(crate) type BlockFn = fn(&[u8], &mut [f32]);
+
 /// The function that dequantizes one block of `ty` (its bytes, unpadded
 /// or padded) into its elements.
-pub(crate) fn block_fn(ty: GgmlType) -> Option<fn(&[u8], &mut [f32])> {
+pub(crate) fn block_fn(ty: GgmlType) -> Option<BlockFn> {
     Some(match ty {
         GgmlType::F32 => |b, o| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         GgmlType::F16 => |b, o| o[0] = half(b, 0),
