@@ -49,7 +49,7 @@ pub(crate) enum OpKind {
     /// An index-like primitive (its inputs in [`IndexOp`]'s order).
     Index(IndexOp),
     /// `x [m, k] @ w.t()` for a block-quantized `w` `[n, k]` given as its
-    /// padded blocks (u32 `[n, words per row]`, see [`crate::QTensor`]); f32.
+    /// padded blocks (u32 `[n, words per row]`, see `QTensor`); f32.
     QMatmul(crate::quant::GgmlType),
 }
 

@@ -107,7 +107,7 @@ impl GgmlType {
         self.block().1.next_multiple_of(4)
     }
 
-    /// Whether quantized tensors ([`crate::QTensor`]) of this type exist:
+    /// Whether quantized tensors (`QTensor`) of this type exist:
     /// the block types that kernels multiply and gather without
     /// dequantizing the whole tensor first.
     pub fn is_block_quantized(self) -> bool {
@@ -174,7 +174,7 @@ pub(crate) fn block_fn(ty: GgmlType) -> Option<BlockFn> {
 }
 
 /// Dequantize blocks that start every `stride` bytes of `bytes` (padded
-/// blocks, as a [`crate::QTensor`] holds them) into `out`. Inlined into its
+/// blocks, as a `QTensor` holds them) into `out`. Inlined into its
 /// callers so that a caller compiled for AVX2 vectorizes the block loops.
 #[inline(always)]
 pub(crate) fn dequantize_strided(ty: GgmlType, bytes: &[u8], stride: usize, out: &mut [f32]) {

@@ -98,7 +98,16 @@ fn the_tokenizer_and_chat_template_give_the_reference_ids() {
 fn check_model(device: Device) {
     let (r, ref_logits) = fixtures();
     let f = file();
+    let before = device.memory_stats().unwrap().in_use;
     let model = Llama::from_gguf(&f, device).unwrap();
+    // The weights stay quantized: device memory at most 1.25x the file.
+    let file_bytes = std::fs::metadata(f.path()).unwrap().len() as f64;
+    // A GPU's pool counts every buffer (rounded up to its size classes); the
+    // CPU executor holds uploaded data outside its pool, so there the
+    // model's own count is checked.
+    let held = if device.is_gpu() { (device.memory_stats().unwrap().in_use - before) as f64 } else { model.size_in_bytes() as f64 };
+    eprintln!("{device}: the model holds {:.1} MB for a {:.1} MB file ({:.3}x)", held / 1e6, file_bytes / 1e6, held / file_bytes);
+    assert!(held <= 1.25 * file_bytes && held >= 0.9 * file_bytes, "{device}: {held} bytes held for a {file_bytes}-byte file");
     let mut worst = 0f64;
     for (ci, c) in r.cases.iter().enumerate() {
         let mut cache = model.new_cache().unwrap();

@@ -99,7 +99,7 @@ pub enum IndexOp {
         hw: [usize; 2],
     },
     /// Rows of a block-quantized `[rows, cols]` matrix (its padded blocks as
-    /// u32 words, see [`crate::QTensor`]) at the positions of a 1-D index,
+    /// u32 words, see `QTensor`) at the positions of a 1-D index,
     /// dequantized to f32: `[index len, cols]`; inputs (blocks, index).
     Dequantize {
         qtype: crate::quant::GgmlType,

@@ -1,4 +1,4 @@
-//! Kernels over block-quantized matrices (see [`crate::QTensor`]): rows
+//! Kernels over block-quantized matrices (see `QTensor`): rows
 //! dequantized a tile at a time into a buffer that stays in cache, then
 //! multiplied with AVX2/FMA dot products (one token, decode) or the `gemm`
 //! crate (a prompt, prefill), spread over the rayon pool.

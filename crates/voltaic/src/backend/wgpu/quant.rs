@@ -1,4 +1,4 @@
-//! Kernels over block-quantized matrices (see [`crate::QTensor`]), which
+//! Kernels over block-quantized matrices (see `QTensor`), which
 //! dequantize in registers: a GEMV for a few rows (decode: one token per
 //! sequence), a tiled matmul for many (prefill), and the dequantizing row
 //! gather (embedding lookups). Each quantization type is two WGSL
