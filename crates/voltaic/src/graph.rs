@@ -104,34 +104,15 @@ pub(crate) struct Node {
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Node {
-    pub(crate) fn new(
-        state: State,
-        dtype: DType,
-        device: Device,
-        dims: Vec<usize>,
-        depth: u32,
-    ) -> Arc<Node> {
-        Arc::new(Node {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            dtype,
-            device,
-            dims,
-            depth,
-            state: Mutex::new(state),
-        })
+    pub(crate) fn new(state: State, dtype: DType, device: Device, dims: Vec<usize>, depth: u32) -> Arc<Node> {
+        Arc::new(Node { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), dtype, device, dims, depth, state: Mutex::new(state) })
     }
     /// A pending node for `op`, its depth one more than its deepest pending input.
     pub(crate) fn pending(op: Op, dtype: DType, device: Device, dims: Vec<usize>) -> Arc<Node> {
         let depth = 1 + op
             .inputs
             .iter()
-            .map(|v| {
-                if matches!(&*v.node.state(), State::Pending(_)) {
-                    v.node.depth
-                } else {
-                    0
-                }
-            })
+            .map(|v| if matches!(&*v.node.state(), State::Pending(_)) { v.node.depth } else { 0 })
             .max()
             .unwrap_or(0);
         Node::new(State::Pending(op), dtype, device, dims, depth)
@@ -158,26 +139,14 @@ impl Drop for Node {
         // layouts, a cost per node that long chains feel).
         let mut stack: Vec<Arc<Node>> = Vec::new();
         let take = |state: &mut State, stack: &mut Vec<Arc<Node>>| {
-            if let State::Pending(op) = std::mem::replace(
-                state,
-                State::Pending(Op {
-                    kind: OpKind::Copy,
-                    inputs: vec![],
-                }),
-            ) {
+            if let State::Pending(op) = std::mem::replace(state, State::Pending(Op { kind: OpKind::Copy, inputs: vec![] })) {
                 stack.extend(op.inputs.into_iter().map(|v| v.node));
             }
         };
-        take(
-            self.state.get_mut().unwrap_or_else(|e| e.into_inner()),
-            &mut stack,
-        );
+        take(self.state.get_mut().unwrap_or_else(|e| e.into_inner()), &mut stack);
         while let Some(t) = stack.pop() {
             if let Ok(mut node) = Arc::try_unwrap(t) {
-                take(
-                    node.state.get_mut().unwrap_or_else(|e| e.into_inner()),
-                    &mut stack,
-                );
+                take(node.state.get_mut().unwrap_or_else(|e| e.into_inner()), &mut stack);
             }
         }
     }

@@ -131,28 +131,13 @@ pub(crate) enum KernelKind {
     Elementwise { expr: Expr, shape: Vec<usize> },
     /// Reduce `expr` over the trailing `inner` elements of `shape` (kept dims
     /// first, reduced dims last), for each of `outer` outputs.
-    Reduce {
-        op: ReduceOp,
-        expr: Expr,
-        shape: Vec<usize>,
-        outer: usize,
-        inner: usize,
-    },
+    Reduce { op: ReduceOp, expr: Expr, shape: Vec<usize>, outer: usize, inner: usize },
     /// `[batch, m, k] @ [batch, k, n]`; layouts are 3-D with the batch flattened.
     /// With an epilogue, the elementwise work that consumed the product is
     /// applied to each result before it is stored.
     /// With `quant`, `b` is a block-quantized `[n, k]` matrix (its padded
     /// blocks as u32 words, `[n, words per row]`) multiplied transposed.
-    Matmul {
-        a: Strided,
-        b: Strided,
-        batch: usize,
-        m: usize,
-        k: usize,
-        n: usize,
-        epilogue: Option<Epilogue>,
-        quant: Option<crate::quant::GgmlType>,
-    },
+    Matmul { a: Strided, b: Strided, batch: usize, m: usize, k: usize, n: usize, epilogue: Option<Epilogue>, quant: Option<crate::quant::GgmlType> },
     /// An index-like primitive over its operands (see [`IndexOp`]).
     Index { op: IndexOp, args: Vec<Strided> },
     /// Row-wise work in one pass (softmax, layer norm): for each of `outer`
@@ -160,12 +145,7 @@ pub(crate) enum KernelKind {
     /// element of the row. A lowering of reductions and the elementwise work
     /// around them for executors that gain from it (the GPU: one read of the
     /// input from memory instead of one per reduction).
-    Rows {
-        outer: usize,
-        inner: usize,
-        stages: Vec<RowStage>,
-        out: RowStage,
-    },
+    Rows { outer: usize, inner: usize, stages: Vec<RowStage>, out: RowStage },
 }
 
 impl KernelKind {
@@ -185,12 +165,8 @@ impl KernelKind {
     pub fn exprs(&self) -> Vec<&Expr> {
         match self {
             KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => vec![expr],
-            KernelKind::Matmul {
-                epilogue: Some(e), ..
-            } => vec![&e.expr],
-            KernelKind::Rows { stages, out, .. } => {
-                stages.iter().chain([out]).map(|s| &s.expr).collect()
-            }
+            KernelKind::Matmul { epilogue: Some(e), .. } => vec![&e.expr],
+            KernelKind::Rows { stages, out, .. } => stages.iter().chain([out]).map(|s| &s.expr).collect(),
             _ => vec![],
         }
     }
@@ -199,14 +175,8 @@ impl KernelKind {
     pub fn exprs_mut(&mut self) -> Vec<&mut Expr> {
         match self {
             KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => vec![expr],
-            KernelKind::Matmul {
-                epilogue: Some(e), ..
-            } => vec![&mut e.expr],
-            KernelKind::Rows { stages, out, .. } => stages
-                .iter_mut()
-                .chain([out])
-                .map(|s| &mut s.expr)
-                .collect(),
+            KernelKind::Matmul { epilogue: Some(e), .. } => vec![&mut e.expr],
+            KernelKind::Rows { stages, out, .. } => stages.iter_mut().chain([out]).map(|s| &mut s.expr).collect(),
             _ => vec![],
         }
     }
@@ -257,8 +227,7 @@ pub(crate) struct SlotInfo {
 
 /// What an executor prepares once for a plan and reuses while the plan is
 /// cached (compiled kernels, resolved variants); shared by the plan's clones.
-pub(crate) type Prepared =
-    std::sync::Arc<std::sync::Mutex<Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>>>;
+pub(crate) type Prepared = std::sync::Arc<std::sync::Mutex<Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>>>;
 
 /// The kernels of one realization, in order, with buffer lifetimes.
 #[derive(Clone, Debug, Default)]
@@ -276,9 +245,6 @@ pub(crate) struct Plan {
 impl Plan {
     /// Number of input buffers the plan is run with.
     pub fn input_count(&self) -> usize {
-        self.slots
-            .iter()
-            .filter(|s| matches!(s.source, SlotSource::Input(_)))
-            .count()
+        self.slots.iter().filter(|s| matches!(s.source, SlotSource::Input(_))).count()
     }
 }

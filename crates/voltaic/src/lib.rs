@@ -24,6 +24,7 @@
 //! Voltaic's.
 //!
 #![doc = concat!("```\n", include_str!("../examples/tensor_basics.rs"), "\n```")]
+
 #![warn(missing_docs)]
 
 // `#[derive(Module)]` names `::voltaic::nn::Module`; this lets the crate
@@ -36,10 +37,10 @@ mod device;
 mod dtype;
 mod error;
 mod files;
-mod layout;
 mod profile;
-mod qtensor;
 pub mod quant;
+mod qtensor;
+mod layout;
 mod rng;
 mod shape;
 mod storage;
@@ -72,20 +73,18 @@ pub use backend::{DeviceStats, MemoryStats};
 pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{Error, Result};
+pub use profile::{host_profile, HostProfile};
+pub use schedule::cache::{clear_plan_cache, plan_cache_stats, set_plan_cache_limits, PlanCacheStats};
+pub use schedule::KernelSummary;
+pub use tensor::inspect;
 pub use layout::Layout;
 pub use ops::nn::{Conv2dOpts, CrossEntropyOpts, Reduction};
 pub use ops::IntoOperand;
-pub use profile::{host_profile, HostProfile};
-pub use qtensor::{MatmulRhs, QTensor};
 pub use rng::{manual_seed, rng_state, set_rng_state, Generator};
-pub use schedule::cache::{
-    clear_plan_cache, plan_cache_stats, set_plan_cache_limits, PlanCacheStats,
-};
-pub use schedule::KernelSummary;
 pub use shape::Shape;
 pub use storage::{CpuStorage, StorageElem};
-pub use tensor::inspect;
 pub use tensor::Tensor;
+pub use qtensor::{MatmulRhs, QTensor};
 
 /// The names most programs need, for `use voltaic::prelude::*;`.
 pub mod prelude {

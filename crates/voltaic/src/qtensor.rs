@@ -49,79 +49,37 @@ impl QTensor {
     /// A matrix of `dims = [rows, cols]` from its blocks as a GGUF file
     /// holds them (`bytes`: rows after each other, each `cols / block`
     /// blocks of `qtype`), placed on `device`.
-    pub fn from_blocks(
-        bytes: &[u8],
-        qtype: GgmlType,
-        dims: &[usize],
-        device: Device,
-    ) -> Result<QTensor> {
+    pub fn from_blocks(bytes: &[u8], qtype: GgmlType, dims: &[usize], device: Device) -> Result<QTensor> {
         if !qtype.is_block_quantized() {
-            bail!(
-                DType,
-                "quantized tensor",
-                "{} is not a block-quantized type (Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are)",
-                qtype.name()
-            );
+            bail!(DType, "quantized tensor", "{} is not a block-quantized type (Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are)", qtype.name());
         }
         let &[rows, cols] = dims else {
-            bail!(
-                Shape,
-                "quantized tensor",
-                "expected a 2-D [rows, cols] matrix, got dims {dims:?}"
-            );
+            bail!(Shape, "quantized tensor", "expected a 2-D [rows, cols] matrix, got dims {dims:?}");
         };
         let (per, block_bytes) = qtype.block();
         if !cols.is_multiple_of(per) {
-            bail!(
-                Shape,
-                "quantized tensor",
-                "a row of {cols} elements is not whole {} blocks of {per}",
-                qtype.name()
-            );
+            bail!(Shape, "quantized tensor", "a row of {cols} elements is not whole {} blocks of {per}", qtype.name());
         }
-        let blocks = rows
-            .checked_mul(cols / per)
-            .filter(|b| b.checked_mul(block_bytes) == Some(bytes.len()));
+        let blocks = rows.checked_mul(cols / per).filter(|b| b.checked_mul(block_bytes) == Some(bytes.len()));
         let Some(blocks) = blocks else {
-            bail!(
-                Value,
-                "quantized tensor",
-                "{} bytes are not the {rows} x {cols} {} blocks of a {dims:?} matrix",
-                bytes.len(),
-                qtype.name()
-            );
+            bail!(Value, "quantized tensor", "{} bytes are not the {rows} x {cols} {} blocks of a {dims:?} matrix", bytes.len(), qtype.name());
         };
         let padded = qtype.padded_block_bytes();
         let mut words = vec![0u32; blocks * padded / 4];
         let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
-        for (d, s) in dst
-            .chunks_exact_mut(padded)
-            .zip(bytes.chunks_exact(block_bytes))
-        {
+        for (d, s) in dst.chunks_exact_mut(padded).zip(bytes.chunks_exact(block_bytes)) {
             d[..block_bytes].copy_from_slice(s);
         }
         let per_row = (cols / per) * padded / 4;
         let raw = Tensor::from_vec(words, &[rows, per_row], device)?;
-        Ok(QTensor {
-            raw,
-            qtype,
-            rows,
-            cols,
-            transposed: false,
-        })
+        Ok(QTensor { raw, qtype, rows, cols, transposed: false })
     }
 
     /// Quantize a 2-D float tensor `[rows, cols]` to Q8_0, Q4_0 or Q4_1 (ggml's
     /// reference quantizers; `cols` a multiple of 32), on the tensor's device.
     pub fn quantize(t: &Tensor, qtype: GgmlType) -> Result<QTensor> {
         if t.rank() != 2 || !t.dtype().is_float() {
-            bail!(
-                Shape,
-                "quantize",
-                "expected a 2-D float tensor, got {} of shape {:?}",
-                t.dtype(),
-                t.dims()
-            );
+            bail!(Shape, "quantize", "expected a 2-D float tensor, got {} of shape {:?}", t.dtype(), t.dims());
         }
         let x: Vec<f32> = t.to_dtype(DType::F32)?.to_vec()?;
         let bytes = quant::quantize(qtype, &x)?;
@@ -155,18 +113,12 @@ impl QTensor {
     /// The transposed matrix (no copy): `x.matmul(&w.t())` multiplies by a
     /// weight stored `[out, in]`, as `nn::Linear` does.
     pub fn t(&self) -> QTensor {
-        QTensor {
-            transposed: !self.transposed,
-            ..self.clone()
-        }
+        QTensor { transposed: !self.transposed, ..self.clone() }
     }
 
     /// The same blocks on another device.
     pub fn to_device(&self, device: Device) -> Result<QTensor> {
-        Ok(QTensor {
-            raw: self.raw.to_device(device)?,
-            ..self.clone()
-        })
+        Ok(QTensor { raw: self.raw.to_device(device)?, ..self.clone() })
     }
 
     /// The rows at `ids` (i32 or u32, any shape), dequantized to f32: shape
@@ -175,30 +127,15 @@ impl QTensor {
     /// [`Tensor::embedding`] does.
     pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
         if !matches!(ids.dtype(), DType::I32 | DType::U32) {
-            bail!(
-                DType,
-                "embedding",
-                "expected i32 or u32 ids, got {}",
-                ids.dtype()
-            );
+            bail!(DType, "embedding", "expected i32 or u32 ids, got {}", ids.dtype());
         }
         self.raw.check_same_device("embedding", ids)?;
         if self.transposed {
             bail!(Shape, "embedding", "the table is transposed ({:?}); look rows up in the stored [rows, cols] orientation", self.dims());
         }
         let flat = ids.reshape_dims(&[ids.numel()])?;
-        let op = IndexOp::Dequantize {
-            qtype: self.qtype,
-            cols: self.cols,
-            caller: Caller::Embedding,
-        };
-        let out = Tensor::from_op(
-            OpKind::Index(op),
-            &[&self.raw, &flat],
-            DType::F32,
-            self.device(),
-            vec![ids.numel(), self.cols],
-        )?;
+        let op = IndexOp::Dequantize { qtype: self.qtype, cols: self.cols, caller: Caller::Embedding };
+        let out = Tensor::from_op(OpKind::Index(op), &[&self.raw, &flat], DType::F32, self.device(), vec![ids.numel(), self.cols])?;
         let mut dims = ids.dims().to_vec();
         dims.push(self.cols);
         out.reshape_dims(&dims)
@@ -207,11 +144,7 @@ impl QTensor {
     /// The whole matrix in f32, as seen (transposed after [`QTensor::t`]).
     pub fn dequantize(&self) -> Result<Tensor> {
         let ids = Tensor::arange(0.0, self.rows as f64, 1.0, DType::I32, self.device())?;
-        let w = QTensor {
-            transposed: false,
-            ..self.clone()
-        }
-        .embedding(&ids)?;
+        let w = QTensor { transposed: false, ..self.clone() }.embedding(&ids)?;
         if self.transposed {
             w.t()
         } else {
@@ -234,39 +167,17 @@ impl QTensor {
             );
         }
         if x.rank() == 0 || x.dims()[x.rank() - 1] != self.cols {
-            bail!(
-                Shape,
-                "matmul",
-                "cannot multiply {:?} by a quantized {:?}: inner dimensions differ",
-                x.dims(),
-                self.dims()
-            );
+            bail!(Shape, "matmul", "cannot multiply {:?} by a quantized {:?}: inner dimensions differ", x.dims(), self.dims());
         }
         if !x.dtype().is_float() {
-            bail!(
-                DType,
-                "matmul",
-                "a quantized weight multiplies float tensors, got {}",
-                x.dtype()
-            );
+            bail!(DType, "matmul", "a quantized weight multiplies float tensors, got {}", x.dtype());
         }
         let lead = &x.dims()[..x.rank() - 1];
         let m: usize = lead.iter().product();
         let x2 = x.to_dtype(DType::F32)?.reshape_dims(&[m, self.cols])?;
-        let out = Tensor::from_op(
-            OpKind::QMatmul(self.qtype),
-            &[&x2, &self.raw],
-            DType::F32,
-            self.device(),
-            vec![m, self.rows],
-        )?;
-        let w = QTensor {
-            transposed: false,
-            ..self.clone()
-        };
-        let out = out.track(&[&x2], move |g, _| {
-            Ok(vec![Some(g.matmul(&w.dequantize()?)?)])
-        });
+        let out = Tensor::from_op(OpKind::QMatmul(self.qtype), &[&x2, &self.raw], DType::F32, self.device(), vec![m, self.rows])?;
+        let w = QTensor { transposed: false, ..self.clone() };
+        let out = out.track(&[&x2], move |g, _| Ok(vec![Some(g.matmul(&w.dequantize()?)?)]));
         let mut dims = lead.to_vec();
         dims.push(self.rows);
         let out = out.reshape_dims(&dims)?;

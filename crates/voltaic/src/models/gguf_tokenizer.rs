@@ -25,10 +25,7 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message from `role`.
     pub fn new(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -49,13 +46,7 @@ pub struct GgufTokenizer {
 
 impl std::fmt::Debug for GgufTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "GgufTokenizer {{ vocab: {}, bos: {:?}, eos: {:?} }}",
-            self.tokenizer.get_vocab_size(true),
-            self.bos,
-            self.eos
-        )
+        write!(f, "GgufTokenizer {{ vocab: {}, bos: {:?}, eos: {:?} }}", self.tokenizer.get_vocab_size(true), self.bos, self.eos)
     }
 }
 
@@ -75,43 +66,19 @@ impl GgufTokenizer {
         }
         let strings = |key: &str| -> Result<Vec<String>> {
             let v = f.get(key)?;
-            let arr = v
-                .as_array()
-                .ok_or_else(|| bad(format!("{key} is not an array")))?;
-            arr.iter()
-                .map(|s| {
-                    s.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| bad(format!("{key} holds a non-string")))
-                })
-                .collect()
+            let arr = v.as_array().ok_or_else(|| bad(format!("{key} is not an array")))?;
+            arr.iter().map(|s| s.as_str().map(str::to_string).ok_or_else(|| bad(format!("{key} holds a non-string")))).collect()
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
         let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
             .into_iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| bad(format!("merge {m:?} is not two tokens")))
-            })
+            .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| bad(format!("merge {m:?} is not two tokens"))))
             .collect::<Result<_>>()?;
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| bad(format!("BPE: {e}")))?;
+        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| bad(format!("BPE: {e}")))?;
         let mut tokenizer = Tokenizer::new(bpe);
-        let pre = f
-            .metadata
-            .get("tokenizer.ggml.pre")
-            .and_then(GgufValue::as_str)
-            .unwrap_or("default");
-        let byte_level =
-            |regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, regex));
+        let pre = f.metadata.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
+        let byte_level = |regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, regex));
         let pre_tok = match pre {
             "default" | "gpt2" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
             // Digits one by one, then GPT-2's split (SmolLM, StarCoder).
@@ -125,46 +92,20 @@ impl GgufTokenizer {
         tokenizer.with_pre_tokenizer(Some(pre_tok));
         tokenizer.with_decoder(Some(ByteLevel::default()));
         // Control tokens (type 3) and user-defined ones (type 4) are matched whole.
-        if let Some(types) = f
-            .metadata
-            .get("tokenizer.ggml.token_type")
-            .and_then(GgufValue::as_array)
-        {
-            let special: Vec<AddedToken> = types
-                .iter()
-                .zip(&tokens)
-                .filter(|(t, _)| matches!(t.as_u64(), Some(3) | Some(4)))
-                .map(|(t, s)| AddedToken::from(s.clone(), t.as_u64() == Some(3)).normalized(false))
-                .collect();
-            tokenizer
-                .add_special_tokens(special)
-                .map_err(|e| bad(format!("special tokens: {e}")))?;
+        if let Some(types) = f.metadata.get("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
+            let special: Vec<AddedToken> =
+                types.iter().zip(&tokens).filter(|(t, _)| matches!(t.as_u64(), Some(3) | Some(4))).map(|(t, s)| AddedToken::from(s.clone(), t.as_u64() == Some(3)).normalized(false)).collect();
+            tokenizer.add_special_tokens(special).map_err(|e| bad(format!("special tokens: {e}")))?;
         }
-        let id = |key: &str| {
-            f.metadata
-                .get(key)
-                .and_then(GgufValue::as_u64)
-                .map(|v| v as u32)
-                .filter(|&v| (v as usize) < tokens.len())
-        };
-        let (bos, eos) = (
-            id("tokenizer.ggml.bos_token_id"),
-            id("tokenizer.ggml.eos_token_id"),
-        );
+        let id = |key: &str| f.metadata.get(key).and_then(GgufValue::as_u64).map(|v| v as u32).filter(|&v| (v as usize) < tokens.len());
+        let (bos, eos) = (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"));
         let text = |i: Option<u32>| i.map(|i| tokens[i as usize].clone()).unwrap_or_default();
         Ok(GgufTokenizer {
             tokenizer,
             bos,
             eos,
-            add_bos: matches!(
-                f.metadata.get("tokenizer.ggml.add_bos_token"),
-                Some(GgufValue::Bool(true))
-            ),
-            template: f
-                .metadata
-                .get("tokenizer.chat_template")
-                .and_then(GgufValue::as_str)
-                .map(str::to_string),
+            add_bos: matches!(f.metadata.get("tokenizer.ggml.add_bos_token"), Some(GgufValue::Bool(true))),
+            template: f.metadata.get("tokenizer.chat_template").and_then(GgufValue::as_str).map(str::to_string),
             bos_text: text(bos),
             eos_text: text(eos),
         })
@@ -173,13 +114,7 @@ impl GgufTokenizer {
     /// Token ids of `text` (special tokens written in the text are matched
     /// whole), with the BOS token first when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| Error::Value {
-                op: "tokenize",
-                msg: e.to_string(),
-            })?;
+        let enc = self.tokenizer.encode(text, false).map_err(|e| Error::Value { op: "tokenize", msg: e.to_string() })?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos {
             ids.extend(self.bos);
@@ -190,10 +125,7 @@ impl GgufTokenizer {
 
     /// The text of `ids` (special tokens included, as they were written).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer.decode(ids, false).map_err(|e| Error::Value {
-            op: "detokenize",
-            msg: e.to_string(),
-        })
+        self.tokenizer.decode(ids, false).map_err(|e| Error::Value { op: "detokenize", msg: e.to_string() })
     }
 
     /// Vocabulary size, special tokens included.
@@ -208,31 +140,13 @@ impl GgufTokenizer {
 
     /// `messages` rendered with the model's chat template, ending with the
     /// assistant's turn opened when `add_generation_prompt` is set.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let Some(src) = &self.template else {
-            return Err(Error::Value {
-                op: "chat",
-                msg: "the model has no chat template (tokenizer.chat_template)".into(),
-            });
+            return Err(Error::Value { op: "chat", msg: "the model has no chat template (tokenizer.chat_template)".into() });
         };
-        let bad = |e: minijinja::Error| Error::Value {
-            op: "chat",
-            msg: format!("chat template: {e}"),
-        };
+        let bad = |e: minijinja::Error| Error::Value { op: "chat", msg: format!("chat template: {e}") };
         let mut env = minijinja::Environment::new();
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> { Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg)) });
         env.add_template("chat", src).map_err(bad)?;
         let ctx = minijinja::context! {
             messages => messages,
@@ -240,8 +154,6 @@ impl GgufTokenizer {
             bos_token => self.bos_text.clone(),
             eos_token => self.eos_text.clone(),
         };
-        env.get_template("chat")
-            .and_then(|t| t.render(ctx))
-            .map_err(bad)
+        env.get_template("chat").and_then(|t| t.render(ctx)).map_err(bad)
     }
 }

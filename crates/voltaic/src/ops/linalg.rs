@@ -32,20 +32,10 @@ impl Tensor {
         self.check_same_device("matmul", rhs)?;
         let (ra, rb) = (self.rank(), rhs.rank());
         if ra == 0 || rb == 0 {
-            bail!(
-                Shape,
-                "matmul",
-                "both operands need at least 1 dim, got shapes {:?} and {:?}",
-                self.dims(),
-                rhs.dims()
-            );
+            bail!(Shape, "matmul", "both operands need at least 1 dim, got shapes {:?} and {:?}", self.dims(), rhs.dims());
         }
         let ka = self.dims()[ra - 1];
-        let kb = if rb == 1 {
-            rhs.dims()[0]
-        } else {
-            rhs.dims()[rb - 2]
-        };
+        let kb = if rb == 1 { rhs.dims()[0] } else { rhs.dims()[rb - 2] };
         if ka != kb {
             bail!(
                 Shape,
@@ -56,41 +46,14 @@ impl Tensor {
             );
         }
         if self.dtype() == DType::Bool || rhs.dtype() == DType::Bool {
-            bail!(
-                DType,
-                "matmul",
-                "bool tensors cannot be multiplied; cast them first"
-            );
+            bail!(DType, "matmul", "bool tensors cannot be multiplied; cast them first");
         }
         let dt = DType::promote(self.dtype(), rhs.dtype());
-        let a = if ra == 1 {
-            self.unsqueeze(0)?
-        } else {
-            self.clone()
-        }
-        .to_dtype(dt)?;
-        let b = if rb == 1 {
-            rhs.unsqueeze(1)?
-        } else {
-            rhs.clone()
-        }
-        .to_dtype(dt)?;
+        let a = if ra == 1 { self.unsqueeze(0)? } else { self.clone() }.to_dtype(dt)?;
+        let b = if rb == 1 { rhs.unsqueeze(1)? } else { rhs.clone() }.to_dtype(dt)?;
         let (m, n) = (a.dims()[a.rank() - 2], b.dims()[b.rank() - 1]);
-        let batch = broadcast_shapes(
-            "matmul",
-            &a.dims()[..a.rank() - 2],
-            &b.dims()[..b.rank() - 2],
-        )
-        .map_err(|_| {
-            crate::error::err!(
-                Shape,
-                "matmul",
-                "cannot multiply {:?} by {:?}: the batch dims {:?} and {:?} do not broadcast",
-                self.dims(),
-                rhs.dims(),
-                &a.dims()[..a.rank() - 2],
-                &b.dims()[..b.rank() - 2]
-            )
+        let batch = broadcast_shapes("matmul", &a.dims()[..a.rank() - 2], &b.dims()[..b.rank() - 2]).map_err(|_| {
+            crate::error::err!(Shape, "matmul", "cannot multiply {:?} by {:?}: the batch dims {:?} and {:?} do not broadcast", self.dims(), rhs.dims(), &a.dims()[..a.rank() - 2], &b.dims()[..b.rank() - 2])
         })?;
         let mut da = batch.clone();
         da.extend([m, ka]);
@@ -108,16 +71,8 @@ impl Tensor {
             let (ad, bd) = (a.detach(), b.detach());
             let (a_dims, b_dims) = (a0.dims().to_vec(), b0.dims().to_vec());
             out.track(&[&a0, &b0], move |g, needs| {
-                let ga = if needs[0] {
-                    Some(matmul_grad_lhs(g, &bd, &a_dims)?)
-                } else {
-                    None
-                };
-                let gb = if needs[1] {
-                    Some(matmul_grad_rhs(&ad, g, &b_dims)?)
-                } else {
-                    None
-                };
+                let ga = if needs[0] { Some(matmul_grad_lhs(g, &bd, &a_dims)?) } else { None };
+                let gb = if needs[1] { Some(matmul_grad_rhs(&ad, g, &b_dims)?) } else { None };
                 Ok(vec![ga, gb])
             })
         } else {
@@ -154,9 +109,7 @@ fn fold_batch_into_cols(t: &Tensor) -> Result<Tensor> {
 fn matmul_grad_lhs(g: &Tensor, b: &Tensor, a_dims: &[usize]) -> Result<Tensor> {
     if g.rank() > 2 && a_dims[..a_dims.len() - 2].iter().all(|&d| d == 1) {
         // sum_z g_z @ b_z^T = [m, batch*n] @ [k, batch*n]^T
-        return fold_batch_into_cols(g)?
-            .matmul(&fold_batch_into_cols(b)?.t()?)?
-            .reshape_dims(a_dims);
+        return fold_batch_into_cols(g)?.matmul(&fold_batch_into_cols(b)?.t()?)?.reshape_dims(a_dims);
     }
     g.matmul(&b.transpose(-1, -2)?)?.sum_to(a_dims)
 }
@@ -169,11 +122,7 @@ fn matmul_grad_rhs(a: &Tensor, g: &Tensor, b_dims: &[usize]) -> Result<Tensor> {
         let r = g.rank();
         let rows: usize = g.dims()[..r - 1].iter().product();
         let k = a.dims()[r - 1];
-        return a
-            .reshape_dims(&[rows, k])?
-            .t()?
-            .matmul(&g.reshape_dims(&[rows, g.dims()[r - 1]])?)?
-            .reshape_dims(b_dims);
+        return a.reshape_dims(&[rows, k])?.t()?.matmul(&g.reshape_dims(&[rows, g.dims()[r - 1]])?)?.reshape_dims(b_dims);
     }
     a.transpose(-1, -2)?.matmul(g)?.sum_to(b_dims)
 }

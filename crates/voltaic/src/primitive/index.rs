@@ -21,9 +21,7 @@ impl UnfoldParams {
     /// kernel does not fit (or the sizes overflow).
     pub fn out_hw(&self, h: usize, w: usize) -> Option<[usize; 2]> {
         let f = |i: usize, n: usize| {
-            let span = self.dilation[i]
-                .checked_mul(self.kernel[i].checked_sub(1)?)?
-                .checked_add(1)?;
+            let span = self.dilation[i].checked_mul(self.kernel[i].checked_sub(1)?)?.checked_add(1)?;
             let padded = self.padding[i].checked_mul(2)?.checked_add(n)?;
             if padded < span {
                 None
@@ -51,15 +49,7 @@ pub enum Caller {
 
 impl Caller {
     /// Every caller, in error-code order.
-    pub const ALL: [Caller; 7] = [
-        Caller::Gather,
-        Caller::IndexSelect,
-        Caller::ScatterAdd,
-        Caller::Embedding,
-        Caller::OneHot,
-        Caller::CrossEntropy,
-        Caller::NllLoss,
-    ];
+    pub const ALL: [Caller; 7] = [Caller::Gather, Caller::IndexSelect, Caller::ScatterAdd, Caller::Embedding, Caller::OneHot, Caller::CrossEntropy, Caller::NllLoss];
 
     /// The op's name.
     pub fn name(self) -> &'static str {
@@ -94,18 +84,11 @@ pub enum IndexOp {
     Unfold { params: UnfoldParams, pad: f64 },
     /// col2im, the adjoint of unfold: patches `[N, C, kh, kw, oh, ow]` added
     /// back into an `[N, C, H, W]` image of spatial size `hw`; input (patches).
-    Fold {
-        params: UnfoldParams,
-        hw: [usize; 2],
-    },
+    Fold { params: UnfoldParams, hw: [usize; 2] },
     /// Rows of a block-quantized `[rows, cols]` matrix (its padded blocks as
     /// u32 words, see `QTensor`) at the positions of a 1-D index,
     /// dequantized to f32: `[index len, cols]`; inputs (blocks, index).
-    Dequantize {
-        qtype: crate::quant::GgmlType,
-        cols: usize,
-        caller: Caller,
-    },
+    Dequantize { qtype: crate::quant::GgmlType, cols: usize, caller: Caller },
 }
 
 impl Eq for IndexOp {}
@@ -114,17 +97,11 @@ impl std::hash::Hash for IndexOp {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
         std::mem::discriminant(self).hash(h);
         match self {
-            IndexOp::Gather { dim, caller }
-            | IndexOp::ScatterAdd { dim, caller }
-            | IndexOp::IndexSelect { dim, caller } => (dim, caller).hash(h),
+            IndexOp::Gather { dim, caller } | IndexOp::ScatterAdd { dim, caller } | IndexOp::IndexSelect { dim, caller } => (dim, caller).hash(h),
             IndexOp::Cumsum { dim } | IndexOp::Cat { dim } => dim.hash(h),
             IndexOp::Unfold { params, pad } => (params, pad.to_bits()).hash(h),
             IndexOp::Fold { params, hw } => (params, hw).hash(h),
-            IndexOp::Dequantize {
-                qtype,
-                cols,
-                caller,
-            } => (qtype, cols, caller).hash(h),
+            IndexOp::Dequantize { qtype, cols, caller } => (qtype, cols, caller).hash(h),
         }
     }
 }
@@ -148,10 +125,7 @@ impl IndexOp {
     /// runs as an index_select, but its user called `embedding`).
     pub fn caller(&self) -> Option<Caller> {
         match self {
-            IndexOp::Gather { caller, .. }
-            | IndexOp::ScatterAdd { caller, .. }
-            | IndexOp::IndexSelect { caller, .. }
-            | IndexOp::Dequantize { caller, .. } => Some(*caller),
+            IndexOp::Gather { caller, .. } | IndexOp::ScatterAdd { caller, .. } | IndexOp::IndexSelect { caller, .. } | IndexOp::Dequantize { caller, .. } => Some(*caller),
             _ => None,
         }
     }
@@ -164,8 +138,6 @@ impl IndexOp {
 
     /// The op name behind an error code of [`IndexOp::error_code`].
     pub fn name_of_error_code(code: u32) -> &'static str {
-        Caller::ALL
-            .get((code as usize).wrapping_sub(1))
-            .map_or("index", |c| c.name())
+        Caller::ALL.get((code as usize).wrapping_sub(1)).map_or("index", |c| c.name())
     }
 }

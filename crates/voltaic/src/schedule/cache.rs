@@ -50,8 +50,7 @@ impl Key {
             // `lifetimes::survivors`). Only pending nodes' count: whether a
             // realized input is held elsewhere changes nothing in the plan
             // (and another thread may be taking references to it).
-            let external =
-                g.ops[i].is_some() && std::sync::Arc::strong_count(node) > 1 + 2 * g.edges_in[i];
+            let external = g.ops[i].is_some() && std::sync::Arc::strong_count(node) > 1 + 2 * g.edges_in[i];
             t.push(Tok::N(((g.target[i] as u64) << 1) | external as u64));
             t.push(Tok::DType(node.dtype));
             t.push(Tok::Device(node.device));
@@ -114,11 +113,7 @@ impl Entry {
         for k in plan.kernels.iter_mut() {
             for e in k.kind.exprs_mut() {
                 for (c, &pos) in e.consts.iter_mut().zip(&e.const_nodes) {
-                    if let Some(crate::graph::Op {
-                        kind: OpKind::Const(v),
-                        ..
-                    }) = &g.ops[pos]
-                    {
+                    if let Some(crate::graph::Op { kind: OpKind::Const(v), .. }) = &g.ops[pos] {
                         *c = *v;
                     }
                 }
@@ -130,38 +125,21 @@ impl Entry {
     /// An estimate of the bytes the entry holds (plan, layouts, expressions).
     fn bytes(&self) -> usize {
         let layout = |l: &Layout| std::mem::size_of::<Layout>() + 16 * l.dims().len();
-        let mut n =
-            std::mem::size_of::<Entry>() + 8 * (self.input_nodes.len() + self.store_nodes.len());
+        let mut n = std::mem::size_of::<Entry>() + 8 * (self.input_nodes.len() + self.store_nodes.len());
         n += self.plan.slots.len() * std::mem::size_of::<crate::ir::SlotInfo>();
         for k in &self.plan.kernels {
             n += std::mem::size_of::<crate::ir::Kernel>() + 8 * (k.inputs.len() + k.ops.len());
             for e in k.kind.exprs() {
                 n += 24 * e.instrs.len() + 16 * e.consts.len();
-                n += e
-                    .loads
-                    .iter()
-                    .map(|l| {
-                        std::mem::size_of::<crate::ir::Load>()
-                            + l.path.iter().map(layout).sum::<usize>()
-                    })
-                    .sum::<usize>();
+                n += e.loads.iter().map(|l| std::mem::size_of::<crate::ir::Load>() + l.path.iter().map(layout).sum::<usize>()).sum::<usize>();
             }
             match &k.kind {
-                crate::ir::KernelKind::Matmul { a, b, .. } => {
-                    n += layout(&a.layout) + layout(&b.layout)
-                }
-                crate::ir::KernelKind::Index { args, .. } => {
-                    n += args.iter().map(|s| layout(&s.layout)).sum::<usize>()
-                }
+                crate::ir::KernelKind::Matmul { a, b, .. } => n += layout(&a.layout) + layout(&b.layout),
+                crate::ir::KernelKind::Index { args, .. } => n += args.iter().map(|s| layout(&s.layout)).sum::<usize>(),
                 _ => {}
             }
         }
-        n + 8 * self
-            .plan
-            .free_after
-            .iter()
-            .map(|f| f.len() + 3)
-            .sum::<usize>()
+        n + 8 * self.plan.free_after.iter().map(|f| f.len() + 3).sum::<usize>()
     }
 }
 
@@ -199,15 +177,7 @@ struct Cache {
 fn cache() -> MutexGuard<'static, Cache> {
     static CACHE: LazyLock<Mutex<Cache>> = LazyLock::new(|| {
         let (max_entries, max_bytes) = default_limits();
-        Mutex::new(Cache {
-            map: HashMap::new(),
-            tick: 0,
-            stats: PlanCacheStats {
-                max_entries,
-                max_bytes,
-                ..Default::default()
-            },
-        })
+        Mutex::new(Cache { map: HashMap::new(), tick: 0, stats: PlanCacheStats { max_entries, max_bytes, ..Default::default() } })
     });
     CACHE.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -215,15 +185,8 @@ fn cache() -> MutexGuard<'static, Cache> {
 /// Limits from `VOLTAIC_PLAN_CACHE` (entries; 0 turns the cache off) and
 /// `VOLTAIC_PLAN_CACHE_MB`; by default 1024 plans and 64 MiB.
 fn default_limits() -> (usize, usize) {
-    let num = |k: &str| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-    };
-    (
-        num("VOLTAIC_PLAN_CACHE").unwrap_or(1024),
-        num("VOLTAIC_PLAN_CACHE_MB").unwrap_or(64) << 20,
-    )
+    let num = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<usize>().ok());
+    (num("VOLTAIC_PLAN_CACHE").unwrap_or(1024), num("VOLTAIC_PLAN_CACHE_MB").unwrap_or(64) << 20)
 }
 
 /// The cached entry for `key`, if any (counted as a hit or a miss).
@@ -267,14 +230,7 @@ pub(crate) fn insert(key: Key, entry: Entry) {
 
 fn evict(c: &mut Cache) {
     while c.map.len() > c.stats.max_entries || c.stats.bytes > c.stats.max_bytes {
-        let Some(oldest) = c
-            .map
-            .iter()
-            .min_by_key(|(_, s)| s.used)
-            .map(|(k, _)| k.clone())
-        else {
-            break;
-        };
+        let Some(oldest) = c.map.iter().min_by_key(|(_, s)| s.used).map(|(k, _)| k.clone()) else { break };
         if let Some(s) = c.map.remove(&oldest) {
             c.stats.bytes -= s.bytes;
             c.stats.evictions += 1;
@@ -286,10 +242,7 @@ fn evict(c: &mut Cache) {
 /// Counters and size of the plan cache (one cache serves every device).
 pub fn plan_cache_stats() -> PlanCacheStats {
     let c = cache();
-    PlanCacheStats {
-        entries: c.map.len(),
-        ..c.stats
-    }
+    PlanCacheStats { entries: c.map.len(), ..c.stats }
 }
 
 /// Bound the plan cache to `entries` plans and about `bytes` bytes (0

@@ -29,12 +29,7 @@ pub(crate) struct Lowered {
 
 /// Lower every node of `g` that `inline` does not fuse into a consumer.
 pub(crate) fn lower(g: &Dag, inline: &[bool]) -> Lowered {
-    let mut l = Lowered {
-        plan: Plan::default(),
-        slot_of: vec![None; g.nodes.len()],
-        inputs: vec![],
-        input_nodes: vec![],
-    };
+    let mut l = Lowered { plan: Plan::default(), slot_of: vec![None; g.nodes.len()], inputs: vec![], input_nodes: vec![] };
     for i in 0..g.nodes.len() {
         if g.ops[i].is_none() || inline[i] {
             continue;
@@ -42,11 +37,7 @@ pub(crate) fn lower(g: &Dag, inline: &[bool]) -> Lowered {
         let kernel = build_kernel(g, inline, &mut l, i);
         let node = &g.nodes[i];
         let out = l.plan.slots.len();
-        l.plan.slots.push(SlotInfo {
-            source: SlotSource::Kernel,
-            dtype: node.dtype,
-            numel: node.numel(),
-        });
+        l.plan.slots.push(SlotInfo { source: SlotSource::Kernel, dtype: node.dtype, numel: node.numel() });
         l.slot_of[i] = Some(out);
         l.plan.kernels.push(Kernel { out, ..kernel });
     }
@@ -60,15 +51,9 @@ fn slot_for(g: &Dag, l: &mut Lowered, j: usize) -> Slot {
         return s;
     }
     let node = &g.nodes[j];
-    let buf = node
-        .buffer()
-        .expect("a node read as a buffer is realized or lowered before its consumers");
+    let buf = node.buffer().expect("a node read as a buffer is realized or lowered before its consumers");
     let s = l.plan.slots.len();
-    l.plan.slots.push(SlotInfo {
-        source: SlotSource::Input(l.inputs.len()),
-        dtype: node.dtype,
-        numel: node.numel(),
-    });
+    l.plan.slots.push(SlotInfo { source: SlotSource::Input(l.inputs.len()), dtype: node.dtype, numel: node.numel() });
     l.inputs.push(buf);
     l.input_nodes.push(j);
     l.slot_of[j] = Some(s);
@@ -104,10 +89,7 @@ impl Builder<'_> {
     /// A strided read of a whole value (matmul and index operands).
     fn strided(&mut self, v: &Value) -> Strided {
         let j = self.g.pos(v);
-        Strided {
-            input: self.input(j),
-            layout: v.layout.clone(),
-        }
+        Strided { input: self.input(j), layout: v.layout.clone() }
     }
 
     fn push(&mut self, i: Instr, dt: DType) -> usize {
@@ -130,11 +112,7 @@ impl Builder<'_> {
         let input = self.input(j);
         let dtype = self.g.nodes[j].dtype;
         let anchored = anchor(path.clone(), &self.kernel_dims);
-        self.expr.loads.push(Load {
-            input,
-            dtype,
-            path: anchored,
-        });
+        self.expr.loads.push(Load { input, dtype, path: anchored });
         let v = self.push(Instr::Load(self.expr.loads.len() - 1), dtype);
         self.memo.insert((usize::MAX - j, path), v);
         v
@@ -186,23 +164,11 @@ fn anchor(mut path: Vec<Layout>, kernel_dims: &[usize]) -> Vec<Layout> {
 fn build_kernel(g: &Dag, inline: &[bool], l: &mut Lowered, i: usize) -> Kernel {
     let node = &g.nodes[i];
     let op = g.ops[i].as_ref().expect("lowered nodes are pending");
-    let mut b = Builder {
-        g,
-        inline,
-        l,
-        kernel_dims: node.dims.clone(),
-        inputs: vec![],
-        expr: Expr::default(),
-        memo: HashMap::new(),
-        ops: vec![],
-    };
+    let mut b = Builder { g, inline, l, kernel_dims: node.dims.clone(), inputs: vec![], expr: Expr::default(), memo: HashMap::new(), ops: vec![] };
     let kind = match &op.kind {
         _ if op.is_elementwise() => {
             b.node(i, vec![]);
-            KernelKind::Elementwise {
-                expr: std::mem::take(&mut b.expr),
-                shape: node.dims.clone(),
-            }
+            KernelKind::Elementwise { expr: std::mem::take(&mut b.expr), shape: node.dims.clone() }
         }
         OpKind::Reduce(rop, axes) => {
             b.ops.push(rop.name());
@@ -218,69 +184,32 @@ fn build_kernel(g: &Dag, inline: &[bool], l: &mut Lowered, i: usize) -> Kernel {
             let shape: Vec<usize> = perm.iter().map(|&p| in_dims[p]).collect();
             let outer: usize = kept.iter().map(|&d| in_dims[d]).product();
             let inner: usize = axes.iter().map(|&d| in_dims[d]).product();
-            KernelKind::Reduce {
-                op: *rop,
-                expr: std::mem::take(&mut b.expr),
-                shape,
-                outer,
-                inner,
-            }
+            KernelKind::Reduce { op: *rop, expr: std::mem::take(&mut b.expr), shape, outer, inner }
         }
         OpKind::Matmul => {
             b.ops.push("matmul");
             let (x, y) = (&op.inputs[0], &op.inputs[1]);
             let (a, bb) = (b.strided(x), b.strided(y));
             let r = x.layout.dims().len();
-            let (m, k, n) = (
-                x.layout.dims()[r - 2],
-                x.layout.dims()[r - 1],
-                y.layout.dims()[r - 1],
-            );
+            let (m, k, n) = (x.layout.dims()[r - 2], x.layout.dims()[r - 1], y.layout.dims()[r - 1]);
             let batch = x.layout.dims()[..r - 2].iter().product();
-            KernelKind::Matmul {
-                a,
-                b: bb,
-                batch,
-                m,
-                k,
-                n,
-                epilogue: None,
-                quant: None,
-            }
+            KernelKind::Matmul { a, b: bb, batch, m, k, n, epilogue: None, quant: None }
         }
         OpKind::QMatmul(q) => {
             b.ops.push("qmatmul");
             let (x, w) = (&op.inputs[0], &op.inputs[1]);
             let (a, bb) = (b.strided(x), b.strided(w));
             let (m, k, n) = (x.layout.dims()[0], x.layout.dims()[1], node.dims[1]);
-            KernelKind::Matmul {
-                a,
-                b: bb,
-                batch: 1,
-                m,
-                k,
-                n,
-                epilogue: None,
-                quant: Some(*q),
-            }
+            KernelKind::Matmul { a, b: bb, batch: 1, m, k, n, epilogue: None, quant: Some(*q) }
         }
         OpKind::Index(iop) => {
             b.ops.push(iop.name());
             let args = op.inputs.iter().map(|v| b.strided(v)).collect();
             KernelKind::Index { op: *iop, args }
         }
-        OpKind::Const(_) | OpKind::Map(_) | OpKind::Copy => {
-            unreachable!("elementwise ops are matched first")
-        }
+        OpKind::Const(_) | OpKind::Map(_) | OpKind::Copy => unreachable!("elementwise ops are matched first"),
     };
-    Kernel {
-        kind,
-        inputs: b.inputs,
-        out: 0,
-        dtype: node.dtype,
-        numel: node.numel(),
-        ops: b.ops,
-    }
+    Kernel { kind, inputs: b.inputs, out: 0, dtype: node.dtype, numel: node.numel(), ops: b.ops }
 }
 
 #[cfg(test)]
@@ -299,36 +228,17 @@ mod tests {
     #[test]
     fn a_fused_chain_is_one_expression_over_one_input() {
         let x = input(&[2, 3]);
-        let y = binary(
-            &unary(&x, UnaryOp::Exp),
-            &constant_like(&x, 2.0),
-            BinaryOp::Mul,
-        );
+        let y = binary(&unary(&x, UnaryOp::Exp), &constant_like(&x, 2.0), BinaryOp::Mul);
         let l = lowered(&[&y]);
         assert_eq!(l.plan.kernels.len(), 1);
         assert_eq!(l.inputs.len(), 1);
         assert_eq!(l.plan.input_count(), 1);
-        let KernelKind::Elementwise { expr, shape } = &l.plan.kernels[0].kind else {
-            panic!("elementwise")
-        };
+        let KernelKind::Elementwise { expr, shape } = &l.plan.kernels[0].kind else { panic!("elementwise") };
         assert_eq!(shape, &[2, 3]);
         assert_eq!(expr.loads.len(), 1);
         assert_eq!(expr.consts, vec![2.0]);
-        let maps: Vec<MapOp> = expr
-            .instrs
-            .iter()
-            .filter_map(|(i, _)| {
-                if let Instr::Map(m, _) = i {
-                    Some(*m)
-                } else {
-                    None
-                }
-            })
-            .collect();
-        assert_eq!(
-            maps,
-            vec![MapOp::Unary(UnaryOp::Exp), MapOp::Binary(BinaryOp::Mul)]
-        );
+        let maps: Vec<MapOp> = expr.instrs.iter().filter_map(|(i, _)| if let Instr::Map(m, _) = i { Some(*m) } else { None }).collect();
+        assert_eq!(maps, vec![MapOp::Unary(UnaryOp::Exp), MapOp::Binary(BinaryOp::Mul)]);
     }
 
     #[test]
@@ -336,9 +246,7 @@ mod tests {
         let x = input(&[5]);
         let y = binary(&x, &x, BinaryOp::Add);
         let l = lowered(&[&y]);
-        let KernelKind::Elementwise { expr, .. } = &l.plan.kernels[0].kind else {
-            panic!()
-        };
+        let KernelKind::Elementwise { expr, .. } = &l.plan.kernels[0].kind else { panic!() };
         assert_eq!(expr.loads.len(), 1);
     }
 
@@ -348,16 +256,7 @@ mod tests {
         let s = reduce(&unary(&x, UnaryOp::Exp), ReduceOp::Sum, &[1]);
         let l = lowered(&[&s]);
         assert_eq!(l.plan.kernels.len(), 1, "exp is the reduction's prologue");
-        let KernelKind::Reduce {
-            shape,
-            outer,
-            inner,
-            expr,
-            ..
-        } = &l.plan.kernels[0].kind
-        else {
-            panic!("reduce")
-        };
+        let KernelKind::Reduce { shape, outer, inner, expr, .. } = &l.plan.kernels[0].kind else { panic!("reduce") };
         assert_eq!((shape.as_slice(), *outer, *inner), (&[2, 4, 3][..], 8, 3));
         assert_eq!(expr.loads[0].path[0].strides(), &[12, 1, 4]);
     }

@@ -11,30 +11,16 @@ use crate::storage::{map_storage, CpuStorage, StorageElem};
 use half::{bf16, f16};
 
 /// Run an index-like kernel over its operands.
-pub(crate) fn run(
-    op: &IndexOp,
-    args: &[View],
-    inputs: &[&CpuStorage],
-    dtype: DType,
-    numel: usize,
-) -> Result<CpuStorage> {
+pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DType, numel: usize) -> Result<CpuStorage> {
     Ok(match *op {
         IndexOp::Gather { dim, caller } => gather(caller.name(), dim, &args[0], &args[1], inputs)?,
-        IndexOp::ScatterAdd { dim, caller } => {
-            scatter_add(caller.name(), dim, &args[0], &args[1], &args[2], inputs)?
-        }
-        IndexOp::IndexSelect { dim, caller } => {
-            index_select(caller.name(), dim, &args[0], &args[1], inputs)?
-        }
+        IndexOp::ScatterAdd { dim, caller } => scatter_add(caller.name(), dim, &args[0], &args[1], &args[2], inputs)?,
+        IndexOp::IndexSelect { dim, caller } => index_select(caller.name(), dim, &args[0], &args[1], inputs)?,
         IndexOp::Cumsum { dim } => cumsum(dim, &args[0], inputs),
         IndexOp::Cat { dim } => cat(dim, args, inputs, dtype, numel),
         IndexOp::Unfold { params, pad } => unfold(&args[0], &params, pad, inputs),
         IndexOp::Fold { params, hw } => fold(&args[0], &params, hw, inputs),
-        IndexOp::Dequantize {
-            qtype,
-            cols,
-            caller,
-        } => super::quant::dequantize_rows(caller.name(), qtype, cols, &args[0], &args[1], inputs)?,
+        IndexOp::Dequantize { qtype, cols, caller } => super::quant::dequantize_rows(caller.name(), qtype, cols, &args[0], &args[1], inputs)?,
     })
 }
 
@@ -52,11 +38,7 @@ fn indices(v: &View, inputs: &[&CpuStorage]) -> Vec<i64> {
 
 fn check(op: &'static str, i: i64, size: usize, dim: usize) -> Result<usize> {
     if i < 0 || i as usize >= size {
-        bail!(
-            Index,
-            op,
-            "index {i} is out of range for dimension {dim} of size {size}"
-        );
+        bail!(Index, op, "index {i} is out of range for dimension {dim} of size {size}");
     }
     Ok(i as usize)
 }
@@ -66,13 +48,7 @@ fn typed<T: StorageElem>(s: &CpuStorage) -> &[T] {
 }
 
 /// `out[p] = input[p with p[dim] = index[p]]`, `out` shaped like `index`.
-fn gather(
-    op: &'static str,
-    dim: usize,
-    inp: &View,
-    index: &View,
-    inputs: &[&CpuStorage],
-) -> Result<CpuStorage> {
+fn gather(op: &'static str, dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
     let idx = indices(index, inputs);
     let src = input(inp, inputs);
     let dims = index.layout.dims();
@@ -88,13 +64,7 @@ fn gather(
 }
 
 /// Rows of `input` along `dim` chosen by a 1-D index.
-fn index_select(
-    op: &'static str,
-    dim: usize,
-    inp: &View,
-    index: &View,
-    inputs: &[&CpuStorage],
-) -> Result<CpuStorage> {
+fn index_select(op: &'static str, dim: usize, inp: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
     let idx = indices(index, inputs);
     let l = &inp.layout;
     let size = l.dims()[dim];
@@ -161,14 +131,7 @@ fn copy_out<T: Copy>(s: &[T], l: &Layout) -> Vec<T> {
 }
 
 /// `out = input; out[p with p[dim] = index[p]] += src[p]` for every `p` of `index`.
-fn scatter_add(
-    op: &'static str,
-    dim: usize,
-    inp: &View,
-    index: &View,
-    src: &View,
-    inputs: &[&CpuStorage],
-) -> Result<CpuStorage> {
+fn scatter_add(op: &'static str, dim: usize, inp: &View, index: &View, src: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
     let idx = indices(index, inputs);
     let out_dims = inp.layout.dims().to_vec();
     let ostrides = crate::shape::Shape::new(&out_dims).contiguous_strides();
@@ -183,12 +146,7 @@ fn scatter_add(
         let doff: usize = pos.iter().zip(&ostrides).map(|(p, s)| p * s).sum();
         pairs.push((doff, soff));
     }
-    fn go<T: AddElem + StorageElem>(
-        base: &[T],
-        l: &Layout,
-        s: &[T],
-        pairs: &[(usize, usize)],
-    ) -> CpuStorage {
+    fn go<T: AddElem + StorageElem>(base: &[T], l: &Layout, s: &[T], pairs: &[(usize, usize)]) -> CpuStorage {
         let mut out = copy_out(base, l);
         for &(d, so) in pairs {
             out[d] = out[d].add(s[so]);
@@ -207,13 +165,7 @@ fn cumsum(dim: usize, inp: &View, inputs: &[&CpuStorage]) -> CpuStorage {
     let n: usize = dims.iter().product();
     let inner: usize = dims[dim + 1..].iter().product();
     let outer = n.checked_div(len * inner).unwrap_or(0);
-    fn go<T: AddElem + StorageElem + Default>(
-        s: &[T],
-        l: &Layout,
-        outer: usize,
-        len: usize,
-        inner: usize,
-    ) -> CpuStorage {
+    fn go<T: AddElem + StorageElem + Default>(s: &[T], l: &Layout, outer: usize, len: usize, inner: usize) -> CpuStorage {
         let mut out = copy_out(s, l);
         for o in 0..outer {
             for i in 1..len {
@@ -237,29 +189,19 @@ fn cumsum(dim: usize, inp: &View, inputs: &[&CpuStorage]) -> CpuStorage {
         // a running sum kept in f16 stalls once its ulp outgrows the terms.
         CpuStorage::F16(v) => {
             let f: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
-            let CpuStorage::F32(r) = go(&f, l, outer, len, inner) else {
-                unreachable!()
-            };
+            let CpuStorage::F32(r) = go(&f, l, outer, len, inner) else { unreachable!() };
             CpuStorage::F16(r.into_iter().map(f16::from_f32).collect())
         }
         CpuStorage::BF16(v) => {
             let f: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
-            let CpuStorage::F32(r) = go(&f, l, outer, len, inner) else {
-                unreachable!()
-            };
+            let CpuStorage::F32(r) = go(&f, l, outer, len, inner) else { unreachable!() };
             CpuStorage::BF16(r.into_iter().map(bf16::from_f32).collect())
         }
     }
 }
 
 /// Concatenate along `dim`.
-fn cat(
-    dim: usize,
-    parts: &[View],
-    inputs: &[&CpuStorage],
-    dtype: DType,
-    numel: usize,
-) -> CpuStorage {
+fn cat(dim: usize, parts: &[View], inputs: &[&CpuStorage], dtype: DType, numel: usize) -> CpuStorage {
     let mut out = CpuStorage::zeros(dtype, numel);
     let first = parts[0].layout.dims();
     let outer: usize = first[..dim].iter().product();
@@ -291,21 +233,13 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> Cpu
     let [kh, kw] = p.kernel;
     let st = l.strides().to_vec();
     let plane = kh * kw * oh * ow;
-    fn go<T: StorageElem>(
-        s: &[T],
-        l: &Layout,
-        st: &[usize],
-        dims: [usize; 8],
-        p: &UnfoldParams,
-        pad: f64,
-    ) -> CpuStorage {
+    fn go<T: StorageElem>(s: &[T], l: &Layout, st: &[usize], dims: [usize; 8], p: &UnfoldParams, pad: f64) -> CpuStorage {
         let pad = T::from_f64(pad);
         let [nb, c, h, w, kh, kw, oh, ow] = dims;
         let plane = kh * kw * oh * ow;
         // From the pool, so a training loop reuses the (large) patch buffer
         // rather than faulting in fresh pages every step.
-        let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * plane))
-            .expect("the pool returns the dtype asked for");
+        let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
         out.fill(pad);
         if plane == 0 {
             return T::wrap(out);
@@ -319,20 +253,10 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> Cpu
                     // Output columns whose input column is inside the image.
                     let off_x = (kj * p.dilation[1]) as isize - p.padding[1] as isize;
                     let sx = p.stride[1] as isize;
-                    let x0 = if off_x >= 0 {
-                        0
-                    } else {
-                        ((-off_x) + sx - 1) / sx
-                    } as usize;
-                    let x1 = if (w as isize) <= off_x {
-                        0
-                    } else {
-                        ((w as isize - off_x + sx - 1) / sx) as usize
-                    }
-                    .min(ow);
+                    let x0 = if off_x >= 0 { 0 } else { ((-off_x) + sx - 1) / sx } as usize;
+                    let x1 = if (w as isize) <= off_x { 0 } else { ((w as isize - off_x + sx - 1) / sx) as usize }.min(ow);
                     for y in 0..oh {
-                        let iy =
-                            (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                        let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
                         if iy < 0 || iy as usize >= h || x0 >= x1 {
                             continue;
                         }
@@ -369,45 +293,35 @@ fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) ->
     let (nb, c, kh, kw, oh, ow) = (d[0], d[1], d[2], d[3], d[4], d[5]);
     let [h, w] = hw;
     let st = l.strides().to_vec();
-    fn go<T: StorageElem + AddElem + Default>(
-        s: &[T],
-        l: &Layout,
-        st: &[usize],
-        d: [usize; 8],
-        p: &UnfoldParams,
-    ) -> CpuStorage {
+    fn go<T: StorageElem + AddElem + Default>(s: &[T], l: &Layout, st: &[usize], d: [usize; 8], p: &UnfoldParams) -> CpuStorage {
         let [nb, c, kh, kw, oh, ow, h, w] = d;
         let mut out = vec![T::default(); nb * c * h * w];
         if h * w == 0 {
             return T::wrap(out);
         }
-        out.par_chunks_mut(h * w)
-            .enumerate()
-            .for_each(|(nc, plane)| {
-                let (n, ci) = (nc / c, nc % c);
-                let base = l.offset + n * st[0] + ci * st[1];
-                for ki in 0..kh {
-                    for kj in 0..kw {
-                        for y in 0..oh {
-                            let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize
-                                - p.padding[0] as isize;
-                            if iy < 0 || iy as usize >= h {
+        out.par_chunks_mut(h * w).enumerate().for_each(|(nc, plane)| {
+            let (n, ci) = (nc / c, nc % c);
+            let base = l.offset + n * st[0] + ci * st[1];
+            for ki in 0..kh {
+                for kj in 0..kw {
+                    for y in 0..oh {
+                        let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                        if iy < 0 || iy as usize >= h {
+                            continue;
+                        }
+                        for x in 0..ow {
+                            let ix = (x * p.stride[1] + kj * p.dilation[1]) as isize - p.padding[1] as isize;
+                            if ix < 0 || ix as usize >= w {
                                 continue;
                             }
-                            for x in 0..ow {
-                                let ix = (x * p.stride[1] + kj * p.dilation[1]) as isize
-                                    - p.padding[1] as isize;
-                                if ix < 0 || ix as usize >= w {
-                                    continue;
-                                }
-                                let v = s[base + ki * st[2] + kj * st[3] + y * st[4] + x * st[5]];
-                                let o = &mut plane[iy as usize * w + ix as usize];
-                                *o = o.add(v);
-                            }
+                            let v = s[base + ki * st[2] + kj * st[3] + y * st[4] + x * st[5]];
+                            let o = &mut plane[iy as usize * w + ix as usize];
+                            *o = o.add(v);
                         }
                     }
                 }
-            });
+            }
+        });
         T::wrap(out)
     }
     let dims = [nb, c, kh, kw, oh, ow, h, w];

@@ -20,12 +20,7 @@ fn batch_offsets(v: &View) -> Vec<usize> {
     (0..nb)
         .map(|b| {
             unravel(b, bdims, &mut idx);
-            l.offset
-                + idx
-                    .iter()
-                    .zip(&l.strides)
-                    .map(|(i, s)| i * s)
-                    .sum::<usize>()
+            l.offset + idx.iter().zip(&l.strides).map(|(i, s)| i * s).sum::<usize>()
         })
         .collect()
 }
@@ -49,18 +44,7 @@ impl<T> SendPtr<T> {
     }
 }
 
-fn gemm_batched<T: 'static + Copy + Send + Sync>(
-    a: &View,
-    b: &View,
-    sa: &[T],
-    sb: &[T],
-    out: &mut [T],
-    m: usize,
-    k: usize,
-    n: usize,
-    zero: T,
-    one: T,
-) {
+fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], sb: &[T], out: &mut [T], m: usize, k: usize, n: usize, zero: T, one: T) {
     let (oa, ob) = (batch_offsets(a), batch_offsets(b));
     let (a_rs, a_cs) = strides(a);
     let (b_rs, b_cs) = strides(b);
@@ -74,14 +58,7 @@ fn gemm_batched<T: 'static + Copy + Send + Sync>(
     let (par_batches, inner_par) = if nb >= threads && work < 128 * 128 * 128 {
         (true, Parallelism::None)
     } else {
-        (
-            false,
-            if work >= 48 * 48 * 48 {
-                Parallelism::Rayon(threads)
-            } else {
-                Parallelism::None
-            },
-        )
+        (false, if work >= 48 * 48 * 48 { Parallelism::Rayon(threads) } else { Parallelism::None })
     };
     let dst = SendPtr(out.as_mut_ptr());
     let run = |bi: usize| {
@@ -120,18 +97,7 @@ fn gemm_batched<T: 'static + Copy + Send + Sync>(
 
 /// Integer matmul, wrapping like the elementwise integer ops (exact mod
 /// 2^32, where accumulating in f64 rounds once products pass 2^53).
-fn naive<T: Copy>(
-    a: &View,
-    b: &View,
-    sa: &[T],
-    sb: &[T],
-    m: usize,
-    k: usize,
-    n: usize,
-    mul: impl Fn(T, T) -> T,
-    add: impl Fn(T, T) -> T,
-    zero: T,
-) -> Vec<T> {
+fn naive<T: Copy>(a: &View, b: &View, sa: &[T], sb: &[T], m: usize, k: usize, n: usize, mul: impl Fn(T, T) -> T, add: impl Fn(T, T) -> T, zero: T) -> Vec<T> {
     let (oa, ob) = (batch_offsets(a), batch_offsets(b));
     let (a_rs, a_cs) = strides(a);
     let (b_rs, b_cs) = strides(b);
@@ -153,30 +119,14 @@ fn naive<T: Copy>(
 }
 
 /// Run a matmul kernel.
-pub(crate) fn run(
-    a: &View,
-    b: &View,
-    m: usize,
-    k: usize,
-    n: usize,
-    inputs: &[&CpuStorage],
-    dtype: DType,
-) -> CpuStorage {
+pub(crate) fn run(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let (x, y) = (input(a, inputs), input(b, inputs));
     let nb = batch_offsets(a).len();
     // gemm overwrites every element unless the inner dim is empty.
-    let mut out = if k > 0 {
-        super::pool::take(dtype, nb * m * n)
-    } else {
-        super::pool::take_zeroed(dtype, nb * m * n)
-    };
+    let mut out = if k > 0 { super::pool::take(dtype, nb * m * n) } else { super::pool::take_zeroed(dtype, nb * m * n) };
     match (x, y, &mut out) {
-        (CpuStorage::F32(sa), CpuStorage::F32(sb), CpuStorage::F32(o)) => {
-            gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0)
-        }
-        (CpuStorage::F64(sa), CpuStorage::F64(sb), CpuStorage::F64(o)) => {
-            gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0)
-        }
+        (CpuStorage::F32(sa), CpuStorage::F32(sb), CpuStorage::F32(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0),
+        (CpuStorage::F64(sa), CpuStorage::F64(sb), CpuStorage::F64(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0),
         (CpuStorage::F16(sa), CpuStorage::F16(sb), CpuStorage::F16(o)) => {
             gemm_batched(a, b, sa, sb, o, m, k, n, f16::ZERO, f16::ONE)
         }
@@ -191,32 +141,10 @@ pub(crate) fn run(
             }
         }
         (CpuStorage::I32(sa), CpuStorage::I32(sb), CpuStorage::I32(o)) => {
-            o.copy_from_slice(&naive(
-                a,
-                b,
-                sa,
-                sb,
-                m,
-                k,
-                n,
-                i32::wrapping_mul,
-                i32::wrapping_add,
-                0,
-            ));
+            o.copy_from_slice(&naive(a, b, sa, sb, m, k, n, i32::wrapping_mul, i32::wrapping_add, 0));
         }
         (CpuStorage::U32(sa), CpuStorage::U32(sb), CpuStorage::U32(o)) => {
-            o.copy_from_slice(&naive(
-                a,
-                b,
-                sa,
-                sb,
-                m,
-                k,
-                n,
-                u32::wrapping_mul,
-                u32::wrapping_add,
-                0,
-            ));
+            o.copy_from_slice(&naive(a, b, sa, sb, m, k, n, u32::wrapping_mul, u32::wrapping_add, 0));
         }
         _ => unreachable!("matmul dtypes are checked when the op is recorded"),
     }

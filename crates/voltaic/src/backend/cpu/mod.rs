@@ -24,24 +24,13 @@ pub(crate) struct CpuExecutor {
 /// The CPU executor (one per process: rayon's pool is shared anyway).
 pub(crate) fn executor() -> Arc<dyn Executor> {
     static EXEC: OnceLock<Arc<CpuExecutor>> = OnceLock::new();
-    EXEC.get_or_init(|| {
-        Arc::new(CpuExecutor {
-            kernels: AtomicU64::new(0),
-        })
-    })
-    .clone()
+    EXEC.get_or_init(|| Arc::new(CpuExecutor { kernels: AtomicU64::new(0) })).clone()
 }
 
 impl CpuExecutor {
     fn run_plan(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
         if inputs.len() != plan.input_count() {
-            bail!(
-                Device,
-                "realize",
-                "internal: a plan of {} inputs was run with {}",
-                plan.input_count(),
-                inputs.len()
-            );
+            bail!(Device, "realize", "internal: a plan of {} inputs was run with {}", plan.input_count(), inputs.len());
         }
         let mut bufs: Vec<Option<Arc<pool::HostBuf>>> = Vec::with_capacity(plan.slots.len());
         for s in &plan.slots {
@@ -61,11 +50,7 @@ impl CpuExecutor {
             let t0 = std::time::Instant::now();
             let out = Arc::new(pool::HostBuf::pooled(run_kernel(kernel, &bufs)?));
             if profile {
-                times.push((
-                    t0.elapsed().as_secs_f64() * 1e6,
-                    kernel.numel,
-                    format!("{} ({})", kernel.kind.name(), kernel.ops.join(" ")),
-                ));
+                times.push((t0.elapsed().as_secs_f64() * 1e6, kernel.numel, format!("{} ({})", kernel.kind.name(), kernel.ops.join(" "))));
             }
             for (o, &slot) in outs.iter_mut().zip(&plan.outputs) {
                 if slot == kernel.out {
@@ -77,8 +62,7 @@ impl CpuExecutor {
                 bufs[s] = None;
             }
         }
-        self.kernels
-            .fetch_add(plan.kernels.len() as u64, Ordering::Relaxed);
+        self.kernels.fetch_add(plan.kernels.len() as u64, Ordering::Relaxed);
         if profile && !times.is_empty() {
             eprintln!("voltaic profile (cpu):");
             for (us, n, label) in &times {
@@ -98,11 +82,7 @@ impl CpuExecutor {
             .zip(&plan.outputs)
             .map(|(o, &slot)| match o.or_else(|| bufs[slot].clone()) {
                 Some(b) => Ok(Buffer::Host(b)),
-                None => bail!(
-                    Device,
-                    "realize",
-                    "internal: output slot {slot} of the plan was never computed"
-                ),
+                None => bail!(Device, "realize", "internal: output slot {slot} of the plan was never computed"),
             })
             .collect()
     }
@@ -110,16 +90,11 @@ impl CpuExecutor {
 
 impl Executor for CpuExecutor {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            row_kernels: false,
-            strided_reads: true,
-        }
+        Capabilities { row_kernels: false, strided_reads: true }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
-        crate::profile::time(crate::profile::Phase::Execute, || {
-            self.run_plan(plan, inputs)
-        })
+        crate::profile::time(crate::profile::Phase::Execute, || self.run_plan(plan, inputs))
     }
 
     fn upload(&self, data: CpuStorage) -> Result<Buffer> {
@@ -128,15 +103,8 @@ impl Executor for CpuExecutor {
 
     fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView> {
         match buf {
-            Buffer::Host(b) => Ok(HostView {
-                data: HostData::Shared(b.clone()),
-                layout: layout.clone(),
-            }),
-            _ => bail!(
-                Device,
-                "to_vec",
-                "a buffer of another device reached the CPU executor"
-            ),
+            Buffer::Host(b) => Ok(HostView { data: HostData::Shared(b.clone()), layout: layout.clone() }),
+            _ => bail!(Device, "to_vec", "a buffer of another device reached the CPU executor"),
         }
     }
 
@@ -165,23 +133,8 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
     let inputs: Vec<&CpuStorage> = k.inputs.iter().map(|&s| live(s)).collect();
     let out = match &k.kind {
         KernelKind::Elementwise { expr, shape } => elementwise::run(expr, shape, &inputs, k.dtype),
-        KernelKind::Reduce {
-            op,
-            expr,
-            shape,
-            outer,
-            inner,
-        } => reduce::run(*op, expr, shape, *outer, *inner, &inputs, k.dtype),
-        KernelKind::Matmul {
-            a,
-            b,
-            batch: _,
-            m,
-            k: kk,
-            n,
-            epilogue,
-            quant,
-        } => {
+        KernelKind::Reduce { op, expr, shape, outer, inner } => reduce::run(*op, expr, shape, *outer, *inner, &inputs, k.dtype),
+        KernelKind::Matmul { a, b, batch: _, m, k: kk, n, epilogue, quant } => {
             let product = |dtype| match quant {
                 Some(q) => quant::matmul(a, b, *q, *m, *kk, *n, &inputs),
                 None => matmul::run(a, b, *m, *kk, *n, &inputs, dtype),
@@ -202,18 +155,9 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
         }
         KernelKind::Index { op, args } => index::run(op, args, &inputs, k.dtype, k.numel)?,
         // The CPU keeps reductions as their own kernels (rows are in cache anyway).
-        KernelKind::Rows { .. } => bail!(
-            Device,
-            "realize",
-            "a row-fused kernel reached the CPU executor"
-        ),
+        KernelKind::Rows { .. } => bail!(Device, "realize", "a row-fused kernel reached the CPU executor"),
     };
-    debug_assert_eq!(
-        out.len(),
-        k.numel,
-        "{} kernel wrote the wrong number of elements",
-        k.kind.name()
-    );
+    debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
     Ok(out)
 }
 

@@ -38,36 +38,17 @@ pub(crate) struct Key {
 
 impl Key {
     fn line(&self) -> String {
-        format!(
-            "{} {} {} {} {} {} {}",
-            self.batch, self.m, self.k, self.n, self.a_kfast as u8, self.b_nfast as u8, self.dtype
-        )
+        format!("{} {} {} {} {} {} {}", self.batch, self.m, self.k, self.n, self.a_kfast as u8, self.b_nfast as u8, self.dtype)
     }
 }
 
 fn plan_text(p: &Variant) -> String {
     match p {
-        Variant::Tiled(t) => format!(
-            "tiled {} {} {} {} {}{}",
-            t.bm,
-            t.bn,
-            t.bk,
-            t.tm,
-            t.tn,
-            tile_flags(t)
-        ),
+        Variant::Tiled(t) => format!("tiled {} {} {} {} {}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
         Variant::Columns { splits } => format!("columns {splits}"),
         Variant::Coop => "coop".into(),
         Variant::CoopWide => "coopwide".into(),
-        Variant::SplitK { tile: t, splits } => format!(
-            "splitk {} {} {} {} {} {splits}{}",
-            t.bm,
-            t.bn,
-            t.bk,
-            t.tm,
-            t.tn,
-            tile_flags(t)
-        ),
+        Variant::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
     }
 }
 
@@ -83,37 +64,16 @@ fn tile_flags(t: &Tile) -> &'static str {
 fn parse_line(line: &str) -> Option<(Key, Variant)> {
     let w: Vec<&str> = line.split_whitespace().collect();
     let num = |i: usize| w.get(i)?.parse::<usize>().ok();
-    let dtype = crate::dtype::DType::ALL
-        .into_iter()
-        .find(|d| Some(&d.name()) == w.get(6))?;
+    let dtype = crate::dtype::DType::ALL.into_iter().find(|d| Some(&d.name()) == w.get(6))?;
     let double = w.contains(&"double");
     let warps = w.contains(&"warps");
-    let key = Key {
-        batch: num(0)?,
-        m: num(1)?,
-        k: num(2)?,
-        n: num(3)?,
-        a_kfast: num(4)? == 1,
-        b_nfast: num(5)? == 1,
-        dtype,
-    };
+    let key = Key { batch: num(0)?, m: num(1)?, k: num(2)?, n: num(3)?, a_kfast: num(4)? == 1, b_nfast: num(5)? == 1, dtype };
     let plan = match *w.get(7)? {
-        "tiled" => Variant::Tiled(Tile {
-            double,
-            warps,
-            ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?)
-        }),
+        "tiled" => Variant::Tiled(Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }),
         "columns" => Variant::Columns { splits: num(8)? },
         "coop" => Variant::Coop,
         "coopwide" => Variant::CoopWide,
-        "splitk" => Variant::SplitK {
-            tile: Tile {
-                double,
-                warps,
-                ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?)
-            },
-            splits: num(13)?.max(1),
-        },
+        "splitk" => Variant::SplitK { tile: Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
         _ => return None,
     };
     Some((key, plan))
@@ -121,31 +81,11 @@ fn parse_line(line: &str) -> Option<(Key, Variant)> {
 
 /// The key of a matmul kernel, and whether its `b` walks n fastest.
 pub(crate) fn key_of(k: &Kernel) -> Option<Key> {
-    let KernelKind::Matmul {
-        a,
-        b,
-        batch,
-        m,
-        k: kk,
-        n,
-        quant: None,
-        ..
-    } = &k.kind
-    else {
-        return None;
-    };
+    let KernelKind::Matmul { a, b, batch, m, k: kk, n, quant: None, .. } = &k.kind else { return None };
     let r = a.layout.dims().len();
     let (sam, sak) = (a.layout.strides()[r - 2], a.layout.strides()[r - 1]);
     let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
-    Some(Key {
-        batch: *batch,
-        m: *m,
-        k: *kk,
-        n: *n,
-        a_kfast: sak == 1 && sam != 1,
-        b_nfast: sbn == 1 || sbk != 1,
-        dtype: k.dtype,
-    })
+    Some(Key { batch: *batch, m: *m, k: *kk, n: *n, a_kfast: sak == 1 && sam != 1, b_nfast: sbn == 1 || sbk != 1, dtype: k.dtype })
 }
 
 /// How the tuner runs (`VOLTAIC_AUTOTUNE`).
@@ -187,29 +127,16 @@ pub(crate) struct Tuner {
 
 /// A file name part that names this adapter and driver.
 pub(crate) fn device_tag(info: &wgpu::AdapterInfo) -> String {
-    let raw = format!(
-        "{:?}-{:x}-{:x}-{}-{}",
-        info.backend, info.vendor, info.device, info.driver, info.driver_info
-    );
-    raw.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+    let raw = format!("{:?}-{:x}-{:x}-{}-{}", info.backend, info.vendor, info.device, info.driver, info.driver_info);
+    raw.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect()
 }
 
 /// Plans measured offline on common adapters (`tuned/*.txt`, produced with
 /// `VOLTAIC_AUTOTUNE=sync`), by the start of the adapter's name and its
 /// backend: a fresh machine with one of these starts with tuned kernels.
-const SHIPPED: &[(&str, wgpu::Backend, &str)] = &[(
-    "NVIDIA H100",
-    wgpu::Backend::Vulkan,
-    include_str!("tuned/nvidia-h100-vulkan.txt"),
-)];
+const SHIPPED: &[(&str, wgpu::Backend, &str)] = &[
+    ("NVIDIA H100", wgpu::Backend::Vulkan, include_str!("tuned/nvidia-h100-vulkan.txt")),
+];
 
 /// The shipped plans for an adapter, if any.
 fn shipped(info: &wgpu::AdapterInfo) -> impl Iterator<Item = (Key, Variant)> + '_ {
@@ -222,8 +149,7 @@ fn shipped(info: &wgpu::AdapterInfo) -> impl Iterator<Item = (Key, Variant)> + '
 impl Tuner {
     pub(crate) fn new(info: &wgpu::AdapterInfo) -> Tuner {
         let software = info.device_type == wgpu::DeviceType::Cpu;
-        let file =
-            crate::files::cache_dir().map(|d| d.join(format!("matmul-{}.txt", device_tag(info))));
+        let file = crate::files::cache_dir().map(|d| d.join(format!("matmul-{}.txt", device_tag(info))));
         let mut plans: HashMap<Key, Variant> = shipped(info).collect();
         if let Some(f) = &file {
             if let Ok(text) = std::fs::read_to_string(f) {
@@ -262,10 +188,7 @@ impl Tuner {
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         let changed = plans.insert(key, plan) != Some(plan);
         if let Some(f) = &self.file {
-            let text: String = plans
-                .iter()
-                .map(|(k, p)| format!("{} {}\n", k.line(), plan_text(p)))
-                .collect();
+            let text: String = plans.iter().map(|(k, p)| format!("{} {}\n", k.line(), plan_text(p))).collect();
             // A cache that cannot be written only costs a re-tune next time.
             let _ = crate::files::write_atomic(f, text.as_bytes());
         }
@@ -282,18 +205,11 @@ impl Tuner {
         while start.elapsed().as_secs() < 300 {
             let q = self.queued.lock().unwrap_or_else(|e| e.into_inner());
             if !q.is_empty() {
-                let _ = self
-                    .idle
-                    .wait_timeout(q, std::time::Duration::from_millis(10));
+                let _ = self.idle.wait_timeout(q, std::time::Duration::from_millis(10));
                 continue;
             }
             drop(q);
-            if self
-                .compiling
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_empty()
-            {
+            if self.compiling.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
                 return;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
@@ -304,47 +220,23 @@ impl Tuner {
 /// The plan for matmul kernel `k`: remembered, or the shape heuristic (and,
 /// for work large enough to repay it, measured in the background or, with
 /// `VOLTAIC_AUTOTUNE=sync`, now).
-pub(crate) fn variant_for(
-    ctx: &GpuContext,
-    k: &Kernel,
-    inputs: &[(DType, usize)],
-) -> Result<Option<Variant>> {
-    let Some(key) = key_of(k) else {
-        return Ok(None);
-    };
+pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)]) -> Result<Option<Variant>> {
+    let Some(key) = key_of(k) else { return Ok(None) };
     if let Some(p) = super::matmul::FORCE.with(|f| f.get()) {
         return Ok(Some(p));
     }
-    if let Some(p) = ctx
-        .tuner
-        .plans
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&key)
-    {
+    if let Some(p) = ctx.tuner.plans.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(Some(*p));
     }
     let coop = key.dtype == DType::F16 && ctx.caps.coop_f16 && key.m >= 64 && key.n >= 64;
-    let default = if coop {
-        Variant::CoopWide
-    } else {
-        default_variant(key.batch, key.m, key.k, key.n, key.b_nfast)
-    };
+    let default = if coop { Variant::CoopWide } else { default_variant(key.batch, key.m, key.k, key.n, key.b_nfast) };
     let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
     let mode = ctx.tuner.mode();
     if mode == Mode::Off || flops < 1e7 {
         return Ok(Some(default));
     }
     if mode == Mode::Background {
-        enqueue(
-            ctx,
-            Job {
-                kernel: k.clone(),
-                inputs: inputs.to_vec(),
-                key,
-                default,
-            },
-        );
+        enqueue(ctx, Job { kernel: k.clone(), inputs: inputs.to_vec(), key, default });
         return Ok(Some(default));
     }
     let best = measure(ctx, k, inputs, &key, default)?;
@@ -379,57 +271,31 @@ const STAND_IN: Variant = Variant::Tiled(TILES[6]);
 /// on a thread of its own and replaces the stand-in from the next run (a
 /// first training step does not wait for the slowest kernels). Only where
 /// the tuner works in the background (hardware adapters by default).
-pub(crate) fn stand_in(
-    ctx: &GpuContext,
-    k: &Kernel,
-    inputs: &[(DType, usize)],
-    chosen: Variant,
-    sig: u64,
-) -> Option<Variant> {
+pub(crate) fn stand_in(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], chosen: Variant, sig: u64) -> Option<Variant> {
     if ctx.tuner.mode() != Mode::Background || !is_heavy(&chosen) || key_of(k).is_none() {
         return None;
     }
-    if !ctx
-        .tuner
-        .compiling
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(sig)
-    {
+    if !ctx.tuner.compiling.lock().unwrap_or_else(|e| e.into_inner()).insert(sig) {
         return Some(STAND_IN);
     }
     register_exit_handler();
     let (index, kernel, inputs) = (ctx.index, k.clone(), inputs.to_vec());
-    let started = std::thread::Builder::new()
-        .name(format!("voltaic-compile-gpu{index}"))
-        .spawn(move || {
-            let Ok(ctx) = super::context(index) else {
-                return;
-            };
-            BUSY.fetch_add(1, Ordering::SeqCst);
-            if !stopping() {
-                // A kernel that fails to compile here fails again, with its error, when it is chosen.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    super::exec::compile(&ctx, &kernel, &inputs, Some(chosen))
-                }));
-            }
-            BUSY.fetch_sub(1, Ordering::SeqCst);
-            if stopping() {
-                return;
-            }
-            ctx.tuner.generation.fetch_add(1, Ordering::AcqRel);
-            ctx.tuner
-                .compiling
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&sig);
-        });
+    let started = std::thread::Builder::new().name(format!("voltaic-compile-gpu{index}")).spawn(move || {
+        let Ok(ctx) = super::context(index) else { return };
+        BUSY.fetch_add(1, Ordering::SeqCst);
+        if !stopping() {
+            // A kernel that fails to compile here fails again, with its error, when it is chosen.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| super::exec::compile(&ctx, &kernel, &inputs, Some(chosen))));
+        }
+        BUSY.fetch_sub(1, Ordering::SeqCst);
+        if stopping() {
+            return;
+        }
+        ctx.tuner.generation.fetch_add(1, Ordering::AcqRel);
+        ctx.tuner.compiling.lock().unwrap_or_else(|e| e.into_inner()).remove(&sig);
+    });
     if started.is_err() {
-        ctx.tuner
-            .compiling
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&sig);
+        ctx.tuner.compiling.lock().unwrap_or_else(|e| e.into_inner()).remove(&sig);
         return None;
     }
     Some(STAND_IN)
@@ -468,9 +334,7 @@ fn stopping() -> bool {
 /// process exits.
 fn tuner_thread(index: usize, rx: mpsc::Receiver<Job>) {
     // The registry keeps every opened device: this finds ours.
-    let Ok(ctx) = super::context(index) else {
-        return;
-    };
+    let Ok(ctx) = super::context(index) else { return };
     for job in rx {
         BUSY.fetch_add(1, Ordering::SeqCst);
         if stopping() {
@@ -479,10 +343,8 @@ fn tuner_thread(index: usize, rx: mpsc::Receiver<Job>) {
         }
         // A shape whose measurement fails, panics or is cut short by exit
         // keeps the heuristic (and leaves the queue, so `finish` returns).
-        let measured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            measure(&ctx, &job.kernel, &job.inputs, &job.key, job.default)
-        }))
-        .unwrap_or_else(|_| Err(Error::Backend("the autotuner panicked".into())));
+        let measured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| measure(&ctx, &job.kernel, &job.inputs, &job.key, job.default)))
+            .unwrap_or_else(|_| Err(Error::Backend("the autotuner panicked".into())));
         BUSY.fetch_sub(1, Ordering::SeqCst);
         if stopping() {
             return;
@@ -498,13 +360,7 @@ fn tuner_thread(index: usize, rx: mpsc::Receiver<Job>) {
 
 /// Queue a shape for the device's tuner thread (started on first use).
 fn enqueue(ctx: &GpuContext, job: Job) {
-    if !ctx
-        .tuner
-        .queued
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(job.key.clone())
-    {
+    if !ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner()).insert(job.key.clone()) {
         return;
     }
     let mut jobs = ctx.tuner.jobs.lock().unwrap_or_else(|e| e.into_inner());
@@ -512,16 +368,10 @@ fn enqueue(ctx: &GpuContext, job: Job) {
         let (tx, rx) = mpsc::channel::<Job>();
         let index = ctx.index;
         register_exit_handler();
-        let started = std::thread::Builder::new()
-            .name(format!("voltaic-tune-gpu{index}"))
-            .spawn(move || tuner_thread(index, rx));
+        let started = std::thread::Builder::new().name(format!("voltaic-tune-gpu{index}")).spawn(move || tuner_thread(index, rx));
         if started.is_err() {
             // No thread: this shape keeps the heuristic.
-            ctx.tuner
-                .queued
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&job.key);
+            ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner()).remove(&job.key);
             return;
         }
         *jobs = Some(tx);
@@ -529,11 +379,7 @@ fn enqueue(ctx: &GpuContext, job: Job) {
     if let Some(tx) = jobs.as_ref() {
         let key = job.key.clone();
         if tx.send(job).is_err() {
-            ctx.tuner
-                .queued
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&key);
+            ctx.tuner.queued.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
             ctx.tuner.idle.notify_all();
         }
     }
@@ -575,17 +421,9 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
 }
 
 /// Time every candidate on scratch buffers; the fastest wins.
-fn measure(
-    ctx: &GpuContext,
-    k: &Kernel,
-    inputs: &[(DType, usize)],
-    key: &Key,
-    default: Variant,
-) -> Result<Variant> {
-    let bufs: Vec<super::pool::GpuBuf> = inputs
-        .iter()
-        .map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt)))
-        .collect::<Result<_>>()?;
+fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, default: Variant) -> Result<Variant> {
+    let bufs: Vec<super::pool::GpuBuf> =
+        inputs.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
     // Zero them: uninitialised memory could hold NaN or denormals.
     let mut enc = ctx.device.create_command_encoder(&Default::default());
     for b in &bufs {
@@ -619,15 +457,9 @@ fn measure(
     // the wall clock would also count the training steps queued before us.
     let time = |encoded: &[super::exec::Encoded], reps: usize| -> Result<f64> {
         let mut enc = ctx.device.create_command_encoder(&Default::default());
-        let timing = ctx
-            .caps
-            .timestamps
-            .then(|| super::transfer::Timing::new(ctx, 1));
+        let timing = ctx.caps.timestamps.then(|| super::transfer::Timing::new(ctx, 1));
         {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: None,
-                timestamp_writes: timing.as_ref().map(|t| t.writes(0)),
-            });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: timing.as_ref().map(|t| t.writes(0)) });
             for _ in 0..reps {
                 for e in encoded {
                     super::exec::dispatch(&mut pass, e);
@@ -672,12 +504,7 @@ fn measure(
     let detail = std::env::var("VOLTAIC_AUTOTUNE_LOG").is_ok_and(|v| v == "2");
     for r in &runs {
         if detail {
-            eprintln!(
-                "voltaic autotune: {}   {:<28} {:>10.1} us",
-                key.line(),
-                plan_text(&r.0),
-                r.2 * 1e6
-            );
+            eprintln!("voltaic autotune: {}   {:<28} {:>10.1} us", key.line(), plan_text(&r.0), r.2 * 1e6);
         }
         if r.2 < best.0 {
             best = (r.2, r.0);

@@ -48,26 +48,14 @@ impl Caps {
 /// `VOLTAIC_MAX_IN_FLIGHT` overrides it (for measurements).
 fn max_in_flight() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("VOLTAIC_MAX_IN_FLIGHT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n| n >= 1)
-            .unwrap_or(8)
-    })
+    *N.get_or_init(|| std::env::var("VOLTAIC_MAX_IN_FLIGHT").ok().and_then(|v| v.parse().ok()).filter(|&n| n >= 1).unwrap_or(8))
 }
 
 /// Dispatches of small realizations that share one command buffer before it
 /// is submitted (`VOLTAIC_BATCH_DISPATCHES`; 1 submits every realization).
 fn batch_dispatches() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("VOLTAIC_BATCH_DISPATCHES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(64)
-            .max(1)
-    })
+    *N.get_or_init(|| std::env::var("VOLTAIC_BATCH_DISPATCHES").ok().and_then(|v| v.parse().ok()).unwrap_or(64).max(1))
 }
 
 /// Freed bytes held back from reuse (see `Pool`) past which pending work is
@@ -97,10 +85,7 @@ impl Pending {
 fn spin_wait() -> std::time::Duration {
     static D: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
     *D.get_or_init(|| {
-        let us = std::env::var("VOLTAIC_SPIN_WAIT_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2000);
+        let us = std::env::var("VOLTAIC_SPIN_WAIT_US").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
         std::time::Duration::from_micros(us)
     })
 }
@@ -115,9 +100,7 @@ fn pipeline_cache_on() -> bool {
 /// Whether `VOLTAIC_COMPILE_LOG` asks for a line per compiled pipeline.
 fn compile_log() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("VOLTAIC_COMPILE_LOG").is_ok_and(|v| !v.is_empty() && v != "0")
-    })
+    *ON.get_or_init(|| std::env::var("VOLTAIC_COMPILE_LOG").is_ok_and(|v| !v.is_empty() && v != "0"))
 }
 
 /// An open wgpu device with everything Voltaic keeps per device.
@@ -167,9 +150,7 @@ impl GpuContext {
         // 16x16x16 f16 with f32 accumulation on subgroups of 32 (the layout the
         // kernel assumes). VOLTAIC_COOP=0 turns them off.
         let coop = have.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-            && std::env::var("VOLTAIC_COOP")
-                .map(|v| v != "0")
-                .unwrap_or(true)
+            && std::env::var("VOLTAIC_COOP").map(|v| v != "0").unwrap_or(true)
             && info.subgroup_min_size == 32
             && info.subgroup_max_size == 32
             && adapter.cooperative_matrix_properties().iter().any(|p| {
@@ -193,20 +174,12 @@ impl GpuContext {
             required_limits: limits.clone(),
             // SAFETY: the experimental feature is only the cooperative matrix
             // extension, used by one kernel that the tests check on such adapters.
-            experimental_features: if coop {
-                unsafe { wgpu::ExperimentalFeatures::enabled() }
-            } else {
-                wgpu::ExperimentalFeatures::disabled()
-            },
+            experimental_features: if coop { unsafe { wgpu::ExperimentalFeatures::enabled() } } else { wgpu::ExperimentalFeatures::disabled() },
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         };
-        let (device, queue) = pollster::block_on(adapter.request_device(&desc)).map_err(|e| {
-            Error::Backend(format!(
-                "gpu:{index} ({}): cannot open the device: {e}",
-                info.name
-            ))
-        })?;
+        let (device, queue) = pollster::block_on(adapter.request_device(&desc))
+            .map_err(|e| Error::Backend(format!("gpu:{index} ({}): cannot open the device: {e}", info.name)))?;
         let lost = Arc::new(Mutex::new(None));
         let l2 = lost.clone();
         device.set_device_lost_callback(move |reason, msg| {
@@ -215,16 +188,12 @@ impl GpuContext {
         let uncaptured = Arc::new(Mutex::new(Vec::new()));
         let u2 = uncaptured.clone();
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            u2.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(e.to_string());
+            u2.lock().unwrap_or_else(|p| p.into_inner()).push(e.to_string());
         }));
         let caps = Caps {
             f16: features.contains(wgpu::Features::SHADER_F16),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
-            max_binding: limits
-                .max_storage_buffer_binding_size
-                .min(limits.max_buffer_size),
+            max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
             max_buffer: limits.max_buffer_size,
             max_storage_buffers: limits.max_storage_buffers_per_shader_stage,
             offset_align: limits.min_storage_buffer_offset_alignment.max(4) as u64,
@@ -233,16 +202,10 @@ impl GpuContext {
             coop_f16: coop && features.contains(wgpu::Features::SHADER_F16),
             software: info.device_type == wgpu::DeviceType::Cpu,
         };
-        let pipeline_cache_file = wgpu::util::pipeline_cache_key(&info).and_then(|k| {
-            Some(
-                crate::files::cache_dir()?
-                    .join(format!("{k}-{}.bin", super::autotune::device_tag(&info))),
-            )
-        });
+        let pipeline_cache_file = wgpu::util::pipeline_cache_key(&info)
+            .and_then(|k| Some(crate::files::cache_dir()?.join(format!("{k}-{}.bin", super::autotune::device_tag(&info)))));
         let pipeline_cache = features.contains(wgpu::Features::PIPELINE_CACHE).then(|| {
-            let data = pipeline_cache_file
-                .as_ref()
-                .and_then(|f| std::fs::read(f).ok());
+            let data = pipeline_cache_file.as_ref().and_then(|f| std::fs::read(f).ok());
             // SAFETY: the data, if any, is what `get_data` returned for this
             // adapter and driver in an earlier run (the file name holds both);
             // with `fallback` the driver drops data it does not accept.
@@ -257,9 +220,7 @@ impl GpuContext {
         let index_error = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("voltaic index errors"),
             size: 16,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_SRC
-                | wgpu::BufferUsages::COPY_DST,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
         Ok(GpuContext {
@@ -291,10 +252,7 @@ impl GpuContext {
     /// `Err` once the device is lost: nothing more can run on it.
     pub(crate) fn check_alive(&self) -> Result<()> {
         if let Some(why) = self.lost.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            return Err(Error::Backend(format!(
-                "gpu:{} ({}) was lost: {why}",
-                self.index, self.info.name
-            )));
+            return Err(Error::Backend(format!("gpu:{} ({}) was lost: {why}", self.index, self.info.name)));
         }
         Ok(())
     }
@@ -303,18 +261,8 @@ impl GpuContext {
     /// `read_only` gives each binding's access; the layout is explicit so
     /// that a binding the shader happens not to use is still accepted.
     /// `label` names the kernel in the compile log.
-    pub(crate) fn pipeline(
-        &self,
-        source: &str,
-        read_only: &[bool],
-        label: &str,
-    ) -> Result<Arc<wgpu::ComputePipeline>> {
-        if let Some(p) = self
-            .pipelines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(source)
-        {
+    pub(crate) fn pipeline(&self, source: &str, read_only: &[bool], label: &str) -> Result<Arc<wgpu::ComputePipeline>> {
+        if let Some(p) = self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).get(source) {
             return Ok(p.clone());
         }
         let started = std::time::Instant::now();
@@ -326,10 +274,7 @@ impl GpuContext {
             // access where the adapter has it.
             let module = unsafe {
                 self.device.create_shader_module_trusted(
-                    wgpu::ShaderModuleDescriptor {
-                        label: None,
-                        source: wgpu::ShaderSource::Wgsl(source.into()),
-                    },
+                    wgpu::ShaderModuleDescriptor { label: None, source: wgpu::ShaderSource::Wgsl(source.into()) },
                     wgpu::ShaderRuntimeChecks::unchecked(),
                 )
             };
@@ -347,33 +292,20 @@ impl GpuContext {
                     count: None,
                 })
                 .collect();
-            let bgl = self
-                .device
-                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                    label: None,
-                    entries: &entries,
-                });
-            let layout = self
-                .device
-                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                    label: None,
-                    bind_group_layouts: &[Some(&bgl)],
-                    immediate_size: 0,
-                });
-            let p = self
-                .device
-                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: None,
-                    layout: Some(&layout),
-                    module: &module,
-                    entry_point: Some("main"),
-                    compilation_options: Default::default(),
-                    cache: if pipeline_cache_on() {
-                        self.pipeline_cache.as_ref()
-                    } else {
-                        None
-                    },
-                });
+            let bgl = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: None, entries: &entries });
+            let layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: None,
+                bind_group_layouts: &[Some(&bgl)],
+                immediate_size: 0,
+            });
+            let p = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: None,
+                layout: Some(&layout),
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: if pipeline_cache_on() { self.pipeline_cache.as_ref() } else { None },
+            });
             // A driver that fails to compile the shader (seen on the H100:
             // "NVVM compilation failed") leaves an invalid pipeline without an
             // error here; touching it raises one inside this scope, so the
@@ -382,40 +314,23 @@ impl GpuContext {
             p
         });
         if let Some(e) = err {
-            return Err(Error::Backend(format!(
-                "the driver of gpu:{} refused the kernel: {}",
-                self.index,
-                short_error(&e.to_string(), source)
-            )));
+            return Err(Error::Backend(format!("the driver of gpu:{} refused the kernel: {}", self.index, short_error(&e.to_string(), source))));
         }
         self.compiled.fetch_add(1, Ordering::Relaxed);
         if compile_log() {
-            eprintln!(
-                "voltaic compile: {:.1} ms, {} bytes of WGSL: {}",
-                started.elapsed().as_secs_f64() * 1e3,
-                source.len(),
-                label
-            );
+            eprintln!("voltaic compile: {:.1} ms, {} bytes of WGSL: {}", started.elapsed().as_secs_f64() * 1e3, source.len(), label);
         }
         self.save_pipeline_cache(false);
         let p = Arc::new(p);
-        self.pipelines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(source.to_string(), p.clone());
+        self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).insert(source.to_string(), p.clone());
         Ok(p)
     }
 
     /// Write the driver's pipeline cache to disk (at most every few seconds
     /// unless `now`), so the next run skips compiling.
     pub(crate) fn save_pipeline_cache(&self, now: bool) {
-        let (Some(cache), Some(file)) = (&self.pipeline_cache, &self.pipeline_cache_file) else {
-            return;
-        };
-        let mut last = self
-            .last_cache_save
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let (Some(cache), Some(file)) = (&self.pipeline_cache, &self.pipeline_cache_file) else { return };
+        let mut last = self.last_cache_save.lock().unwrap_or_else(|e| e.into_inner());
         if !now && last.is_some_and(|t| t.elapsed().as_secs_f64() < 5.0) {
             return;
         }
@@ -438,9 +353,7 @@ impl GpuContext {
         let e_oom = pollster::block_on(oom.pop());
         let err = match (e_oom, e_val, e_int) {
             (Some(e), _, _) => Some(Error::OutOfMemory(format!("gpu:{}: {e}", self.index))),
-            (_, Some(e), _) | (_, _, Some(e)) => {
-                Some(Error::Backend(format!("gpu:{}: {e}", self.index)))
-            }
+            (_, Some(e), _) | (_, _, Some(e)) => Some(Error::Backend(format!("gpu:{}: {e}", self.index))),
             _ => None,
         };
         (out, err.or_else(|| self.take_uncaptured()))
@@ -461,47 +374,22 @@ impl GpuContext {
     /// them into its compute pass); submits it when `now` (large work, which
     /// should start at once), when the GPU has nothing else to do (as of the
     /// last poll), when the batch is full, or when too much memory waits on it.
-    pub(crate) fn encode_pending(
-        &self,
-        dispatches: usize,
-        now: bool,
-        encode: impl FnOnce(&mut wgpu::ComputePass<'static>),
-    ) -> Result<()> {
+    pub(crate) fn encode_pending(&self, dispatches: usize, now: bool, encode: impl FnOnce(&mut wgpu::ComputePass<'static>)) -> Result<()> {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let p = pending.get_or_insert_with(|| {
             // Before anything this work uses can be freed.
             self.pool.lock().unwrap_or_else(|e| e.into_inner()).defer();
-            let mut encoder = self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("voltaic"),
-                });
-            let pass = encoder
-                .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: None,
-                    timestamp_writes: None,
-                })
-                .forget_lifetime();
-            Pending {
-                encoder,
-                pass: Some(pass),
-                dispatches: 0,
-            }
+            let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
+            let pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None }).forget_lifetime();
+            Pending { encoder, pass: Some(pass), dispatches: 0 }
         });
         encode(p.pass.as_mut().expect("an open pass"));
         p.dispatches += dispatches;
         let full = p.dispatches >= batch_dispatches()
-            || self
-                .pool
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .deferred_bytes()
-                > MAX_DEFERRED_BYTES;
+            || self.pool.lock().unwrap_or_else(|e| e.into_inner()).deferred_bytes() > MAX_DEFERRED_BYTES;
         // An idle GPU gets the work at once, unless a read follows: its
         // submission carries this work too.
-        let idle = self.submissions.load(Ordering::Relaxed)
-            <= self.finished.load(Ordering::Acquire)
-            && !crate::backend::is_read_following();
+        let idle = self.submissions.load(Ordering::Relaxed) <= self.finished.load(Ordering::Acquire) && !crate::backend::is_read_following();
         if now || full || idle {
             self.submit_locked(&mut pending, None)?;
         }
@@ -521,17 +409,10 @@ impl GpuContext {
     /// buffer (after its compute pass; a new one if none is pending) and
     /// submit it: a read right after a realization costs one command buffer
     /// and one submission.
-    pub(crate) fn submit_recording(
-        &self,
-        record: impl FnOnce(&mut wgpu::CommandEncoder),
-    ) -> Result<wgpu::SubmissionIndex> {
+    pub(crate) fn submit_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<wgpu::SubmissionIndex> {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let p = pending.get_or_insert_with(|| Pending {
-            encoder: self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("voltaic"),
-                }),
+            encoder: self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }),
             pass: None,
             dispatches: 0,
         });
@@ -549,21 +430,12 @@ impl GpuContext {
         self.submit_locked(&mut pending, Some(cmd))
     }
 
-    fn submit_locked(
-        &self,
-        pending: &mut Option<Pending>,
-        cmd: Option<wgpu::CommandBuffer>,
-    ) -> Result<wgpu::SubmissionIndex> {
+    fn submit_locked(&self, pending: &mut Option<Pending>, cmd: Option<wgpu::CommandBuffer>) -> Result<wgpu::SubmissionIndex> {
         let first = pending.take().map(Pending::finish);
         let had_pending = first.is_some();
-        let idx = crate::profile::time(crate::profile::Phase::Submit, || {
-            self.queue.submit(first.into_iter().chain(cmd))
-        });
+        let idx = crate::profile::time(crate::profile::Phase::Submit, || self.queue.submit(first.into_iter().chain(cmd)));
         if had_pending {
-            self.pool
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .release_deferred();
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
         }
         let finished = self.finished.clone();
         self.queue.on_submitted_work_done(move || {
@@ -604,22 +476,12 @@ impl GpuContext {
             self.flush()?;
         }
         // A full wait first polls without blocking for a short while: see `spin_until`.
-        if idx.is_none()
-            && self.spin_until_untimed(&|status| matches!(status, wgpu::PollStatus::QueueEmpty))?
-        {
+        if idx.is_none() && self.spin_until_untimed(&|status| matches!(status, wgpu::PollStatus::QueueEmpty))? {
             return self.check_alive();
         }
         self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: idx,
-                timeout: None,
-            })
-            .map_err(|e| {
-                Error::Backend(format!(
-                    "gpu:{}: waiting for the device failed: {e}",
-                    self.index
-                ))
-            })?;
+            .poll(wgpu::PollType::Wait { submission_index: idx, timeout: None })
+            .map_err(|e| Error::Backend(format!("gpu:{}: waiting for the device failed: {e}", self.index)))?;
         self.check_alive()
     }
 
@@ -631,21 +493,17 @@ impl GpuContext {
     /// plain polls are used: wgpu 30 can panic when threads race waits with
     /// a zero timeout on one device.
     pub(crate) fn spin_until(&self, done: &dyn Fn(wgpu::PollStatus) -> bool) -> Result<bool> {
-        crate::profile::time(crate::profile::Phase::Wait, || {
-            self.spin_until_untimed(done)
-        })
+        crate::profile::time(crate::profile::Phase::Wait, || self.spin_until_untimed(done))
     }
 
     fn spin_until_untimed(&self, done: &dyn Fn(wgpu::PollStatus) -> bool) -> Result<bool> {
         let start = std::time::Instant::now();
         let limit = spin_wait();
         while start.elapsed() < limit {
-            let status = self.device.poll(wgpu::PollType::Poll).map_err(|e| {
-                Error::Backend(format!(
-                    "gpu:{}: polling the device failed: {e}",
-                    self.index
-                ))
-            })?;
+            let status = self
+                .device
+                .poll(wgpu::PollType::Poll)
+                .map_err(|e| Error::Backend(format!("gpu:{}: polling the device failed: {e}", self.index)))?;
             if done(status) {
                 return Ok(true);
             }
@@ -656,10 +514,7 @@ impl GpuContext {
 
     /// Forget submissions known to be finished (after a full wait).
     pub(crate) fn clear_in_flight(&self) {
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }
 
@@ -671,24 +526,10 @@ pub(crate) fn short_error(e: &str, source: &str) -> String {
         return format!("{e}\n--- WGSL ---\n{source}");
     }
     // Skip wgpu's framing and naga's quotes of the source (`1 │ ...`, `┌─ wgsl:1:2`).
-    let framing = |l: &str| {
-        l.is_empty() || l == "Validation Error" || l == "Caused by:" || l.starts_with("In Device::")
-    };
-    let quote = |l: &str| {
-        l.starts_with(['│', '┌', '·', '='])
-            || l.split_once('│')
-                .is_some_and(|(n, _)| n.trim().parse::<u32>().is_ok())
-    };
-    let lines: Vec<&str> = e
-        .lines()
-        .map(str::trim)
-        .filter(|l| !framing(l) && !quote(l))
-        .take(2)
-        .collect();
-    format!(
-        "{} (set VOLTAIC_DEBUG=1 to see the generated WGSL)",
-        lines.join(" ")
-    )
+    let framing = |l: &str| l.is_empty() || l == "Validation Error" || l == "Caused by:" || l.starts_with("In Device::");
+    let quote = |l: &str| l.starts_with(['│', '┌', '·', '=']) || l.split_once('│').is_some_and(|(n, _)| n.trim().parse::<u32>().is_ok());
+    let lines: Vec<&str> = e.lines().map(str::trim).filter(|l| !framing(l) && !quote(l)).take(2).collect();
+    format!("{} (set VOLTAIC_DEBUG=1 to see the generated WGSL)", lines.join(" "))
 }
 
 #[cfg(test)]
@@ -697,9 +538,6 @@ mod tests {
     fn a_compile_error_is_one_line_without_the_source() {
         let e = "Validation Error\n\nCaused by:\n  In Device::create_shader_module\n    \nShader '' parsing error: redefinition of `in0_0`\n  ┌─ wgsl:1:42\n  │\n1 │ @group(0) var in0_0\n";
         let s = super::short_error(e, "fn main() {}");
-        assert!(
-            !s.contains('\n') && !s.contains("fn main") && s.contains("redefinition"),
-            "{s}"
-        );
+        assert!(!s.contains('\n') && !s.contains("fn main") && s.contains("redefinition"), "{s}");
     }
 }

@@ -2,10 +2,7 @@
 //! shape (or by the autotuner), and a split-K column kernel for products with
 //! very few rows (gemv), which the tiled kernel would leave mostly idle.
 
-use super::codegen::{
-    cast, compute_ty, emit_expr_with, literal, round_to, strided, unravel, Dispatch, Indexer,
-    Shader, Src, WgslProgram,
-};
+use super::codegen::{cast, compute_ty, emit_expr_with, literal, round_to, strided, unravel, Dispatch, Indexer, Shader, Src, WgslProgram};
 use super::kernels::Gen;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -33,37 +30,13 @@ pub(crate) struct Tile {
 
 impl Tile {
     pub(crate) const fn new(bm: usize, bn: usize, bk: usize, tm: usize, tn: usize) -> Tile {
-        Tile {
-            bm,
-            bn,
-            bk,
-            tm,
-            tn,
-            double: false,
-            warps: false,
-        }
+        Tile { bm, bn, bk, tm, tn, double: false, warps: false }
     }
     pub(crate) const fn double(bm: usize, bn: usize, bk: usize, tm: usize, tn: usize) -> Tile {
-        Tile {
-            bm,
-            bn,
-            bk,
-            tm,
-            tn,
-            double: true,
-            warps: false,
-        }
+        Tile { bm, bn, bk, tm, tn, double: true, warps: false }
     }
     pub(crate) const fn warps(bm: usize, bn: usize, bk: usize, tm: usize, tn: usize) -> Tile {
-        Tile {
-            bm,
-            bn,
-            bk,
-            tm,
-            tn,
-            double: false,
-            warps: true,
-        }
+        Tile { bm, bn, bk, tm, tn, double: false, warps: true }
     }
     /// Bytes of workgroup memory the kernel declares.
     pub(crate) fn shared_bytes(&self) -> usize {
@@ -104,9 +77,7 @@ pub(crate) const TILES: &[Tile] = &[
 pub(crate) enum Variant {
     Tiled(Tile),
     /// Few rows: one thread per output column, the inner dim split `splits` ways.
-    Columns {
-        splits: usize,
-    },
+    Columns { splits: usize },
     /// f16 on tensor cores: 128x128 tiles, 8 subgroups of 32 each computing
     /// 64x32 with 16x16x16 cooperative matrices, f32 accumulation.
     Coop,
@@ -116,21 +87,12 @@ pub(crate) enum Variant {
     /// Tiles whose inner dim is cut into `splits` chunks, each its own
     /// workgroup, then a pass that adds the partial products: small outputs
     /// with a long inner dim (a Linear layer on a small batch) fill the GPU.
-    SplitK {
-        tile: Tile,
-        splits: usize,
-    },
+    SplitK { tile: Tile, splits: usize },
 }
 
 /// The kernel for a problem when nothing better is known: big tiles when
 /// there are enough of them to fill a large GPU, smaller ones otherwise.
-pub(crate) fn default_variant(
-    batch: usize,
-    m: usize,
-    k: usize,
-    n: usize,
-    b_nfast: bool,
-) -> Variant {
+pub(crate) fn default_variant(batch: usize, m: usize, k: usize, n: usize, b_nfast: bool) -> Variant {
     if m <= 4 && b_nfast {
         let col_blocks = batch * n.div_ceil(256);
         let splits = (512 / col_blocks.max(1)).clamp(1, k.div_ceil(64).max(1));
@@ -158,29 +120,13 @@ fn batch_offset(digits: &[String], l: &Layout) -> String {
 impl Gen<'_> {
     /// The program for `a @ b` with `a` `[..., m, k]` and `b` `[..., k, n]`.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn matmul(
-        &self,
-        p: &mut WgslProgram,
-        a: &View,
-        b: &View,
-        m: usize,
-        k: usize,
-        n: usize,
-        plan: Variant,
-        epi: Option<&Epilogue>,
-    ) -> Result<()> {
+    pub(crate) fn matmul(&self, p: &mut WgslProgram, a: &View, b: &View, m: usize, k: usize, n: usize, plan: Variant, epi: Option<&Epilogue>) -> Result<()> {
         match plan {
             Variant::Tiled(t) => self.matmul_tiled(p, a, b, m, k, n, t, 1, epi)?,
-            Variant::SplitK { tile, splits } => {
-                self.matmul_tiled(p, a, b, m, k, n, tile, splits, epi)?
-            }
+            Variant::SplitK { tile, splits } => self.matmul_tiled(p, a, b, m, k, n, tile, splits, epi)?,
             Variant::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
-            Variant::Coop => p
-                .dispatches
-                .push(self.matmul_coop(a, b, m, k, n, epi, false)?),
-            Variant::CoopWide => p
-                .dispatches
-                .push(self.matmul_coop(a, b, m, k, n, epi, true)?),
+            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false)?),
+            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true)?),
         }
         Ok(())
     }
@@ -192,22 +138,9 @@ impl Gen<'_> {
     /// of a 256x128 tile; results leave through a per-subgroup 16x16 f32
     /// staging tile so the epilogue sees single values.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_coop(
-        &self,
-        a: &View,
-        bv: &View,
-        m: usize,
-        k: usize,
-        n: usize,
-        epi: Option<&Epilogue>,
-        wide: bool,
-    ) -> Result<Dispatch> {
+    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, wide: bool) -> Result<Dispatch> {
         // Subgroups and the 16x16 matrices of C each owns (fm x fn_).
-        let (warps, fm, fn_) = if wide {
-            (8usize, 4usize, 4usize)
-        } else {
-            (8, 4, 2)
-        };
+        let (warps, fm, fn_) = if wide { (8usize, 4usize, 4usize) } else { (8, 4, 2) };
         let threads = warps * 32;
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
@@ -217,11 +150,7 @@ impl Gen<'_> {
         let r = la.dims().len();
         let bdims = &la.dims()[..r - 2];
         let batch: usize = bdims.iter().product();
-        let (bm, bn) = if wide {
-            (256usize, 128usize)
-        } else {
-            (128, 128)
-        };
+        let (bm, bn) = if wide { (256usize, 128usize) } else { (128, 128) };
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
         let total = batch * tiles_m * tiles_n;
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
@@ -232,9 +161,7 @@ impl Gen<'_> {
         // single-half stores than the tensor cores take to multiply), and
         // takes 64 of k per step where the shared tiles fit (half the
         // barriers of 32).
-        let batch_aligned = |l: &Layout| {
-            l.offset().is_multiple_of(8) && l.strides()[..r - 2].iter().all(|s| s % 8 == 0)
-        };
+        let batch_aligned = |l: &Layout| l.offset().is_multiple_of(8) && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
         let fits = |v: &View| (self.inputs[v.input].1 as u64) * 2 <= self.caps.chunk_bytes();
         let shared = |bk: usize| (bm * (bk + 8) + bk * (bn + 8)) * 2 + warps * 256 * 4;
         let fast = m.is_multiple_of(bm)
@@ -248,12 +175,7 @@ impl Gen<'_> {
             && batch_aligned(lb)
             && fits(a)
             && fits(bv);
-        let bk = if fast && k.is_multiple_of(64) && shared(64) as u32 <= self.caps.workgroup_storage
-        {
-            64
-        } else {
-            32
-        };
+        let bk = if fast && k.is_multiple_of(64) && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
         let (lda, ldb) = (bk + 8, bn + 8);
         sh.enable("wgpu_cooperative_matrix");
         if wide && !fast {
@@ -272,20 +194,10 @@ impl Gen<'_> {
             warps * 256
         ));
         let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
-        let _ = writeln!(
-            s,
-            "    let z = group / {}u;\n    let rest = group % {}u;",
-            tiles_m * tiles_n,
-            tiles_m * tiles_n
-        );
+        let _ = writeln!(s, "    let z = group / {}u;\n    let rest = group % {}u;", tiles_m * tiles_n, tiles_m * tiles_n);
         let _ = writeln!(s, "    let row0 = (rest / {tiles_n}u) * {bm}u;\n    let col0 = (rest % {tiles_n}u) * {bn}u;");
         let zd = unravel(&mut s, &mut sh, "z", bdims);
-        let _ = writeln!(
-            s,
-            "    let abase = {};\n    let bbase = {};",
-            batch_offset(&zd, la),
-            batch_offset(&zd, lb)
-        );
+        let _ = writeln!(s, "    let abase = {};\n    let bbase = {};", batch_offset(&zd, la), batch_offset(&zd, lb));
         let _ = writeln!(s, "    let warp = lid / 32u;\n    let wr = (warp / {wcols}u) * {}u;\n    let wc = (warp % {wcols}u) * {}u;", fm * 16, fn_ * 16, wcols = bn / (fn_ * 16));
         for i in 0..fm {
             for j in 0..fn_ {
@@ -310,16 +222,10 @@ impl Gen<'_> {
             }
             let load = |s: &mut String, kt: &str| {
                 for q in 0..per_a {
-                    let _ = writeln!(
-                        s,
-                        "    ra{q} = a4[(abase + (row0 + ar{q}) * {sam}u + {kt} + ak{q}) / 4u];"
-                    );
+                    let _ = writeln!(s, "    ra{q} = a4[(abase + (row0 + ar{q}) * {sam}u + {kt} + ak{q}) / 4u];");
                 }
                 for q in 0..per_b {
-                    let _ = writeln!(
-                        s,
-                        "    rb{q} = b4[(bbase + ({kt} + bk{q}) * {sbk}u + col0 + bc{q}) / 4u];"
-                    );
+                    let _ = writeln!(s, "    rb{q} = b4[(bbase + ({kt} + bk{q}) * {sbk}u + col0 + bc{q}) / 4u];");
                 }
             };
             load(&mut s, "0u");
@@ -340,16 +246,8 @@ impl Gen<'_> {
             let mut coords = String::new();
             for q in 0..bm * bk / threads {
                 let e = format!("(lid + {}u)", q * threads);
-                let (ar, ak) = if a_kfast {
-                    (format!("({e} / {bk}u)"), format!("({e} % {bk}u)"))
-                } else {
-                    (format!("({e} % {bm}u)"), format!("({e} / {bm}u)"))
-                };
-                let (bc, bkk) = if b_nfast {
-                    (format!("({e} % {bn}u)"), format!("({e} / {bn}u)"))
-                } else {
-                    (format!("({e} / {bk}u)"), format!("({e} % {bk}u)"))
-                };
+                let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
+                let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
                 let _ = writeln!(coords, "    let ar{q} = {ar};\n    let ak{q} = {ak};\n    let bc{q} = {bc};\n    let bk{q} = {bkk};\n    var ra{q} = f16(0.0);\n    var rb{q} = f16(0.0);");
             }
             s.push_str(&coords);
@@ -368,19 +266,11 @@ impl Gen<'_> {
                 }
             };
             load(&mut s, "0u");
-            let _ = writeln!(
-                s,
-                "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{",
-                steps * bk
-            );
+            let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
             for q in 0..bm * bk / threads {
                 let _ = writeln!(s, "    As[ar{q} * {lda}u + ak{q}] = ra{q};\n    Bs[bk{q} * {ldb}u + bc{q}] = rb{q};");
             }
-            let _ = writeln!(
-                s,
-                "    workgroupBarrier();\n    if (kt + {bk}u < {}u) {{",
-                steps * bk
-            );
+            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {}u) {{", steps * bk);
             load(&mut s, &format!("(kt + {bk}u)"));
             let _ = writeln!(s, "    }}");
         }
@@ -394,10 +284,7 @@ impl Gen<'_> {
             }
             for i in 0..fm {
                 for j in 0..fn_ {
-                    let _ = writeln!(
-                        s,
-                        "    c{i}{j} = coopMultiplyAdd(a{kk}_{i}, b{kk}_{j}, c{i}{j});"
-                    );
+                    let _ = writeln!(s, "    c{i}{j} = coopMultiplyAdd(a{kk}_{i}, b{kk}_{j}, c{i}{j});");
                 }
             }
         }
@@ -423,15 +310,7 @@ impl Gen<'_> {
                 );
             }
         }
-        Ok(sh.finish(
-            format!(
-                "matmul_coop{} {batch}x{m}x{k}x{n}",
-                if wide { " wide" } else { "" }
-            ),
-            threads as u32,
-            total as u64,
-            &s,
-        ))
+        Ok(sh.finish(format!("matmul_coop{} {batch}x{m}x{k}x{n}", if wide { " wide" } else { "" }), threads as u32, total as u64, &s))
     }
 
     /// Bind what the epilogue reads and define `fn epi(lin, acc)`, which gives
@@ -444,24 +323,11 @@ impl Gen<'_> {
             // An f16 store rounds by itself (to nearest even, as Vulkan
             // converts); rounding on the bits first cost the tensor-core
             // kernel a sixth of its instructions.
-            let rounded = if self.out.0 == DType::F16 {
-                "acc".to_string()
-            } else {
-                round_to(self.out.0, "acc")
-            };
-            sh.decl(&format!(
-                "fn epi(lin: u32, acc: {out_ty}) -> {out_ty} {{ return {rounded}; }}"
-            ));
+            let rounded = if self.out.0 == DType::F16 { "acc".to_string() } else { round_to(self.out.0, "acc") };
+            sh.decl(&format!("fn epi(lin: u32, acc: {out_ty}) -> {out_ty} {{ return {rounded}; }}"));
             return Ok(());
         };
-        let used: Vec<usize> = e
-            .expr
-            .loads
-            .iter()
-            .enumerate()
-            .filter(|&(i, _)| i != e.acc)
-            .map(|(_, l)| l.input)
-            .collect();
+        let used: Vec<usize> = e.expr.loads.iter().enumerate().filter(|&(i, _)| i != e.acc).map(|(_, l)| l.input).collect();
         let mut used_unique = used.clone();
         used_unique.sort_unstable();
         used_unique.dedup();
@@ -470,27 +336,13 @@ impl Gen<'_> {
         let mut ix = Indexer::new(&e.shape, "lin");
         let acc = round_to(e.acc_dtype, "acc");
         let v = emit_expr_with(&mut body, sh, &mut ix, &e.expr, &[(e.acc, acc)])?;
-        sh.decl(&format!(
-            "fn epi(lin: u32, acc: f32) -> {out_ty} {{\n{body}    return {};\n}}",
-            cast(e.expr.dtype(), self.out.0, &v)
-        ));
+        sh.decl(&format!("fn epi(lin: u32, acc: f32) -> {out_ty} {{\n{body}    return {};\n}}", cast(e.expr.dtype(), self.out.0, &v)));
         Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
     #[allow(clippy::too_many_arguments)]
-    fn matmul_tiled(
-        &self,
-        p: &mut WgslProgram,
-        a: &View,
-        bv: &View,
-        m: usize,
-        k: usize,
-        n: usize,
-        t: Tile,
-        splits: usize,
-        epi: Option<&Epilogue>,
-    ) -> Result<()> {
+    fn matmul_tiled(&self, p: &mut WgslProgram, a: &View, bv: &View, m: usize, k: usize, n: usize, t: Tile, splits: usize, epi: Option<&Epilogue>) -> Result<()> {
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
         let ct = compute_ty(self.out.0);
@@ -500,15 +352,7 @@ impl Gen<'_> {
         let r = la.dims().len();
         let bdims = &la.dims()[..r - 2];
         let batch: usize = bdims.iter().product();
-        let Tile {
-            bm,
-            bn,
-            bk,
-            tm,
-            tn,
-            double,
-            warps,
-        } = t;
+        let Tile { bm, bn, bk, tm, tn, double, warps } = t;
         let threads = t.threads();
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
         // Each split covers a whole number of k-steps.
@@ -519,13 +363,7 @@ impl Gen<'_> {
             self.bind_out(&mut sh);
             self.epilogue(&mut sh, epi)?;
         } else {
-            sh.array(
-                Src::Scratch(p.scratch.len()),
-                "part",
-                acc_dt,
-                batch * splits * m * n,
-                true,
-            );
+            sh.array(Src::Scratch(p.scratch.len()), "part", acc_dt, batch * splits * m * n, true);
             p.scratch.push((acc_dt, batch * splits * m * n));
         }
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
@@ -547,30 +385,11 @@ impl Gen<'_> {
         // Whole tiles of 16-byte aligned f32 rows along the contiguous dim
         // load as vec4s with no bounds checks: a quarter of the load
         // instructions, and none of the address and range arithmetic.
-        let f32_in = |v: &View| {
-            self.inputs[v.input].0 == DType::F32
-                && (self.inputs[v.input].1 as u64) * 4 <= self.caps.chunk_bytes()
-        };
-        let aligned = |l: &Layout, row: usize| {
-            row.is_multiple_of(4)
-                && l.offset().is_multiple_of(4)
-                && l.strides()[..r - 2].iter().all(|s| s % 4 == 0)
-        };
+        let f32_in = |v: &View| self.inputs[v.input].0 == DType::F32 && (self.inputs[v.input].1 as u64) * 4 <= self.caps.chunk_bytes();
+        let aligned = |l: &Layout, row: usize| row.is_multiple_of(4) && l.offset().is_multiple_of(4) && l.strides()[..r - 2].iter().all(|s| s % 4 == 0);
         let whole_k = k.is_multiple_of(bk);
-        let a4 = ct == "f32"
-            && f32_in(a)
-            && a_kfast
-            && whole_k
-            && m.is_multiple_of(bm)
-            && na % 4 == 0
-            && aligned(la, sam);
-        let b4 = ct == "f32"
-            && f32_in(bv)
-            && sbn == 1
-            && whole_k
-            && n.is_multiple_of(bn)
-            && nb % 4 == 0
-            && aligned(lb, sbk);
+        let a4 = ct == "f32" && f32_in(a) && a_kfast && whole_k && m.is_multiple_of(bm) && na % 4 == 0 && aligned(la, sam);
+        let b4 = ct == "f32" && f32_in(bv) && sbn == 1 && whole_k && n.is_multiple_of(bn) && nb % 4 == 0 && aligned(lb, sbk);
         if a4 {
             sh.bind_raw(Src::Input(a.input), "a4", "array<vec4<f32>>", false);
         }
@@ -580,77 +399,39 @@ impl Gen<'_> {
         let tx_n = bn / tn;
         let (rg, cg) = (tm / 4, tn / 4);
         let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
-        let _ = writeln!(
-            s,
-            "    let z = group / {}u;\n    let rest = group % {}u;",
-            splits * tiles_m * tiles_n,
-            tiles_m * tiles_n
-        );
-        let _ = writeln!(
-            s,
-            "    let ks = (group / {}u) % {splits}u;",
-            tiles_m * tiles_n
-        );
-        let _ = writeln!(
-            s,
-            "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);"
-        );
+        let _ = writeln!(s, "    let z = group / {}u;\n    let rest = group % {}u;", splits * tiles_m * tiles_n, tiles_m * tiles_n);
+        let _ = writeln!(s, "    let ks = (group / {}u) % {splits}u;", tiles_m * tiles_n);
+        let _ = writeln!(s, "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);");
         let _ = writeln!(s, "    let row0 = (rest / {tiles_n}u) * {bm}u;\n    let col0 = (rest % {tiles_n}u) * {bn}u;");
         let zd = unravel(&mut s, &mut sh, "z", bdims);
-        let _ = writeln!(
-            s,
-            "    let abase = {};\n    let bbase = {};",
-            batch_offset(&zd, la),
-            batch_offset(&zd, lb)
-        );
+        let _ = writeln!(s, "    let abase = {};\n    let bbase = {};", batch_offset(&zd, la), batch_offset(&zd, lb));
         if warps && tx_n % 8 == 0 && (threads / tx_n).is_multiple_of(4) {
             let _ = writeln!(s, "    let lane = lid % 32u;\n    let sg = lid / 32u;");
             let _ = writeln!(s, "    let tx = (sg % {}u) * 8u + lane % 8u;\n    let ty = (sg / {}u) * 4u + lane / 8u;", tx_n / 8, tx_n / 8);
         } else {
-            let _ = writeln!(
-                s,
-                "    let tx = lid % {tx_n}u;\n    let ty = lid / {tx_n}u;"
-            );
+            let _ = writeln!(s, "    let tx = lid % {tx_n}u;\n    let ty = lid / {tx_n}u;");
         }
         // Where each of this thread's global loads lands in the tiles.
         for i in 0..na / 4 {
             if a4 {
                 let e = format!("(lid + {}u)", i * threads);
-                let _ = writeln!(
-                    s,
-                    "    let ar4_{i} = {e} / {}u;\n    let ak4_{i} = ({e} % {}u) * 4u;",
-                    bk / 4,
-                    bk / 4
-                );
+                let _ = writeln!(s, "    let ar4_{i} = {e} / {}u;\n    let ak4_{i} = ({e} % {}u) * 4u;", bk / 4, bk / 4);
             }
         }
         for i in 0..nb / 4 {
             if b4 {
                 let e = format!("(lid + {}u)", i * threads);
-                let _ = writeln!(
-                    s,
-                    "    let bk4_{i} = {e} / {}u;\n    let bc4_{i} = ({e} % {}u) * 4u;",
-                    bn / 4,
-                    bn / 4
-                );
+                let _ = writeln!(s, "    let bk4_{i} = {e} / {}u;\n    let bc4_{i} = ({e} % {}u) * 4u;", bn / 4, bn / 4);
             }
         }
         for i in 0..if a4 { 0 } else { na } {
             let e = format!("(lid + {}u)", i * threads);
-            let (ar, ak) = if a_kfast {
-                (format!("({e} / {bk}u)"), format!("({e} % {bk}u)"))
-            } else {
-                (format!("({e} % {bm}u)"), format!("({e} / {bm}u)"))
-            };
+            let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
             let _ = writeln!(s, "    let ar{i} = {ar};\n    let ak{i} = {ak};\n    let arok{i} = row0 + ar{i} < {m}u;");
         }
         for i in 0..if b4 { 0 } else { nb } {
             let e = format!("(lid + {}u)", i * threads);
-            let (bc, bkk) = if b_nfast {
-                (format!("({e} % {bn}u)"), format!("({e} / {bn}u)"))
-            } else {
-                (format!("({e} / {bk}u)"), format!("({e} % {bk}u)"))
-            };
+            let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
             let _ = writeln!(s, "    let bc{i} = {bc};\n    let bk{i} = {bkk};\n    let bcok{i} = col0 + bc{i} < {n}u;");
         }
         for g in 0..rg {
@@ -714,25 +495,16 @@ impl Gen<'_> {
                 }
             } else {
                 for i in 0..na {
-                    let _ = writeln!(
-                        s,
-                        "    As[{base_a} + ak{i} * {sa}u + ar{i} / 4u][ar{i} % 4u] = ra{i};"
-                    );
+                    let _ = writeln!(s, "    As[{base_a} + ak{i} * {sa}u + ar{i} / 4u][ar{i} % 4u] = ra{i};");
                 }
             }
             if b4 {
                 for i in 0..nb / 4 {
-                    let _ = writeln!(
-                        s,
-                        "    Bs[{base_b} + bk4_{i} * {sb}u + bc4_{i} / 4u] = rb4_{i};"
-                    );
+                    let _ = writeln!(s, "    Bs[{base_b} + bk4_{i} * {sb}u + bc4_{i} / 4u] = rb4_{i};");
                 }
             } else {
                 for i in 0..nb {
-                    let _ = writeln!(
-                        s,
-                        "    Bs[{base_b} + bk{i} * {sb}u + bc{i} / 4u][bc{i} % 4u] = rb{i};"
-                    );
+                    let _ = writeln!(s, "    Bs[{base_b} + bk{i} * {sb}u + bc{i} / 4u][bc{i} % 4u] = rb{i};");
                 }
             }
         };
@@ -740,26 +512,15 @@ impl Gen<'_> {
         let compute = |s: &mut String, base_a: &str, base_b: &str| {
             for kk in 0..bk {
                 for g in 0..rg {
-                    let _ = writeln!(
-                        s,
-                        "    let a{kk}_{g} = As[{base_a} + {}u + ty];",
-                        kk * sa + g * (bm / rg) / 4
-                    );
+                    let _ = writeln!(s, "    let a{kk}_{g} = As[{base_a} + {}u + ty];", kk * sa + g * (bm / rg) / 4);
                 }
                 for h in 0..cg {
-                    let _ = writeln!(
-                        s,
-                        "    let b{kk}_{h} = Bs[{base_b} + {}u + tx];",
-                        kk * sb + h * (bn / cg) / 4
-                    );
+                    let _ = writeln!(s, "    let b{kk}_{h} = Bs[{base_b} + {}u + tx];", kk * sb + h * (bn / cg) / 4);
                 }
                 for g in 0..rg {
                     for rr in 0..4 {
                         for h in 0..cg {
-                            let _ = writeln!(
-                                s,
-                                "    c{g}_{rr}_{h} = c{g}_{rr}_{h} + a{kk}_{g}[{rr}] * b{kk}_{h};"
-                            );
+                            let _ = writeln!(s, "    c{g}_{rr}_{h} = c{g}_{rr}_{h} + a{kk}_{g}[{rr}] * b{kk}_{h};");
                         }
                     }
                 }
@@ -770,24 +531,12 @@ impl Gen<'_> {
             let _ = writeln!(s, "    workgroupBarrier();\n    var cur = 0u;");
             let _ = writeln!(s, "    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{\n    let more = kt + {bk}u < k1;\n    if (more) {{");
             load(&mut s, &format!("(kt + {bk}u)"));
-            let _ = writeln!(
-                s,
-                "    }}\n    let oa = cur * {}u;\n    let ob = cur * {}u;",
-                bk * sa,
-                bk * sb
-            );
+            let _ = writeln!(s, "    }}\n    let oa = cur * {}u;\n    let ob = cur * {}u;", bk * sa, bk * sb);
             compute(&mut s, "oa", "ob");
             // The other tile was last read before the previous barrier: safe to fill.
             let _ = writeln!(s, "    if (more) {{");
-            store(
-                &mut s,
-                &format!("({}u - oa)", bk * sa),
-                &format!("({}u - ob)", bk * sb),
-            );
-            let _ = writeln!(
-                s,
-                "    }}\n    workgroupBarrier();\n    cur = 1u - cur;\n    }}"
-            );
+            store(&mut s, &format!("({}u - oa)", bk * sa), &format!("({}u - ob)", bk * sb));
+            let _ = writeln!(s, "    }}\n    workgroupBarrier();\n    cur = 1u - cur;\n    }}");
         } else {
             let _ = writeln!(s, "    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{");
             store(&mut s, "0u", "0u");
@@ -800,11 +549,7 @@ impl Gen<'_> {
         // Epilogue: bounds-checked stores, rounded to the output dtype.
         for g in 0..rg {
             for rr in 0..4 {
-                let _ = writeln!(
-                    s,
-                    "    {{\n    let gi = row0 + {}u + ty * 4u;",
-                    g * (bm / rg) + rr
-                );
+                let _ = writeln!(s, "    {{\n    let gi = row0 + {}u + ty * 4u;", g * (bm / rg) + rr);
                 let _ = writeln!(s, "    if (gi < {m}u) {{");
                 for h in 0..cg {
                     for q in 0..4 {
@@ -824,30 +569,16 @@ impl Gen<'_> {
                 let _ = writeln!(s, "    }}\n    }}");
             }
         }
-        let split = if direct {
-            String::new()
-        } else {
-            format!(" in {splits} splits")
-        };
+        let split = if direct { String::new() } else { format!(" in {splits} splits") };
         let vec = match (a4, b4) {
             (true, true) => " vec4 a b",
             (true, false) => " vec4 a",
             (false, true) => " vec4 b",
             _ => "",
         };
-        p.dispatches.push(sh.finish(
-            format!(
-                "matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}{}{}{split}{vec}",
-                if double { " double" } else { "" },
-                if warps { " warps" } else { "" }
-            ),
-            threads as u32,
-            total as u64,
-            &s,
-        ));
+        p.dispatches.push(sh.finish(format!("matmul {batch}x{m}x{k}x{n} tile {bm}x{bn}x{bk}/{tm}x{tn}{}{}{split}{vec}", if double { " double" } else { "" }, if warps { " warps" } else { "" }), threads as u32, total as u64, &s));
         if !direct {
-            p.dispatches
-                .push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
+            p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
         }
         Ok(())
     }
@@ -855,17 +586,7 @@ impl Gen<'_> {
     /// Few rows: a thread per output column, the inner dim cut into `splits`
     /// chunks whose partial sums a second pass adds up.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_columns(
-        &self,
-        p: &mut WgslProgram,
-        a: &View,
-        bv: &View,
-        m: usize,
-        k: usize,
-        n: usize,
-        splits: usize,
-        epi: Option<&Epilogue>,
-    ) -> Result<()> {
+    fn matmul_columns(&self, p: &mut WgslProgram, a: &View, bv: &View, m: usize, k: usize, n: usize, splits: usize, epi: Option<&Epilogue>) -> Result<()> {
         let ct = compute_ty(self.out.0);
         let acc_dt = if ct == "f32" { DType::F32 } else { self.out.0 };
         let (la, lb) = (&a.layout, &bv.layout);
@@ -877,17 +598,10 @@ impl Gen<'_> {
         // f32 with `b` row-major and 16-byte aligned: a thread takes four
         // adjacent columns and loads them as one vec4, which moves four times
         // the bytes per load instruction (gemv is bound by memory).
-        let f32s = self.out.0 == DType::F32
-            && self.inputs[a.input].0 == DType::F32
-            && self.inputs[bv.input].0 == DType::F32;
+        let f32s = self.out.0 == DType::F32 && self.inputs[a.input].0 == DType::F32 && self.inputs[bv.input].0 == DType::F32;
         let b_aligned = lb.offset() % 4 == 0 && lb.strides()[..r - 2].iter().all(|s| s % 4 == 0);
         let fits = (self.inputs[bv.input].1 as u64) * 4 <= self.caps.chunk_bytes();
-        let lanes = if f32s && sbn == 1 && sbk % 4 == 0 && n.is_multiple_of(4) && b_aligned && fits
-        {
-            4
-        } else {
-            1
-        };
+        let lanes = if f32s && sbn == 1 && sbk % 4 == 0 && n.is_multiple_of(4) && b_aligned && fits { 4 } else { 1 };
         let cols = (n / lanes).div_ceil(256);
         let chunk = k.div_ceil(splits);
         let total = batch * splits * cols;
@@ -897,167 +611,81 @@ impl Gen<'_> {
         type LoadB = Box<dyn Fn(&str) -> String>;
         let (acc_ty, zero, ldb): (String, String, LoadB) = if lanes == 4 {
             sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f32>>", false);
-            (
-                "vec4<f32>".into(),
-                "vec4<f32>(0.0)".into(),
-                Box::new(move |e: &str| format!("b4[bbase + ({e}) * {}u]", sbk / 4)),
-            )
+            ("vec4<f32>".into(), "vec4<f32>(0.0)".into(), Box::new(move |e: &str| format!("b4[bbase + ({e}) * {}u]", sbk / 4)))
         } else {
             let bi = bv.input;
-            (
-                ct.to_string(),
-                literal(0.0, self.out.0),
-                Box::new(move |e: &str| format!("ld_in{bi}(bbase + ({e}) * {sbk}u)")),
-            )
+            (ct.to_string(), literal(0.0, self.out.0), Box::new(move |e: &str| format!("ld_in{bi}(bbase + ({e}) * {sbk}u)")))
         };
         let direct = splits == 1;
         if direct {
             self.bind_out(&mut sh);
             self.epilogue(&mut sh, epi)?;
         } else {
-            sh.array(
-                Src::Scratch(0),
-                "part",
-                acc_dt,
-                batch * splits * m * n,
-                true,
-            );
+            sh.array(Src::Scratch(0), "part", acc_dt, batch * splits * m * n, true);
             p.scratch.push((acc_dt, batch * splits * m * n));
         }
         let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
-        let _ = writeln!(
-            s,
-            "    let z = group / {}u;\n    let ks = (group / {cols}u) % {splits}u;",
-            splits * cols
-        );
+        let _ = writeln!(s, "    let z = group / {}u;\n    let ks = (group / {cols}u) % {splits}u;", splits * cols);
         let _ = writeln!(s, "    let t = (group % {cols}u) * 256u + lid;\n    if (t >= {}u) {{ return; }}\n    let col = t * {lanes}u;", n / lanes);
         let zd = unravel(&mut s, &mut sh, "z", bdims);
-        let bbase = if lanes == 4 {
-            format!("({}) / 4u + t", batch_offset(&zd, lb))
-        } else {
-            format!("{} + col * {sbn}u", batch_offset(&zd, lb))
-        };
-        let _ = writeln!(
-            s,
-            "    let abase = {};\n    let bbase = {bbase};",
-            batch_offset(&zd, la)
-        );
-        let _ = writeln!(
-            s,
-            "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);"
-        );
+        let bbase = if lanes == 4 { format!("({}) / 4u + t", batch_offset(&zd, lb)) } else { format!("{} + col * {sbn}u", batch_offset(&zd, lb)) };
+        let _ = writeln!(s, "    let abase = {};\n    let bbase = {bbase};", batch_offset(&zd, la));
+        let _ = writeln!(s, "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);");
         for i in 0..m {
             let _ = writeln!(s, "    var acc{i}: {acc_ty} = {zero};");
         }
         // Four steps of k per trip, their loads issued together: a thread per
         // column has no other way to keep enough bytes in flight (gemv is
         // bound by memory). Then the remainder, one step at a time.
-        let _ = writeln!(
-            s,
-            "    var q = k0;\n    for (; q + 4u <= k1; q = q + 4u) {{"
-        );
+        let _ = writeln!(s, "    var q = k0;\n    for (; q + 4u <= k1; q = q + 4u) {{");
         for u in 0..4 {
             let _ = writeln!(s, "    let b{u} = {};", ldb(&format!("q + {u}u")));
         }
         for i in 0..m {
             for u in 0..4 {
-                let _ = writeln!(
-                    s,
-                    "    acc{i} = acc{i} + ld_in{}(abase + {}u + (q + {u}u) * {sak}u) * b{u};",
-                    a.input,
-                    i * sam
-                );
+                let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + (q + {u}u) * {sak}u) * b{u};", a.input, i * sam);
             }
         }
         let _ = writeln!(s, "    }}");
-        let _ = writeln!(
-            s,
-            "    for (; q < k1; q = q + 1u) {{\n    let bq = {};",
-            ldb("q")
-        );
+        let _ = writeln!(s, "    for (; q < k1; q = q + 1u) {{\n    let bq = {};", ldb("q"));
         for i in 0..m {
-            let _ = writeln!(
-                s,
-                "    acc{i} = acc{i} + ld_in{}(abase + {}u + q * {sak}u) * bq;",
-                a.input,
-                i * sam
-            );
+            let _ = writeln!(s, "    acc{i} = acc{i} + ld_in{}(abase + {}u + q * {sak}u) * bq;", a.input, i * sam);
         }
         let _ = writeln!(s, "    }}");
         for i in 0..m {
             for lane in 0..lanes {
-                let v = if lanes == 4 {
-                    format!("acc{i}[{lane}]")
-                } else {
-                    format!("acc{i}")
-                };
+                let v = if lanes == 4 { format!("acc{i}[{lane}]") } else { format!("acc{i}") };
                 if direct {
-                    let _ = writeln!(
-                        s,
-                        "    {{ let o = z * {}u + {}u + col + {lane}u; st_out(o, epi(o, {v})); }}",
-                        m * n,
-                        i * n
-                    );
+                    let _ = writeln!(s, "    {{ let o = z * {}u + {}u + col + {lane}u; st_out(o, epi(o, {v})); }}", m * n, i * n);
                 } else {
                     let _ = writeln!(s, "    st_part(((z * {splits}u + ks) * {m}u + {i}u) * {n}u + col + {lane}u, {v});");
                 }
             }
         }
         let vec = if lanes == 4 { "_vec4" } else { "" };
-        p.dispatches.push(sh.finish(
-            format!("matmul_columns{vec} {batch}x{m}x{k}x{n} in {splits} splits"),
-            256,
-            total as u64,
-            &s,
-        ));
+        p.dispatches.push(sh.finish(format!("matmul_columns{vec} {batch}x{m}x{k}x{n} in {splits} splits"), 256, total as u64, &s));
         if !direct {
-            p.dispatches
-                .push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
+            p.dispatches.push(self.split_sum(p.scratch.len() - 1, batch, m, n, splits, epi)?);
         }
         Ok(())
     }
 
     /// Second pass of a split product: add the partial sums in scratch buffer
     /// `scratch` (`[batch, splits, m, n]`) in split order, then the epilogue.
-    fn split_sum(
-        &self,
-        scratch: usize,
-        batch: usize,
-        m: usize,
-        n: usize,
-        splits: usize,
-        epi: Option<&Epilogue>,
-    ) -> Result<Dispatch> {
+    fn split_sum(&self, scratch: usize, batch: usize, m: usize, n: usize, splits: usize, epi: Option<&Epilogue>) -> Result<Dispatch> {
         let ct = compute_ty(self.out.0);
         let acc_dt = if ct == "f32" { DType::F32 } else { self.out.0 };
         let zero = literal(0.0, self.out.0);
         let mut sh = Shader::new(self.caps);
-        sh.array(
-            Src::Scratch(scratch),
-            "part",
-            acc_dt,
-            batch * splits * m * n,
-            false,
-        );
+        sh.array(Src::Scratch(scratch), "part", acc_dt, batch * splits * m * n, false);
         self.bind_out(&mut sh);
         self.epilogue(&mut sh, epi)?;
         let outs = batch * m * n;
-        let mut s =
-            format!("    let o = group * 256u + lid;\n    if (o >= {outs}u) {{ return; }}\n");
-        let _ = writeln!(
-            s,
-            "    let z = o / {}u;\n    let rest = o % {}u;\n    var acc: {ct} = {zero};",
-            m * n,
-            m * n
-        );
+        let mut s = format!("    let o = group * 256u + lid;\n    if (o >= {outs}u) {{ return; }}\n");
+        let _ = writeln!(s, "    let z = o / {}u;\n    let rest = o % {}u;\n    var acc: {ct} = {zero};", m * n, m * n);
         let _ = writeln!(s, "    for (var ks = 0u; ks < {splits}u; ks = ks + 1u) {{ acc = acc + ld_part((z * {splits}u + ks) * {}u + rest); }}", m * n);
         let _ = writeln!(s, "    st_out(o, epi(o, acc));");
-        Ok(sh.finish(
-            "matmul_split_sum".into(),
-            256,
-            (outs as u64).div_ceil(256),
-            &s,
-        ))
+        Ok(sh.finish("matmul_split_sum".into(), 256, (outs as u64).div_ceil(256), &s))
     }
 }
 
@@ -1066,150 +694,61 @@ thread_local! {
     pub(crate) static FORCE: std::cell::Cell<Option<Variant>> = const { std::cell::Cell::new(None) };
 }
 
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{DType, Device, Tensor};
 
-    fn check(
-        plan: Variant,
-        da: &[usize],
-        db: &[usize],
-        transpose_a: bool,
-        transpose_b: bool,
-        dt: DType,
-    ) {
+    fn check(plan: Variant, da: &[usize], db: &[usize], transpose_a: bool, transpose_b: bool, dt: DType) {
         let make = |d: &[usize], t: bool| {
             let mut dims = d.to_vec();
             let r = dims.len();
             if t {
                 dims.swap(r - 2, r - 1);
             }
-            let x = Tensor::randn(&dims, DType::F32, Device::Cpu)
-                .unwrap()
-                .mul(2.0)
-                .unwrap()
-                .round()
-                .unwrap()
-                .to_dtype(dt)
-                .unwrap();
-            if t {
-                x.transpose(-1, -2).unwrap()
-            } else {
-                x
-            }
+            let x = Tensor::randn(&dims, DType::F32, Device::Cpu).unwrap().mul(2.0).unwrap().round().unwrap().to_dtype(dt).unwrap();
+            if t { x.transpose(-1, -2).unwrap() } else { x }
         };
         let (a, b) = (make(da, transpose_a), make(db, transpose_b));
         let want = a.matmul(&b).unwrap().to_f64_vec().unwrap();
-        let (ga, gb) = (
-            a.to_device(Device::Gpu(0)).unwrap(),
-            b.to_device(Device::Gpu(0)).unwrap(),
-        );
+        let (ga, gb) = (a.to_device(Device::Gpu(0)).unwrap(), b.to_device(Device::Gpu(0)).unwrap());
         FORCE.with(|f| f.set(Some(plan)));
         let got = ga.matmul(&gb).and_then(|c| c.to_f64_vec());
         FORCE.with(|f| f.set(None));
         let got = got.unwrap_or_else(|e| panic!("{plan:?} {da:?}@{db:?}: {e}"));
         // Small integers: every product and sum is exact in f32.
-        assert_eq!(
-            got, want,
-            "{plan:?} {da:?} @ {db:?} transposed {transpose_a}/{transpose_b} {dt}"
-        );
+        assert_eq!(got, want, "{plan:?} {da:?} @ {db:?} transposed {transpose_a}/{transpose_b} {dt}");
     }
 
     #[test]
     fn every_plan_matches_the_cpu() {
-        assert!(
-            !crate::backend::adapters().is_empty(),
-            "no GPU adapter found: the GPU tests need one"
-        );
-        let shapes: &[(&[usize], &[usize])] = &[
-            (&[3, 5], &[5, 7]),
-            (&[2, 33, 17], &[2, 17, 70]),
-            (&[130, 40], &[40, 129]),
-        ];
+        assert!(!crate::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+        let shapes: &[(&[usize], &[usize])] = &[(&[3, 5], &[5, 7]), (&[2, 33, 17], &[2, 17, 70]), (&[130, 40], &[40, 129])];
         for &tile in TILES {
             for &(da, db) in shapes {
                 for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                     check(Variant::Tiled(tile), da, db, ta, tb, DType::F32);
                 }
             }
-            check(
-                Variant::Tiled(tile),
-                &[9, 20],
-                &[20, 11],
-                false,
-                false,
-                DType::I32,
-            );
+            check(Variant::Tiled(tile), &[9, 20], &[20, 11], false, false, DType::I32);
             // Whole tiles: vec4 loads of both operands, of `a` only (n = 130),
             // and batched with a view of `a` offset by one row.
-            check(
-                Variant::Tiled(tile),
-                &[2, 256, 32],
-                &[2, 32, 256],
-                false,
-                false,
-                DType::F32,
-            );
+            check(Variant::Tiled(tile), &[2, 256, 32], &[2, 32, 256], false, false, DType::F32);
         }
         for tile in [TILES[0], TILES[6], TILES[7]] {
-            check(
-                Variant::Tiled(tile),
-                &[256, 32],
-                &[32, 130],
-                false,
-                false,
-                DType::F32,
-            );
-            check(
-                Variant::Tiled(tile),
-                &[128, 32],
-                &[32, 128],
-                true,
-                false,
-                DType::F32,
-            );
+            check(Variant::Tiled(tile), &[256, 32], &[32, 130], false, false, DType::F32);
+            check(Variant::Tiled(tile), &[128, 32], &[32, 128], true, false, DType::F32);
         }
-        let a = Tensor::randn(&[257, 32], DType::F32, Device::Cpu)
-            .unwrap()
-            .mul(2.0)
-            .unwrap()
-            .round()
-            .unwrap();
-        let b = Tensor::randn(&[32, 128], DType::F32, Device::Cpu)
-            .unwrap()
-            .mul(2.0)
-            .unwrap()
-            .round()
-            .unwrap();
-        let want = a
-            .narrow(0, 1, 256)
-            .unwrap()
-            .matmul(&b)
-            .unwrap()
-            .to_f64_vec()
-            .unwrap();
-        let (ga, gb) = (
-            a.to_device(Device::Gpu(0)).unwrap(),
-            b.to_device(Device::Gpu(0)).unwrap(),
-        );
+        let a = Tensor::randn(&[257, 32], DType::F32, Device::Cpu).unwrap().mul(2.0).unwrap().round().unwrap();
+        let b = Tensor::randn(&[32, 128], DType::F32, Device::Cpu).unwrap().mul(2.0).unwrap().round().unwrap();
+        let want = a.narrow(0, 1, 256).unwrap().matmul(&b).unwrap().to_f64_vec().unwrap();
+        let (ga, gb) = (a.to_device(Device::Gpu(0)).unwrap(), b.to_device(Device::Gpu(0)).unwrap());
         FORCE.with(|f| f.set(Some(Variant::Tiled(TILES[0]))));
-        let got = ga
-            .narrow(0, 1, 256)
-            .and_then(|a| a.matmul(&gb))
-            .and_then(|c| c.to_f64_vec());
+        let got = ga.narrow(0, 1, 256).and_then(|a| a.matmul(&gb)).and_then(|c| c.to_f64_vec());
         FORCE.with(|f| f.set(None));
-        assert_eq!(
-            got.unwrap(),
-            want,
-            "a view of a at an offset of 32 elements"
-        );
-        for (tile, splits) in [
-            (TILES[6], 2),
-            (TILES[4], 3),
-            (TILES[0], 5),
-            (TILES[TILES.len() - 1], 3),
-        ] {
+        assert_eq!(got.unwrap(), want, "a view of a at an offset of 32 elements");
+        for (tile, splits) in [(TILES[6], 2), (TILES[4], 3), (TILES[0], 5), (TILES[TILES.len() - 1], 3)] {
             let plan = Variant::SplitK { tile, splits };
             check(plan, &[130, 300], &[300, 70], false, false, DType::F32);
             check(plan, &[2, 33, 170], &[2, 170, 40], true, true, DType::F32);
@@ -1217,122 +756,37 @@ mod tests {
             check(plan, &[128, 512], &[512, 128], false, false, DType::F32);
         }
         // Split products apply the epilogue in their second pass.
-        for (plan, n) in [
-            (
-                Variant::SplitK {
-                    tile: TILES[6],
-                    splits: 3,
-                },
-                37,
-            ),
-            (Variant::Columns { splits: 4 }, 37),
-            (Variant::Columns { splits: 4 }, 36),
-            (Variant::Columns { splits: 1 }, 36),
-        ] {
+        for (plan, n) in [(Variant::SplitK { tile: TILES[6], splits: 3 }, 37), (Variant::Columns { splits: 4 }, 37), (Variant::Columns { splits: 4 }, 36), (Variant::Columns { splits: 1 }, 36)] {
             let a = Tensor::randn(&[3, 150], DType::F32, Device::Cpu).unwrap();
             let b = Tensor::randn(&[150, n], DType::F32, Device::Cpu).unwrap();
-            let f =
-                |a: &Tensor, b: &Tensor| a.matmul(b).unwrap().add(0.25).unwrap().gelu().unwrap();
+            let f = |a: &Tensor, b: &Tensor| a.matmul(b).unwrap().add(0.25).unwrap().gelu().unwrap();
             let want = f(&a, &b).to_f64_vec().unwrap();
             FORCE.with(|c| c.set(Some(plan)));
-            let got = f(
-                &a.to_device(Device::Gpu(0)).unwrap(),
-                &b.to_device(Device::Gpu(0)).unwrap(),
-            )
-            .to_f64_vec();
+            let got = f(&a.to_device(Device::Gpu(0)).unwrap(), &b.to_device(Device::Gpu(0)).unwrap()).to_f64_vec();
             FORCE.with(|c| c.set(None));
             for (g, w) in got.unwrap().iter().zip(&want) {
-                assert!(
-                    (g - w).abs() < 1e-4 * (1.0 + w.abs()),
-                    "{plan:?} with an epilogue: {g} vs {w}"
-                );
+                assert!((g - w).abs() < 1e-4 * (1.0 + w.abs()), "{plan:?} with an epilogue: {g} vs {w}");
             }
         }
         for splits in [1, 3, 8] {
-            check(
-                Variant::Columns { splits },
-                &[1, 300],
-                &[300, 517],
-                false,
-                false,
-                DType::F32,
-            );
-            check(
-                Variant::Columns { splits },
-                &[4, 2, 3, 70],
-                &[4, 2, 70, 9],
-                true,
-                false,
-                DType::F32,
-            );
-            check(
-                Variant::Columns { splits },
-                &[3, 33],
-                &[33, 5],
-                false,
-                false,
-                DType::U32,
-            );
+            check(Variant::Columns { splits }, &[1, 300], &[300, 517], false, false, DType::F32);
+            check(Variant::Columns { splits }, &[4, 2, 3, 70], &[4, 2, 70, 9], true, false, DType::F32);
+            check(Variant::Columns { splits }, &[3, 33], &[33, 5], false, false, DType::U32);
             // f32 with n % 4 == 0 takes the vec4 path; k = 37 leaves a remainder.
-            check(
-                Variant::Columns { splits },
-                &[1, 300],
-                &[300, 516],
-                false,
-                false,
-                DType::F32,
-            );
-            check(
-                Variant::Columns { splits },
-                &[4, 2, 3, 37],
-                &[4, 2, 37, 12],
-                true,
-                false,
-                DType::F32,
-            );
-            check(
-                Variant::Columns { splits },
-                &[2, 37],
-                &[37, 8],
-                false,
-                true,
-                DType::F32,
-            );
+            check(Variant::Columns { splits }, &[1, 300], &[300, 516], false, false, DType::F32);
+            check(Variant::Columns { splits }, &[4, 2, 3, 37], &[4, 2, 37, 12], true, false, DType::F32);
+            check(Variant::Columns { splits }, &[2, 37], &[37, 8], false, true, DType::F32);
         }
         // Column views of a wider `b`: offset 4 keeps the vec4 path, offset 1 does not.
         for (off, splits) in [(4, 1), (4, 5), (1, 1), (1, 5)] {
-            let a = Tensor::randn(&[2, 45], DType::F32, Device::Cpu)
-                .unwrap()
-                .mul(2.0)
-                .unwrap()
-                .round()
-                .unwrap();
-            let wide = Tensor::randn(&[45, 28], DType::F32, Device::Cpu)
-                .unwrap()
-                .mul(2.0)
-                .unwrap()
-                .round()
-                .unwrap();
-            let want = a
-                .matmul(&wide.narrow(1, off, 16).unwrap())
-                .unwrap()
-                .to_f64_vec()
-                .unwrap();
-            let (ga, gw) = (
-                a.to_device(Device::Gpu(0)).unwrap(),
-                wide.to_device(Device::Gpu(0)).unwrap(),
-            );
+            let a = Tensor::randn(&[2, 45], DType::F32, Device::Cpu).unwrap().mul(2.0).unwrap().round().unwrap();
+            let wide = Tensor::randn(&[45, 28], DType::F32, Device::Cpu).unwrap().mul(2.0).unwrap().round().unwrap();
+            let want = a.matmul(&wide.narrow(1, off, 16).unwrap()).unwrap().to_f64_vec().unwrap();
+            let (ga, gw) = (a.to_device(Device::Gpu(0)).unwrap(), wide.to_device(Device::Gpu(0)).unwrap());
             FORCE.with(|c| c.set(Some(Variant::Columns { splits })));
-            let got = gw
-                .narrow(1, off, 16)
-                .and_then(|b| ga.matmul(&b))
-                .and_then(|c| c.to_f64_vec());
+            let got = gw.narrow(1, off, 16).and_then(|b| ga.matmul(&b)).and_then(|c| c.to_f64_vec());
             FORCE.with(|c| c.set(None));
-            assert_eq!(
-                got.unwrap(),
-                want,
-                "columns of a view at offset {off}, {splits} splits"
-            );
+            assert_eq!(got.unwrap(), want, "columns of a view at offset {off}, {splits} splits");
         }
         // Tensor cores where the adapter has them (not lavapipe).
         if crate::backend::wgpu::context(0).unwrap().caps.coop_f16 {
@@ -1341,46 +795,13 @@ mod tests {
                     check(Variant::Coop, da, db, ta, tb, DType::F16);
                 }
             }
-            check(
-                Variant::Coop,
-                &[2, 130, 70],
-                &[70, 200],
-                false,
-                true,
-                DType::F16,
-            );
+            check(Variant::Coop, &[2, 130, 70], &[70, 200], false, true, DType::F16);
             // Whole aligned tiles take the vector-load path.
-            check(
-                Variant::Coop,
-                &[128, 64],
-                &[64, 256],
-                false,
-                false,
-                DType::F16,
-            );
-            check(
-                Variant::Coop,
-                &[2, 256, 96],
-                &[2, 96, 128],
-                false,
-                false,
-                DType::F16,
-            );
-            check(
-                Variant::Coop,
-                &[256, 96],
-                &[96, 128],
-                true,
-                false,
-                DType::F16,
-            );
+            check(Variant::Coop, &[128, 64], &[64, 256], false, false, DType::F16);
+            check(Variant::Coop, &[2, 256, 96], &[2, 96, 128], false, false, DType::F16);
+            check(Variant::Coop, &[256, 96], &[96, 128], true, false, DType::F16);
             // 256x128 tiles where whole, else the 128x128 kernel.
-            for (da, db) in [
-                (&[128usize, 64][..], &[64usize, 256][..]),
-                (&[2, 256, 96], &[2, 96, 128]),
-                (&[130, 40], &[40, 129]),
-                (&[512, 64], &[64, 128]),
-            ] {
+            for (da, db) in [(&[128usize, 64][..], &[64usize, 256][..]), (&[2, 256, 96], &[2, 96, 128]), (&[130, 40], &[40, 129]), (&[512, 64], &[64, 128])] {
                 check(Variant::CoopWide, da, db, false, false, DType::F16);
             }
         }

@@ -77,11 +77,7 @@ fn registry() -> &'static Registry {
             Some(b) => find(b),
             None => {
                 let primary = find(wgpu::Backends::PRIMARY);
-                if primary.is_empty() {
-                    find(wgpu::Backends::GL)
-                } else {
-                    primary
-                }
+                if primary.is_empty() { find(wgpu::Backends::GL) } else { primary }
             }
         };
         // gpu:N is stable across set-ups: the native APIs (Vulkan, Metal,
@@ -99,10 +95,7 @@ fn registry() -> &'static Registry {
             (matches!(i.backend, wgpu::Backend::Gl) as u8, t)
         };
         adapters.sort_by_key(rank);
-        Registry {
-            adapters,
-            contexts: Mutex::new(HashMap::new()),
-        }
+        Registry { adapters, contexts: Mutex::new(HashMap::new()) }
     })
 }
 
@@ -121,10 +114,7 @@ pub fn adapters() -> Vec<AdapterReport> {
                 (wgpu::Features::SUBGROUP, "subgroup"),
                 (wgpu::Features::TIMESTAMP_QUERY, "timestamp-query"),
                 (wgpu::Features::PIPELINE_CACHE, "pipeline-cache"),
-                (
-                    wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
-                    "cooperative-matrix",
-                ),
+                (wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX, "cooperative-matrix"),
                 (wgpu::Features::SHADER_F64, "shader-f64"),
             ];
             AdapterReport {
@@ -133,33 +123,14 @@ pub fn adapters() -> Vec<AdapterReport> {
                 backend: format!("{:?}", i.backend),
                 device_type: format!("{:?}", i.device_type),
                 driver: format!("{} {}", i.driver, i.driver_info).trim().to_string(),
-                features: named
-                    .iter()
-                    .filter(|(x, _)| f.contains(*x))
-                    .map(|(_, n)| *n)
-                    .collect(),
+                features: named.iter().filter(|(x, _)| f.contains(*x)).map(|(_, n)| *n).collect(),
                 limits: vec![
                     ("max_buffer_size", l.max_buffer_size),
-                    (
-                        "max_storage_buffer_binding_size",
-                        l.max_storage_buffer_binding_size,
-                    ),
-                    (
-                        "max_storage_buffers_per_shader_stage",
-                        l.max_storage_buffers_per_shader_stage as u64,
-                    ),
-                    (
-                        "max_compute_workgroups_per_dimension",
-                        l.max_compute_workgroups_per_dimension as u64,
-                    ),
-                    (
-                        "max_compute_invocations_per_workgroup",
-                        l.max_compute_invocations_per_workgroup as u64,
-                    ),
-                    (
-                        "max_compute_workgroup_storage_size",
-                        l.max_compute_workgroup_storage_size as u64,
-                    ),
+                    ("max_storage_buffer_binding_size", l.max_storage_buffer_binding_size),
+                    ("max_storage_buffers_per_shader_stage", l.max_storage_buffers_per_shader_stage as u64),
+                    ("max_compute_workgroups_per_dimension", l.max_compute_workgroups_per_dimension as u64),
+                    ("max_compute_invocations_per_workgroup", l.max_compute_invocations_per_workgroup as u64),
+                    ("max_compute_workgroup_storage_size", l.max_compute_workgroup_storage_size as u64),
                 ],
             }
         })
@@ -184,10 +155,7 @@ pub(crate) fn context(index: usize) -> Result<Arc<GpuContext>> {
                      `apt-get install libvulkan1 mesa-vulkan-drivers`, which includes the lavapipe software adapter)"
                 )
             } else {
-                format!(
-                    "gpu:{index} is not available: wgpu found {n} adapter(s), gpu:0 to gpu:{}",
-                    n - 1
-                )
+                format!("gpu:{index} is not available: wgpu found {n} adapter(s), gpu:0 to gpu:{}", n - 1)
             },
         });
     };
@@ -200,25 +168,14 @@ pub(crate) fn context(index: usize) -> Result<Arc<GpuContext>> {
 /// every few seconds while kernels compile).
 pub(crate) fn save_caches() {
     let reg = registry();
-    for c in reg
-        .contexts
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .values()
-    {
+    for c in reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).values() {
         Executor::save_caches(&**c);
     }
 }
 
 /// Block until every open device's background tuner is idle.
 pub(crate) fn finish_tuning() {
-    let ctxs: Vec<Arc<GpuContext>> = registry()
-        .contexts
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .values()
-        .cloned()
-        .collect();
+    let ctxs: Vec<Arc<GpuContext>> = registry().contexts.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
     for c in ctxs {
         c.tuner.finish();
     }
@@ -226,10 +183,7 @@ pub(crate) fn finish_tuning() {
 
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            row_kernels: true,
-            strided_reads: false,
-        }
+        Capabilities { row_kernels: true, strided_reads: false }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
@@ -242,22 +196,13 @@ impl Executor for GpuContext {
 
     fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView> {
         let Buffer::Wgpu(b) = buf else {
-            return Err(Error::Device {
-                op: "to_vec",
-                msg: format!("a buffer of another device reached gpu:{}", self.index),
-            });
+            return Err(Error::Device { op: "to_vec", msg: format!("a buffer of another device reached gpu:{}", self.index) });
         };
         if !layout.is_contiguous() {
-            return Err(Error::Backend(format!(
-                "gpu:{}: internal: a strided view was read without making it contiguous",
-                self.index
-            )));
+            return Err(Error::Backend(format!("gpu:{}: internal: a strided view was read without making it contiguous", self.index)));
         }
         let s = transfer::download(self, b, layout.offset(), layout.numel())?;
-        Ok(HostView {
-            data: HostData::Owned(s),
-            layout: Layout::contiguous(layout.dims()),
-        })
+        Ok(HostView { data: HostData::Owned(s), layout: Layout::contiguous(layout.dims()) })
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -279,10 +224,7 @@ impl Executor for GpuContext {
         // Queued work may still read cached buffers: finish it first.
         self.wait(None)?;
         self.clear_in_flight();
-        self.pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .destroy_cached();
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).destroy_cached();
         Ok(())
     }
 

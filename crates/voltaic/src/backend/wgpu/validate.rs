@@ -48,12 +48,7 @@ fn h100() -> Caps {
 /// Parse and validate one WGSL module; the error names the kernel.
 fn validate(label: &str, source: &str, caps: &Caps) {
     use naga::valid::{Capabilities as C, ValidationFlags, Validator};
-    let module = naga::front::wgsl::parse_str(source).unwrap_or_else(|e| {
-        panic!(
-            "{label}: WGSL does not parse: {}\n{source}",
-            e.emit_to_string(source)
-        )
-    });
+    let module = naga::front::wgsl::parse_str(source).unwrap_or_else(|e| panic!("{label}: WGSL does not parse: {}\n{source}", e.emit_to_string(source)));
     let mut allowed = C::empty();
     if caps.f16 {
         allowed |= C::SHADER_FLOAT16;
@@ -63,35 +58,16 @@ fn validate(label: &str, source: &str, caps: &Caps) {
     }
     Validator::new(ValidationFlags::all(), allowed)
         .validate(&module)
-        .unwrap_or_else(|e| {
-            panic!(
-                "{label}: WGSL does not validate: {}\n{source}",
-                e.emit_to_string(source)
-            )
-        });
+        .unwrap_or_else(|e| panic!("{label}: WGSL does not validate: {}\n{source}", e.emit_to_string(source)));
 }
 
 /// The kernels of the plan that would realize `t` on a GPU.
 fn kernels(t: &Tensor) -> Vec<(Kernel, Vec<(DType, usize)>)> {
-    let s = crate::schedule::schedule(
-        &[&t.value],
-        Capabilities {
-            row_kernels: true,
-            strided_reads: false,
-        },
-    );
+    let s = crate::schedule::schedule(&[&t.value], Capabilities { row_kernels: true, strided_reads: false });
     s.plan
         .kernels
         .iter()
-        .map(|k| {
-            (
-                k.clone(),
-                k.inputs
-                    .iter()
-                    .map(|&i| (s.plan.slots[i].dtype, s.plan.slots[i].numel))
-                    .collect(),
-            )
-        })
+        .map(|k| (k.clone(), k.inputs.iter().map(|&i| (s.plan.slots[i].dtype, s.plan.slots[i].numel)).collect()))
         .collect()
 }
 
@@ -102,27 +78,13 @@ fn check(t: &Tensor, caps: &Caps, seen: &mut Vec<&'static str>) -> usize {
     for (k, inputs) in kernels(t) {
         seen.push(k.kind.name());
         let mut variants = vec![None];
-        if let KernelKind::Matmul {
-            m,
-            k: kk,
-            quant: None,
-            ..
-        } = &k.kind
-        {
+        if let KernelKind::Matmul { m, k: kk, quant: None, .. } = &k.kind {
             variants.extend(TILES.iter().map(|&t| Some(Variant::Tiled(t))));
-            variants.push(Some(Variant::SplitK {
-                tile: TILES[6],
-                splits: 3,
-            }));
-            variants.push(Some(Variant::SplitK {
-                tile: Tile::warps(64, 64, 16, 4, 4),
-                splits: 2,
-            }));
+            variants.push(Some(Variant::SplitK { tile: TILES[6], splits: 3 }));
+            variants.push(Some(Variant::SplitK { tile: Tile::warps(64, 64, 16, 4, 4), splits: 2 }));
             if *m <= 4 {
                 variants.push(Some(Variant::Columns { splits: 1 }));
-                variants.push(Some(Variant::Columns {
-                    splits: (*kk / 64).max(2),
-                }));
+                variants.push(Some(Variant::Columns { splits: (*kk / 64).max(2) }));
             }
             if k.dtype == DType::F16 && caps.coop_f16 {
                 variants.push(Some(Variant::Coop));
@@ -135,14 +97,9 @@ fn check(t: &Tensor, caps: &Caps, seen: &mut Vec<&'static str>) -> usize {
                     continue;
                 }
             }
-            let p = program(caps, &k, &inputs, v)
-                .unwrap_or_else(|e| panic!("{} {v:?}: {e}", k.kind.name()));
+            let p = program(caps, &k, &inputs, v).unwrap_or_else(|e| panic!("{} {v:?}: {e}", k.kind.name()));
             for d in &p.dispatches {
-                validate(
-                    &format!("{} ({:?}) {}", d.label, v, k.ops.join(" ")),
-                    &d.source,
-                    caps,
-                );
+                validate(&format!("{} ({:?}) {}", d.label, v, k.ops.join(" ")), &d.source, caps);
                 n += 1;
             }
         }
@@ -152,23 +109,13 @@ fn check(t: &Tensor, caps: &Caps, seen: &mut Vec<&'static str>) -> usize {
 
 /// A realized input of `dt` (so kernels load that storage type).
 fn randn(dims: &[usize], dt: DType) -> Tensor {
-    let t = Tensor::randn(dims, DType::F32, Device::Cpu)
-        .unwrap()
-        .to_dtype(dt)
-        .unwrap();
+    let t = Tensor::randn(dims, DType::F32, Device::Cpu).unwrap().to_dtype(dt).unwrap();
     t.realize().unwrap();
     t
 }
 
 fn ints(dims: &[usize], hi: f64, dt: DType) -> Tensor {
-    let t = Tensor::rand(dims, DType::F32, Device::Cpu)
-        .unwrap()
-        .mul(hi)
-        .unwrap()
-        .floor()
-        .unwrap()
-        .to_dtype(dt)
-        .unwrap();
+    let t = Tensor::rand(dims, DType::F32, Device::Cpu).unwrap().mul(hi).unwrap().floor().unwrap().to_dtype(dt).unwrap();
     t.realize().unwrap();
     t
 }
@@ -185,29 +132,12 @@ fn graphs(dt: DType) -> Vec<Tensor> {
         }
     }
     for &b in crate::primitive::BinaryOp::ALL {
-        if !matches!(
-            b,
-            crate::primitive::BinaryOp::And | crate::primitive::BinaryOp::Or
-        ) {
+        if !matches!(b, crate::primitive::BinaryOp::And | crate::primitive::BinaryOp::Or) {
             out.push(x.binary(b, x.t().unwrap().t().unwrap()).unwrap());
         }
     }
-    out.push(
-        x.gt(0.5)
-            .unwrap()
-            .logical_and(x.lt(1.0).unwrap())
-            .unwrap()
-            .where_cond(&x, 2.0)
-            .unwrap(),
-    );
-    out.push(
-        x.t()
-            .unwrap()
-            .mul(randn(&[37, 1], dt))
-            .unwrap()
-            .to_dtype(DType::I32)
-            .unwrap(),
-    );
+    out.push(x.gt(0.5).unwrap().logical_and(x.lt(1.0).unwrap()).unwrap().where_cond(&x, 2.0).unwrap());
+    out.push(x.t().unwrap().mul(randn(&[37, 1], dt)).unwrap().to_dtype(DType::I32).unwrap());
     out.push(big.mul(2.0).unwrap().add(&big).unwrap());
     out.push(big.sqrt().unwrap().sub(1.0).unwrap().relu().unwrap());
     // Reductions: short and long rows, strided, arg, split over workgroups.
@@ -224,119 +154,38 @@ fn graphs(dt: DType) -> Vec<Tensor> {
     out.push(x.softmax(-1).unwrap());
     out.push(randn(&[4, 3000], dt).log_softmax(-1).unwrap());
     out.push(randn(&[64, 20], dt).softmax(1).unwrap());
-    out.push(
-        randn(&[8, 384], dt)
-            .layer_norm(
-                &[384],
-                Some(&randn(&[384], dt)),
-                Some(&randn(&[384], dt)),
-                1e-5,
-            )
-            .unwrap(),
-    );
+    out.push(randn(&[8, 384], dt).layer_norm(&[384], Some(&randn(&[384], dt)), Some(&randn(&[384], dt)), 1e-5).unwrap());
     // Index-like kernels.
     let idx = ints(&[6, 5], 37.0, DType::I32);
     out.push(x.gather(1, &idx).unwrap());
     out.push(x.index_select(0, &ints(&[4], 6.0, DType::U32)).unwrap());
-    out.push(
-        x.zeros_like()
-            .unwrap()
-            .scatter_add(1, &idx, &randn(&[6, 5], dt))
-            .unwrap(),
-    );
+    out.push(x.zeros_like().unwrap().scatter_add(1, &idx, &randn(&[6, 5], dt)).unwrap());
     out.push(x.cumsum(1).unwrap());
     out.push(randn(&[3, 5000], dt).cumsum(1).unwrap());
     out.push(ints(&[700, 2], 9.0, DType::I32).cumsum(0).unwrap());
     let long_idx = ints(&[1, 300], 37.0, DType::U32);
-    out.push(
-        x.narrow(0, 0, 1)
-            .unwrap()
-            .scatter_add(1, &long_idx, &randn(&[1, 300], dt))
-            .unwrap(),
-    );
-    out.push(
-        ints(&[1, 37], 5.0, DType::I32)
-            .scatter_add(1, &long_idx, &ints(&[1, 300], 5.0, DType::I32))
-            .unwrap(),
-    );
-    out.push(
-        Tensor::from_vec(Vec::<f32>::new(), &[4, 0], Device::Cpu)
-            .unwrap()
-            .to_dtype(dt)
-            .unwrap()
-            .sum(&[1], false)
-            .unwrap(),
-    );
+    out.push(x.narrow(0, 0, 1).unwrap().scatter_add(1, &long_idx, &randn(&[1, 300], dt)).unwrap());
+    out.push(ints(&[1, 37], 5.0, DType::I32).scatter_add(1, &long_idx, &ints(&[1, 300], 5.0, DType::I32)).unwrap());
+    out.push(Tensor::from_vec(Vec::<f32>::new(), &[4, 0], Device::Cpu).unwrap().to_dtype(dt).unwrap().sum(&[1], false).unwrap());
     out.push(Tensor::cat(&[&x, &x.mul(2.0).unwrap()], 0).unwrap());
     let img = randn(&[2, 3, 9, 9], dt);
-    out.push(
-        img.conv2d(
-            &randn(&[4, 3, 3, 3], dt),
-            Some(&randn(&[4], dt)),
-            crate::Conv2dOpts {
-                padding: [1, 1],
-                stride: [2, 2],
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    );
+    out.push(img.conv2d(&randn(&[4, 3, 3, 3], dt), Some(&randn(&[4], dt)), crate::Conv2dOpts { padding: [1, 1], stride: [2, 2], ..Default::default() }).unwrap());
     out.push(img.max_pool2d([3, 3], Some([2, 2]), [1, 1]).unwrap());
     // Matmul: plain, transposed, batched, few rows, with epilogues (bias, GELU).
     let (a, b) = (randn(&[128, 64], dt), randn(&[64, 128], dt));
     out.push(a.matmul(&b).unwrap());
-    out.push(
-        a.t()
-            .unwrap()
-            .matmul(&a)
-            .unwrap()
-            .add(1.0)
-            .unwrap()
-            .gelu()
-            .unwrap(),
-    );
-    out.push(
-        randn(&[3, 33, 17], dt)
-            .matmul(&randn(&[3, 17, 20], dt))
-            .unwrap(),
-    );
-    out.push(
-        randn(&[2, 300], dt)
-            .matmul(&randn(&[300, 516], dt))
-            .unwrap()
-            .add(randn(&[516], dt))
-            .unwrap()
-            .relu()
-            .unwrap(),
-    );
-    out.push(
-        randn(&[256, 256], dt)
-            .matmul(&randn(&[256, 128], dt))
-            .unwrap(),
-    );
+    out.push(a.t().unwrap().matmul(&a).unwrap().add(1.0).unwrap().gelu().unwrap());
+    out.push(randn(&[3, 33, 17], dt).matmul(&randn(&[3, 17, 20], dt)).unwrap());
+    out.push(randn(&[2, 300], dt).matmul(&randn(&[300, 516], dt)).unwrap().add(randn(&[516], dt)).unwrap().relu().unwrap());
+    out.push(randn(&[256, 256], dt).matmul(&randn(&[256, 128], dt)).unwrap());
     // Quantized: GEMV (one and three rows, with an epilogue), tiles, the row gather.
-    for q in [
-        crate::quant::GgmlType::Q8_0,
-        crate::quant::GgmlType::Q4_0,
-        crate::quant::GgmlType::Q4_1,
-        crate::quant::GgmlType::Q4K,
-        crate::quant::GgmlType::Q6K,
-    ] {
+    use crate::quant::GgmlType;
+    for q in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
         let (per, bytes) = q.block();
-        let blocks: Vec<u8> = (0..40 * (512 / per) * bytes)
-            .map(|i| (i * 7 % 251) as u8)
-            .collect();
+        let blocks: Vec<u8> = (0..40 * (512 / per) * bytes).map(|i| (i * 7 % 251) as u8).collect();
         let w = crate::QTensor::from_blocks(&blocks, q, &[40, 512], Device::Cpu).unwrap();
         for m in [1, 3, 20] {
-            out.push(
-                randn(&[m, 512], dt)
-                    .matmul(&w.t())
-                    .unwrap()
-                    .add(randn(&[40], DType::F32))
-                    .unwrap()
-                    .silu()
-                    .unwrap(),
-            );
+            out.push(randn(&[m, 512], dt).matmul(&w.t()).unwrap().add(randn(&[40], DType::F32)).unwrap().silu().unwrap());
         }
         out.push(w.embedding(&ints(&[5], 40.0, DType::I32)).unwrap());
     }
@@ -347,10 +196,7 @@ fn graphs(dt: DType) -> Vec<Tensor> {
 fn every_kernel_family_generates_valid_wgsl() {
     let mut seen = vec![];
     let mut modules = 0;
-    for (caps, dtypes) in [
-        (lavapipe(), vec![DType::F32, DType::BF16]),
-        (h100(), vec![DType::F32, DType::F16, DType::BF16]),
-    ] {
+    for (caps, dtypes) in [(lavapipe(), vec![DType::F32, DType::BF16]), (h100(), vec![DType::F32, DType::F16, DType::BF16])] {
         for dt in dtypes {
             for t in graphs(dt) {
                 modules += check(&t, &caps, &mut seen);
@@ -359,23 +205,8 @@ fn every_kernel_family_generates_valid_wgsl() {
     }
     seen.sort_unstable();
     seen.dedup();
-    for kind in [
-        "elementwise",
-        "reduce",
-        "rows",
-        "matmul",
-        "gather",
-        "index_select",
-        "scatter_add",
-        "cumsum",
-        "cat",
-        "unfold",
-        "dequantize",
-    ] {
-        assert!(
-            seen.contains(&kind),
-            "no {kind} kernel was generated: {seen:?}"
-        );
+    for kind in ["elementwise", "reduce", "rows", "matmul", "gather", "index_select", "scatter_add", "cumsum", "cat", "unfold", "dequantize"] {
+        assert!(seen.contains(&kind), "no {kind} kernel was generated: {seen:?}");
     }
     assert!(modules > 200, "only {modules} WGSL modules were checked");
 }
@@ -386,23 +217,8 @@ fn the_backward_pass_generates_valid_wgsl() {
     for dt in [DType::F32, DType::F16] {
         let img = randn(&[2, 3, 8, 8], dt).requires_grad().unwrap();
         let w = randn(&[4, 3, 3, 3], dt).requires_grad().unwrap();
-        let y = img
-            .conv2d(
-                &w,
-                None,
-                crate::Conv2dOpts {
-                    padding: [1, 1],
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-        let loss = y
-            .max_pool2d([2, 2], None, [0, 0])
-            .unwrap()
-            .softmax(1)
-            .unwrap()
-            .sum_all()
-            .unwrap();
+        let y = img.conv2d(&w, None, crate::Conv2dOpts { padding: [1, 1], ..Default::default() }).unwrap();
+        let loss = y.max_pool2d([2, 2], None, [0, 0]).unwrap().softmax(1).unwrap().sum_all().unwrap();
         loss.backward().unwrap();
         let mut seen = vec![];
         for g in [img.grad().unwrap(), w.grad().unwrap()] {

@@ -4,9 +4,7 @@
 //! next read.
 
 use super::{groups, Gen, WG};
-use crate::backend::wgpu::codegen::{
-    cast, compute_ty, literal, round_to, strided, unravel, Dispatch, Src, WgslProgram,
-};
+use crate::backend::wgpu::codegen::{cast, compute_ty, literal, round_to, strided, unravel, Dispatch, Src, WgslProgram};
 use crate::dtype::DType;
 use crate::ir::Strided as View;
 use crate::layout::Layout;
@@ -17,24 +15,12 @@ impl Gen<'_> {
     /// The dispatches of an index-like kernel.
     pub(crate) fn index(&self, p: &mut WgslProgram, op: &IndexOp, args: &[View]) {
         match *op {
-            IndexOp::Gather { dim, .. } => {
-                p.dispatches
-                    .push(self.gather(dim, &args[0], &args[1], op.error_code()))
-            }
-            IndexOp::IndexSelect { dim, .. } => {
-                p.dispatches
-                    .push(self.index_select(dim, &args[0], &args[1], op.error_code()))
-            }
+            IndexOp::Gather { dim, .. } => p.dispatches.push(self.gather(dim, &args[0], &args[1], op.error_code())),
+            IndexOp::IndexSelect { dim, .. } => p.dispatches.push(self.index_select(dim, &args[0], &args[1], op.error_code())),
             IndexOp::ScatterAdd { dim, .. } => {
                 p.dispatches.push(self.copy(&args[0], "scatter_add_copy"));
                 if args[1].layout.numel() > 0 {
-                    p.dispatches.push(self.scatter_add(
-                        dim,
-                        &args[0],
-                        &args[1],
-                        &args[2],
-                        op.error_code(),
-                    ));
+                    p.dispatches.push(self.scatter_add(dim, &args[0], &args[1], &args[2], op.error_code()));
                 }
             }
             IndexOp::Cumsum { dim } => self.cumsum(p, dim, &args[0]),
@@ -48,17 +34,9 @@ impl Gen<'_> {
                     at += part.layout.dims()[dim];
                 }
             }
-            IndexOp::Unfold { params, pad } => {
-                p.dispatches.push(self.unfold(&args[0], &params, pad))
-            }
+            IndexOp::Unfold { params, pad } => p.dispatches.push(self.unfold(&args[0], &params, pad)),
             IndexOp::Fold { params, hw } => p.dispatches.push(self.fold(&args[0], &params, hw)),
-            IndexOp::Dequantize { qtype, cols, .. } => p.dispatches.push(self.dequantize_rows(
-                qtype,
-                cols,
-                &args[0],
-                &args[1],
-                op.error_code(),
-            )),
+            IndexOp::Dequantize { qtype, cols, .. } => p.dispatches.push(self.dequantize_rows(qtype, cols, &args[0], &args[1], op.error_code())),
         }
     }
 
@@ -70,28 +48,16 @@ impl Gen<'_> {
         let n = v.layout.numel();
         let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
         let d = unravel(&mut b, &mut sh, "i", v.layout.dims());
-        let _ = writeln!(
-            b,
-            "    st_out(i, ld_in{}({}));",
-            v.input,
-            strided(&d, &v.layout)
-        );
+        let _ = writeln!(b, "    st_out(i, ld_in{}({}));", v.input, strided(&d, &v.layout));
         sh.finish(label.to_string(), WG, groups(n, WG), &b)
     }
+
 
     /// Read an index element (i32 or u32) as i32 into `name`, reporting it and
     /// using 0 when it is outside `[0, size)`.
     /// An out-of-range index is reported with the op's code; a u32 index
     /// sets `UNSIGNED_INDEX` in it, so the host prints it as unsigned.
-    pub(crate) fn checked_index(
-        &self,
-        b: &mut String,
-        name: &str,
-        v: &View,
-        off: &str,
-        size: usize,
-        op: u32,
-    ) {
+    pub(crate) fn checked_index(&self, b: &mut String, name: &str, v: &View, off: &str, size: usize, op: u32) {
         let raw = format!("ld_in{}({off})", v.input);
         if self.inputs[v.input].0 == DType::U32 {
             let code = op | UNSIGNED_INDEX;
@@ -121,12 +87,7 @@ impl Gen<'_> {
         let off = strided(&d, &index.layout);
         self.checked_index(&mut b, "x", index, &off, input.layout.dims()[dim], code);
         d[dim] = "u32(x)".into();
-        let _ = writeln!(
-            b,
-            "    st_out(i, ld_in{}({}));",
-            input.input,
-            strided_all(&d, &input.layout)
-        );
+        let _ = writeln!(b, "    st_out(i, ld_in{}({}));", input.input, strided_all(&d, &input.layout));
         sh.finish("gather".into(), WG, groups(n, WG), &b)
     }
 
@@ -143,12 +104,7 @@ impl Gen<'_> {
         let off = strided(&[d[dim].clone()], &index.layout);
         self.checked_index(&mut b, "x", index, &off, input.layout.dims()[dim], code);
         d[dim] = "u32(x)".into();
-        let _ = writeln!(
-            b,
-            "    st_out(i, ld_in{}({}));",
-            input.input,
-            strided_all(&d, &input.layout)
-        );
+        let _ = writeln!(b, "    st_out(i, ld_in{}({}));", input.input, strided_all(&d, &input.layout));
         sh.finish("index_select".into(), WG, groups(n, WG), &b)
     }
 
@@ -159,18 +115,10 @@ impl Gen<'_> {
     /// long dims run in parallel (and within the 65,535 loop iterations
     /// llvmpipe allows a shader); float sums then depend on the order of
     /// the additions, as on PyTorch's GPUs.
-    fn scatter_add(
-        &self,
-        dim: usize,
-        input: &View,
-        index: &View,
-        src: &View,
-        code: u32,
-    ) -> Dispatch {
+    fn scatter_add(&self, dim: usize, input: &View, index: &View, src: &View, code: u32) -> Dispatch {
         let idims = index.layout.dims();
         let dt = self.out.0;
-        let fits =
-            (self.out.1 as u64) * super::super::codegen::elem_bytes(dt) <= self.caps.chunk_bytes();
+        let fits = (self.out.1 as u64) * super::super::codegen::elem_bytes(dt) <= self.caps.chunk_bytes();
         if idims[dim] > 64 && fits {
             return self.scatter_add_atomic(dim, input, index, src, code);
         }
@@ -183,8 +131,7 @@ impl Gen<'_> {
         line_dims[dim] = 1;
         let lines: usize = line_dims.iter().product();
         let odims = input.layout.dims();
-        let mut b =
-            format!("    let t = group * {WG}u + lid;\n    if (t >= {lines}u) {{ return; }}\n");
+        let mut b = format!("    let t = group * {WG}u + lid;\n    if (t >= {lines}u) {{ return; }}\n");
         let mut d = unravel(&mut b, &mut sh, "t", &line_dims);
         let _ = writeln!(b, "    for (var j = 0u; j < {len}u; j = j + 1u) {{");
         d[dim] = "j".into();
@@ -203,14 +150,7 @@ impl Gen<'_> {
     }
 
     /// `scatter_add` with a thread per index position and atomic additions.
-    fn scatter_add_atomic(
-        &self,
-        dim: usize,
-        input: &View,
-        index: &View,
-        src: &View,
-        code: u32,
-    ) -> Dispatch {
+    fn scatter_add_atomic(&self, dim: usize, input: &View, index: &View, src: &View, code: u32) -> Dispatch {
         let mut sh = self.shader();
         self.bind_inputs(&mut sh, &[index.input, src.input]);
         let dt = self.out.0;
@@ -227,11 +167,7 @@ impl Gen<'_> {
         let soff = strided_all(&d, &src.layout);
         d[dim] = "u32(x)".into();
         let ooff = strided_all(&d, &Layout::contiguous(odims));
-        let _ = writeln!(
-            b,
-            "    let v = ld_in{}({soff});\n    let o = {ooff};",
-            src.input
-        );
+        let _ = writeln!(b, "    let v = ld_in{}({soff});\n    let o = {ooff};", src.input);
         // Compare-exchange: `new(old)` is the word after adding v to the element in `old`.
         let cas = |b: &mut String, at: &str, new: &str| {
             let _ = writeln!(
@@ -288,23 +224,14 @@ impl Gen<'_> {
         };
         if blocks > 1 {
             p.scratch.push((acc, lines * blocks));
-            p.dispatches
-                .push(self.cumsum_block_sums(dim, input, blocks, acc));
-            p.dispatches
-                .push(self.cumsum_block_offsets(lines, blocks, acc));
+            p.dispatches.push(self.cumsum_block_sums(dim, input, blocks, acc));
+            p.dispatches.push(self.cumsum_block_offsets(lines, blocks, acc));
         }
-        p.dispatches
-            .push(self.cumsum_blocks(dim, input, blocks, acc));
+        p.dispatches.push(self.cumsum_blocks(dim, input, blocks, acc));
     }
 
     /// The WGSL that finds line `t`'s input base and output base (`base`, `obase`).
-    fn scan_line(
-        &self,
-        b: &mut String,
-        sh: &mut crate::backend::wgpu::codegen::Shader,
-        dim: usize,
-        input: &View,
-    ) {
+    fn scan_line(&self, b: &mut String, sh: &mut crate::backend::wgpu::codegen::Shader, dim: usize, input: &View) {
         let l = &input.layout;
         let dims = l.dims();
         let len = dims[dim];
@@ -312,12 +239,7 @@ impl Gen<'_> {
         line_dims[dim] = 1;
         let inner: usize = dims[dim + 1..].iter().product();
         let d = unravel(b, sh, "t", &line_dims);
-        let _ = writeln!(
-            b,
-            "    let base = {};\n    let obase = (t / {inner}u) * {}u + t % {inner}u;",
-            strided(&d, l),
-            len * inner
-        );
+        let _ = writeln!(b, "    let base = {};\n    let obase = (t / {inner}u) * {}u + t % {inner}u;", strided(&d, l), len * inner);
     }
 
     fn cumsum_lines(&self, dim: usize, input: &View) -> Dispatch {
@@ -329,8 +251,7 @@ impl Gen<'_> {
         let lines = l.numel() / len;
         let inner: usize = l.dims()[dim + 1..].iter().product();
         let dt = self.out.0;
-        let mut b =
-            format!("    let t = group * {WG}u + lid;\n    if (t >= {lines}u) {{ return; }}\n");
+        let mut b = format!("    let t = group * {WG}u + lid;\n    if (t >= {lines}u) {{ return; }}\n");
         self.scan_line(&mut b, &mut sh, dim, input);
         let _ = writeln!(
             b,
@@ -341,14 +262,7 @@ impl Gen<'_> {
     }}",
             compute_ty(dt),
             literal(0.0, dt),
-            round_to(
-                dt,
-                &format!(
-                    "acc + ld_in{}(base + j * {}u)",
-                    input.input,
-                    l.strides()[dim]
-                )
-            ),
+            round_to(dt, &format!("acc + ld_in{}(base + j * {}u)", input.input, l.strides()[dim])),
         );
         sh.finish("cumsum".into(), WG, groups(lines, WG), &b)
     }
@@ -437,11 +351,7 @@ impl Gen<'_> {
         for u in 0..per {
             let _ = writeln!(b, "    if (j0 + {u}u < {len}u) {{ x[{u}] = {at}(ld_in{}(base + (j0 + {u}u) * {stride}u)); }} else {{ x[{u}] = {}; }}\n    s = s + x[{u}];", input.input, literal(0.0, acc));
         }
-        let offset = if blocks > 1 {
-            "ld_bsum(group)".to_string()
-        } else {
-            literal(0.0, acc)
-        };
+        let offset = if blocks > 1 { "ld_bsum(group)".to_string() } else { literal(0.0, acc) };
         let zero = literal(0.0, acc);
         let _ = writeln!(
             b,
@@ -451,12 +361,7 @@ impl Gen<'_> {
         for u in 0..per {
             let _ = writeln!(b, "    run = run + x[{u}];\n    if (j0 + {u}u < {len}u) {{ st_out(obase + (j0 + {u}u) * {inner}u, {}); }}", cast(acc, dt, "run"));
         }
-        sh.finish(
-            format!("cumsum_blocks {blocks}x{SCAN}"),
-            WG,
-            (lines * blocks) as u64,
-            &b,
-        )
+        sh.finish(format!("cumsum_blocks {blocks}x{SCAN}"), WG, (lines * blocks) as u64, &b)
     }
 
     fn cat_part(&self, dim: usize, part: &View, at: usize, total: usize) -> Dispatch {
@@ -470,18 +375,8 @@ impl Gen<'_> {
         let ostr = crate::shape::Shape::new(&od).contiguous_strides();
         let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
         let d = unravel(&mut b, &mut sh, "i", pd);
-        let out_l = Layout {
-            shape: crate::shape::Shape::new(&od),
-            strides: ostr.clone(),
-            offset: at * ostr[dim],
-        };
-        let _ = writeln!(
-            b,
-            "    st_out({}, ld_in{}({}));",
-            strided_all(&d, &out_l),
-            part.input,
-            strided(&d, &part.layout)
-        );
+        let out_l = Layout { shape: crate::shape::Shape::new(&od), strides: ostr.clone(), offset: at * ostr[dim] };
+        let _ = writeln!(b, "    st_out({}, ld_in{}({}));", strided_all(&d, &out_l), part.input, strided(&d, &part.layout));
         sh.finish("cat".into(), WG, groups(n, WG), &b)
     }
 
@@ -617,3 +512,4 @@ fn strided_all(digits: &[String], l: &Layout) -> String {
     }
     format!("({})", terms.join(" + "))
 }
+

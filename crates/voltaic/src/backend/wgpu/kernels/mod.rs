@@ -24,64 +24,24 @@ pub(crate) const PER: u32 = 4;
 /// The program that computes kernel `k`; `inputs` gives each input's dtype
 /// and element count. `variant` picks the matmul kernel (the shape
 /// heuristic when `None`).
-pub(crate) fn program(
-    caps: &Caps,
-    k: &Kernel,
-    inputs: &[(DType, usize)],
-    variant: Option<super::matmul::Variant>,
-) -> Result<WgslProgram> {
+pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], variant: Option<super::matmul::Variant>) -> Result<WgslProgram> {
     let mut p = WgslProgram::default();
     if k.numel == 0 {
         return Ok(p);
     }
-    let g = Gen {
-        caps,
-        inputs,
-        out: (k.dtype, k.numel),
-    };
+    let g = Gen { caps, inputs, out: (k.dtype, k.numel) };
     match &k.kind {
         KernelKind::Elementwise { expr, shape } => p.dispatches.push(g.elementwise(expr, shape)?),
-        KernelKind::Reduce {
-            op,
-            expr,
-            shape,
-            outer,
-            inner,
-        } => g.reduce(&mut p, *op, expr, shape, *outer, *inner)?,
-        KernelKind::Matmul {
-            a,
-            b,
-            m,
-            k: kk,
-            n,
-            epilogue,
-            quant: Some(q),
-            ..
-        } => g.qmatmul(&mut p, a, b, *q, *m, *kk, *n, epilogue.as_ref())?,
-        KernelKind::Matmul {
-            a,
-            b,
-            batch,
-            m,
-            k: kk,
-            n,
-            epilogue,
-            quant: None,
-        } => {
+        KernelKind::Reduce { op, expr, shape, outer, inner } => g.reduce(&mut p, *op, expr, shape, *outer, *inner)?,
+        KernelKind::Matmul { a, b, m, k: kk, n, epilogue, quant: Some(q), .. } => g.qmatmul(&mut p, a, b, *q, *m, *kk, *n, epilogue.as_ref())?,
+        KernelKind::Matmul { a, b, batch, m, k: kk, n, epilogue, quant: None } => {
             let r = b.layout.dims().len();
             let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
-            let variant = variant.unwrap_or_else(|| {
-                super::matmul::default_variant(*batch, *m, *kk, *n, sbn == 1 || sbk != 1)
-            });
+            let variant = variant.unwrap_or_else(|| super::matmul::default_variant(*batch, *m, *kk, *n, sbn == 1 || sbk != 1));
             g.matmul(&mut p, a, b, *m, *kk, *n, variant, epilogue.as_ref())?
         }
         KernelKind::Index { op, args } => g.index(&mut p, op, args),
-        KernelKind::Rows {
-            outer,
-            inner,
-            stages,
-            out,
-        } => p.dispatches.push(g.rows(*outer, *inner, stages, out)?),
+        KernelKind::Rows { outer, inner, stages, out } => p.dispatches.push(g.rows(*outer, *inner, stages, out)?),
     }
     Ok(p)
 }
