@@ -30,7 +30,7 @@ use crate::tensor::Tensor;
 /// let wq = QTensor::quantize(&w, GgmlType::Q8_0)?;
 /// let x = Tensor::randn(&[3, 64], DType::F32, Device::Cpu)?;
 /// let y = x.matmul(&wq.t())?; // [3, 8], like x.matmul(&w.t())
-/// let diff = y.sub(&x.matmul(&w.t())?)?.abs()?.max_all()?.item_f64()?;
+/// let diff = y.sub(&x.matmul(&w.t()?)?)?.abs()?.max_all()?.item_f64()?;
 /// assert!(diff < 0.1);
 /// # Ok::<(), voltaic::Error>(())
 /// ```
