@@ -6,6 +6,7 @@ mod cold;
 mod cpu;
 mod embed;
 mod gpu;
+mod llm;
 mod train;
 
 use anyhow::{bail, Context};
@@ -16,9 +17,10 @@ use std::time::Instant;
 /// Arguments of `voltaic bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Which suite to run: cpu (against numpy), gpu (against PyTorch on the same GPU)
+    /// Which suite to run: cpu (against numpy), gpu (against PyTorch on the same GPU),
     /// train (training steps) or embed (MiniLM sentence embeddings), both against
-    /// PyTorch on the same device.
+    /// PyTorch on the same device, or llm (SmolLM2-135M prefill and decode, against
+    /// llama.cpp on the CPU and PyTorch on a GPU).
     #[arg(long, default_value = "cpu")]
     suite: String,
     /// Device: for the gpu suite the best hardware GPU by default (`gpu:N` picks
@@ -103,13 +105,16 @@ impl Peer {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let embed_suite = args.suite == "embed";
+    let llm_suite = args.suite == "llm";
     let (gpu_suite, train_suite) = match args.suite.as_str() {
         "cpu" => (false, false),
         "gpu" => (true, false),
-        "train" | "embed" => (false, true),
-        s => bail!("unknown suite {s:?}: expected cpu, gpu, train or embed"),
+        "train" | "embed" | "llm" => (false, true),
+        s => bail!("unknown suite {s:?}: expected cpu, gpu, train, embed or llm"),
     };
-    let all = if embed_suite {
+    let all = if llm_suite {
+        llm::CASES
+    } else if embed_suite {
         embed::CASES
     } else if train_suite {
         train::CASES
@@ -149,14 +154,25 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         meta.insert("threads".into(), json!(rayon::current_num_threads()));
     }
-    if embed_suite {
+    if llm_suite {
+        meta.insert("unit".into(), json!("ms per 128-token prefill (llm_prefill_128) or per 128 greedy decode steps (llm_decode_b1)"));
+    } else if embed_suite {
         meta.insert("unit".into(), json!("ms per batch of sequence length 128"));
     } else if train_suite {
         meta.insert("unit".into(), json!("ms per Adam step (train_*) or per epoch (epoch_*)"));
     }
     if !args.no_peer {
-        pb.set_message(if gpu_suite || train_suite { "PyTorch peer" } else { "numpy peer" });
-        if embed_suite {
+        pb.set_message(match (llm_suite, device) {
+            (true, voltaic::Device::Cpu) => "llama.cpp peer",
+            _ if gpu_suite || train_suite => "PyTorch peer",
+            _ => "numpy peer",
+        });
+        if llm_suite {
+            let p = llm::peer(&cases, args.runs, device).context("running the llm peer")?;
+            peer_name = p.name;
+            peer_ms = p.times;
+            peer_extra = p.extra;
+        } else if embed_suite {
             let (name, times) = embed::torch_peer(&cases, args.runs, device).context("running the PyTorch peer")?;
             peer_name = name;
             peer_ms = times;
@@ -183,7 +199,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut rows = vec![];
     for c in &cases {
         pb.set_message(format!("voltaic {c}"));
-        let (ms, note) = if embed_suite {
+        let (ms, note) = if llm_suite {
+            llm::run_case(c, device, args.runs)
+        } else if embed_suite {
             embed::run_case(c, device, args.runs)
         } else if train_suite {
             train::run_case(c, device, args.runs)
@@ -194,6 +212,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         .with_context(|| format!("benchmark {c}"))?;
         let mut note = note;
+        if llm_suite {
+            let peer = llm::peer_note(c, peer_extra.get(*c));
+            if !peer.is_empty() {
+                note = format!("{note}; {peer}");
+            }
+        }
         // The epoch rows' second peer: PyTorch with the data on the device.
         if let Some(r) = peer_extra.get(*c).and_then(|e| e.get("resident_ms")).and_then(|v| v.as_f64()) {
             note = format!("{note}; vs the GPU-resident loop ({r:.1} ms): {:.2}x", r / ms);
@@ -202,9 +226,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         pb.inc(1);
     }
     pb.finish_and_clear();
+    let target_suite = if llm_suite && device != voltaic::Device::Cpu { "llm-gpu".to_string() } else { args.suite.clone() };
     if let Some(path) = &args.plot {
         let bars: Vec<(String, f64, Option<f64>)> =
-            rows.iter().filter_map(|r| Some((r.name.clone(), r.peer_ms? / r.voltaic_ms, target(&args.suite, &r.name)))).collect();
+            rows.iter().filter_map(|r| Some((r.name.clone(), r.peer_ms? / r.voltaic_ms, target(&target_suite, &r.name)))).collect();
         let title = format!("Voltaic vs {peer_name} on {device} ({} suite)", args.suite);
         crate::plot::save_speedups(path, &title, &bars)?;
     }
@@ -254,6 +279,11 @@ fn target(suite: &str, name: &str) -> Option<f64> {
         "train_mlp_b256" | "train_cnn_b256" => 1.2,
         n if n.starts_with("epoch_") => 1.5,
         n if suite == "embed" && n.starts_with("embed") => 1.0,
+        // On a GPU against PyTorch's CUDA-graph decode and its eager prefill;
+        // on the CPU against llama.cpp (the caller knows which from the peer).
+        "llm_decode_b1" if suite == "llm-gpu" => 2.5,
+        "llm_prefill_128" if suite == "llm-gpu" => 2.0,
+        "llm_decode_b1" | "llm_prefill_128" if suite == "llm" => 0.8,
         _ => return None,
     })
 }
