@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine: the llm suite against PyTorch, the LLaMA and
+# quantized-tensor tests on the GPU, and one generation, all logged under
+# $OUT. The 98 MB model does not fit one call's 64 MiB, so it travels in
+# three parts (split -b 34000000 into .l1/p, .l2/p, .l3/p): two calls before
+# this one copy their part to /tmp/llm/ (`mkdir -p /tmp/llm && cp .l1/p
+# /tmp/llm/p1`, likewise p2), and this call carries [".gl", ".bin", ".whl",
+# ".l3"], where .bin holds voltaic, llama and qtensor (gzipped, stripped)
+# and .whl the wheels of `gguf` and PyYAML for the PyTorch peer.
+set -uo pipefail
+source .gl/env.sh
+export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
+for f in .bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+chmod +x .bin/*
+cat /tmp/llm/p1 /tmp/llm/p2 .l3/p > /tmp/llm/model.gguf
+sha256sum /tmp/llm/model.gguf | tee "$OUT/model.sha256"
+export VOLTAIC_LLM_MODEL=/tmp/llm/model.gguf
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# The tests find their fixtures under the path they were built in.
+mkdir -p /work && [ -e /work/main ] || ln -sfn "$PWD" /work/main
+.bin/voltaic devices 2>&1 | tee "$OUT/devices.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee -a "$OUT/devices.txt"
+what="${1:-bench,tests,generate}"
+if [[ "$what" == *bench* ]]; then
+    .bin/voltaic bench --suite llm --device gpu --json --plot "$OUT/llm_gpu.png" 2> "$OUT/llmbench.err" | tee "$OUT/llmbench.jsonl" \
+        || .bin/voltaic bench --suite llm --device gpu --json --no-peer 2>> "$OUT/llmbench.err" | tee "$OUT/llmbench.jsonl"
+fi
+if [[ "$what" == *tests* ]]; then
+    .bin/llama --test-threads=1 --nocapture 2>&1 | tee "$OUT/llama_test.txt" | grep -E "^test |test result|first-step|parts|holds|panicked"
+    .bin/qtensor --test-threads=1 2>&1 | tee "$OUT/qtensor_test.txt" | grep -E "test result|panicked"
+fi
+if [[ "$what" == *generate* ]]; then
+    .bin/voltaic generate "The capital of France is" --device gpu -n 64 --json 2>&1 | tee "$OUT/generate.txt"
+    VOLTAIC_PROFILE=1 .bin/voltaic generate "Hi" --device gpu -n 3 2>&1 | tail -80 > "$OUT/profile.txt"
+fi
