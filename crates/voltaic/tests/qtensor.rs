@@ -46,6 +46,44 @@ fn host_dequantized(q: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Vec<
     w.into_iter().map(f64::from).collect()
 }
 
+/// What the CPU computes for `x [m, k] @ w.t()` when it takes its integer
+/// path (at most 16 rows of a Q4_0, Q4_1 or Q8_0 weight): each block of 32
+/// activations rounded to 16 bits (scale: the block's largest magnitude
+/// over 32767), multiplied by the weights less their block's offset (Q4_1:
+/// `m + 8d`, the 4-bit values centred), the offset times the exact sum of
+/// the activations added back. Written from that description in f64, it
+/// checks the kernel at the usual tolerance; elsewhere the exact product.
+fn cpu_reference(q: GgmlType, bytes: &[u8], w: &[f64], x: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
+    let exact = |i: usize, j: usize| (0..k).map(|e| x[i * k + e] * w[j * k + e]).sum::<f64>();
+    let integer = m <= 16 && matches!(q, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
+    let block_bytes = q.block().1;
+    let half = |at: usize| half::f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f64();
+    let mut out = vec![0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            if !integer {
+                out[i * n + j] = exact(i, j);
+                continue;
+            }
+            let mut s = 0.0;
+            for b in 0..k / 32 {
+                let xs: Vec<f64> = (0..32).map(|e| x[i * k + b * 32 + e] as f32 as f64).collect();
+                let amax = xs.iter().fold(0f64, |a, v| a.max(v.abs())) as f32;
+                let d = amax / 32767.0;
+                let rounded: Vec<f64> = xs.iter().map(|&v| if d > 0.0 { (v as f32 * (1.0 / d)).round() as f64 * d as f64 } else { 0.0 }).collect();
+                let at = (j * k / 32 + b) * block_bytes;
+                let offset = if q == GgmlType::Q4_1 { half(at + 2) + 8.0 * half(at) } else { 0.0 };
+                for e in 0..32 {
+                    s += (w[j * k + b * 32 + e] - offset) * rounded[e];
+                }
+                s += offset * xs.iter().sum::<f64>();
+            }
+            out[i * n + j] = s;
+        }
+    }
+    out
+}
+
 /// One test at a time on the GPU: an out-of-range index is flagged on the
 /// device and reported by its next read, which must be this test's.
 static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -81,6 +119,7 @@ fn quantized_matmul_matches_f64_loops_for_every_type_shape_and_device() {
         for lead in [vec![1], vec![3], vec![2, 5], vec![70]] {
             let m: usize = lead.iter().product();
             let x = rng.normals(m * k);
+            let cpu_want = cpu_reference(q, &bytes, &w, &x, m, n, k);
             let mut want = vec![0f64; m * n];
             for i in 0..m {
                 for j in 0..n {
@@ -96,7 +135,10 @@ fn quantized_matmul_matches_f64_loops_for_every_type_shape_and_device() {
                 let mut ydims = lead.clone();
                 ydims.push(n);
                 assert_eq!(y.dims(), &ydims[..]);
-                close(&y.to_f64_vec().unwrap(), &want, 1e-5, &format!("{} {xdims:?} @ [{n}, {k}].t() on {dev}", q.name()));
+                let got = y.to_f64_vec().unwrap();
+                close(&got, if dev.is_gpu() { &want } else { &cpu_want }, 1e-5, &format!("{} {xdims:?} @ [{n}, {k}].t() on {dev}", q.name()));
+                // The integer path stays near the exact product too.
+                close(&got, &want, 1e-4, &format!("{} {xdims:?} on {dev}, against the exact product", q.name()));
             }
         }
     }
@@ -114,6 +156,7 @@ fn the_matmul_takes_strided_rows_and_fuses_its_epilogue() {
     for m in [2, 20] {
         // x is the transpose of a [k, m] tensor: rows with stride 1, columns with stride m.
         let xt_data = rng.normals(k * m);
+        let rows: Vec<f64> = (0..m * k).map(|o| xt_data[o % k * m + o / k]).collect();
         let mut want = vec![0f64; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -121,6 +164,7 @@ fn the_matmul_takes_strided_rows_and_fuses_its_epilogue() {
                 want[i * n + j] = (s + bias[j]).max(0.0);
             }
         }
+        let cpu_want: Vec<f64> = cpu_reference(q, &bytes, &w, &rows, m, n, k).iter().enumerate().map(|(o, s)| (s + bias[o % n]).max(0.0)).collect();
         for dev in devices() {
             let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
             let x = f32_on(xt_data.clone(), &[k, m], dev).t().unwrap();
@@ -130,7 +174,7 @@ fn the_matmul_takes_strided_rows_and_fuses_its_epilogue() {
                 let kinds: Vec<&str> = voltaic::inspect(&[&y]).into_iter().map(|k| k.kind).collect();
                 assert_eq!(kinds, vec!["matmul"], "bias and relu run in the quantized matmul's stores");
             }
-            close(&y.to_f64_vec().unwrap(), &want, 1e-5, &format!("relu(x @ w.t() + b), m {m}, on {dev}"));
+            close(&y.to_f64_vec().unwrap(), if dev.is_gpu() { &want } else { &cpu_want }, 1e-5, &format!("relu(x @ w.t() + b), m {m}, on {dev}"));
         }
     }
 }
@@ -195,7 +239,10 @@ fn the_input_gradient_flows_through_a_quantized_weight() {
     let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
     let mut rng = Rng::new(8);
     let q = GgmlType::Q8_0;
-    let (n, k, m) = (6, 32, 3);
+    // 20 rows: the CPU's exact (dequantize + gemm) path, so that both
+    // gradients see the same forward values (the integer path's rounding,
+    // 1e-5, would reach the gradient through tanh').
+    let (n, k, m) = (6, 32, 20);
     let bytes = random_blocks(&mut rng, q, n, k);
     for dev in devices() {
         let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
