@@ -347,6 +347,37 @@ fn llama_hyperparameters_come_from_the_metadata_and_are_checked() {
     let f = GgufFile::from_bytes("tiny.gguf", w.bytes()).unwrap();
     let e = LlamaConfig::from_gguf(&f).unwrap_err().to_string();
     assert!(e.contains("tiny.gguf") && e.contains("4 heads") && e.contains("6"), "{e}");
+    // RoPE scaling: linear and per-frequency factors are read; YaRN, a bad
+    // factor and a mis-sized rope_freqs tensor are refused by name.
+    let tiny = |extra: &[(&str, u32, Vec<u8>)], freqs: Option<Vec<f32>>| {
+        let mut w = Writer::new(3);
+        w.kv.push(("general.architecture".into(), 8, s("llama")));
+        for (k, v) in [("block_count", 2u32), ("embedding_length", 8), ("feed_forward_length", 8), ("attention.head_count", 2)] {
+            w.kv.push((format!("llama.{k}"), 4, v.to_le_bytes().to_vec()));
+        }
+        w.kv.push(("llama.attention.layer_norm_rms_epsilon".into(), 6, 1e-5f32.to_le_bytes().to_vec()));
+        for (k, ty, v) in extra {
+            w.kv.push((k.to_string(), *ty, v.clone()));
+        }
+        w.tensors.push(("token_embd.weight".into(), vec![8, 5], 0, vec![0; 160]));
+        if let Some(f) = freqs {
+            w.tensors.push(("rope_freqs.weight".into(), vec![f.len() as u64], 0, f.iter().flat_map(|v| v.to_le_bytes()).collect()));
+        }
+        LlamaConfig::from_gguf(&GgufFile::from_bytes("rope.gguf", w.bytes()).unwrap())
+    };
+    use voltaic::models::llama::RopeScaling;
+    assert_eq!(tiny(&[], None).unwrap().rope_scaling, RopeScaling::None);
+    let linear = [("llama.rope.scaling.type", 8, s("linear")), ("llama.rope.scaling.factor", 6, 4f32.to_le_bytes().to_vec())];
+    assert_eq!(tiny(&linear, None).unwrap().rope_scaling, RopeScaling::Linear(4.0));
+    assert_eq!(tiny(&[], Some(vec![1.0, 8.0])).unwrap().rope_scaling, RopeScaling::Frequencies(vec![1.0, 8.0]));
+    let e = tiny(&[("llama.rope.scaling.type", 8, s("yarn"))], None).unwrap_err().to_string();
+    assert!(e.contains("rope.gguf") && e.contains("yarn") && e.contains("linear"), "{e}");
+    let e = tiny(&[("llama.rope.scaling.type", 8, s("linear")), ("llama.rope.scaling.factor", 6, 0.5f32.to_le_bytes().to_vec())], None).unwrap_err().to_string();
+    assert!(e.contains("0.5"), "{e}");
+    let e = tiny(&[], Some(vec![1.0, 2.0, 3.0])).unwrap_err().to_string();
+    assert!(e.contains("rope_freqs.weight") && e.contains("[3]") && e.contains("[2]"), "{e}");
+    let e = tiny(&[], Some(vec![1.0, -2.0])).unwrap_err().to_string();
+    assert!(e.contains("-2"), "{e}");
     // A missing key is named.
     let mut w2 = Writer::new(3);
     w2.kv.push(("general.architecture".into(), 8, s("llama")));

@@ -1,5 +1,6 @@
 //! LLaMA-family decoders read from GGUF files: token embedding, RMSNorm,
 //! rotary position embedding (llama.cpp's layout: adjacent pairs rotate),
+//! with linear or per-frequency scaling (Llama 3.1's `rope_freqs`),
 //! grouped-query attention with a causal mask over a KV cache on the
 //! device, SwiGLU, and a tied or separate output head. Block-quantized
 //! weights stay quantized ([`QTensor`]); every hyperparameter comes from
@@ -42,6 +43,8 @@ pub struct LlamaConfig {
     pub rope_dims: usize,
     /// RoPE's base frequency.
     pub rope_freq_base: f64,
+    /// How positions or frequencies are scaled for a longer context.
+    pub rope_scaling: RopeScaling,
     /// RMSNorm's epsilon.
     pub rms_eps: f64,
     /// Longest context the model was trained for.
@@ -81,6 +84,7 @@ impl LlamaConfig {
         if !positive(rope_freq_base) || !positive(rms_eps) {
             return Err(bad(format!("rope.freq_base {rope_freq_base} and layer_norm_rms_epsilon {rms_eps} must be positive")));
         }
+        let rope_scaling = RopeScaling::from_gguf(f, &arch, rope_dims)?;
         let embd = f.tensor_info("token_embd.weight")?;
         let vocab = embd.dims()[0];
         if embd.dims() != [vocab, hidden] {
@@ -98,11 +102,69 @@ impl LlamaConfig {
             head_dim,
             rope_dims,
             rope_freq_base,
+            rope_scaling,
             rms_eps,
             context,
             vocab,
             tied_output,
         })
+    }
+}
+
+/// RoPE scaling, from `{arch}.rope.scaling.type` and the `rope_freqs.weight`
+/// tensor. YaRN and other schemes are refused when the model is read (their
+/// attention scaling is not implemented), never silently ignored.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Positions as they are.
+    None,
+    /// Positions divided by the factor (`rope.scaling.factor`).
+    Linear(f64),
+    /// Each frequency divided by its factor (`rope_freqs.weight`, `rope_dims / 2`
+    /// values: Llama 3.1's long-context scaling, precomputed by the converter).
+    Frequencies(Vec<f64>),
+}
+
+impl RopeScaling {
+    fn from_gguf(f: &GgufFile, arch: &str, rope_dims: usize) -> Result<RopeScaling> {
+        let bad = |msg: String| Error::Format(format!("{}: {msg}", f.path().display()));
+        let key = format!("{arch}.rope.scaling.type");
+        let kind = if f.metadata.contains_key(&key) { f.get_str(&key)?.to_string() } else { "none".to_string() };
+        let scaling = match kind.as_str() {
+            "none" => RopeScaling::None,
+            "linear" => {
+                let factor = f.get_f64(&format!("{arch}.rope.scaling.factor"))?;
+                if !(factor.is_finite() && factor >= 1.0) {
+                    return Err(bad(format!("rope.scaling.factor {factor} must be at least 1")));
+                }
+                RopeScaling::Linear(factor)
+            }
+            other => return Err(bad(format!("{key} is {other:?}; supported: none, linear (and rope_freqs.weight)"))),
+        };
+        if f.tensor_info("rope_freqs.weight").is_err() {
+            return Ok(scaling);
+        }
+        if scaling != RopeScaling::None {
+            return Err(bad(format!("{key} {kind:?} together with a rope_freqs.weight tensor")));
+        }
+        let t = f.tensor("rope_freqs.weight", crate::Device::Cpu)?;
+        if t.dims() != [rope_dims / 2] {
+            return Err(bad(format!("rope_freqs.weight has shape {:?}, expected [{}]", t.dims(), rope_dims / 2)));
+        }
+        let factors = t.to_f64_vec()?;
+        if let Some(v) = factors.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+            return Err(bad(format!("rope_freqs.weight holds {v}; factors must be positive")));
+        }
+        Ok(RopeScaling::Frequencies(factors))
+    }
+
+    /// The angle of position `p` for pair `i` whose unscaled frequency is `theta`.
+    fn angle(&self, p: usize, i: usize, theta: f64) -> f64 {
+        match self {
+            RopeScaling::None => p as f64 * theta,
+            RopeScaling::Linear(factor) => p as f64 / factor * theta,
+            RopeScaling::Frequencies(f) => p as f64 * theta / f[i],
+        }
     }
 }
 
@@ -269,7 +331,7 @@ impl Llama {
         let (mut cos, mut sin) = (Vec::with_capacity(c.context * half), Vec::with_capacity(c.context * half));
         for p in 0..c.context {
             for i in 0..half {
-                let a = p as f64 * c.rope_freq_base.powf(-2.0 * i as f64 / c.rope_dims as f64);
+                let a = c.rope_scaling.angle(p, i, c.rope_freq_base.powf(-2.0 * i as f64 / c.rope_dims as f64));
                 cos.push(a.cos() as f32);
                 sin.push(a.sin() as f32);
             }
@@ -450,4 +512,18 @@ pub fn smollm2_path() -> Result<std::path::PathBuf> {
         ));
     };
     Ok(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RopeScaling;
+
+    #[test]
+    fn rope_scaling_divides_positions_or_frequencies() {
+        let theta = 0.25;
+        assert_eq!(RopeScaling::None.angle(8, 1, theta), 2.0);
+        assert_eq!(RopeScaling::Linear(4.0).angle(8, 1, theta), 0.5);
+        assert_eq!(RopeScaling::Frequencies(vec![1.0, 8.0]).angle(8, 0, theta), 2.0);
+        assert_eq!(RopeScaling::Frequencies(vec![1.0, 8.0]).angle(8, 1, theta), 0.25);
+    }
 }
