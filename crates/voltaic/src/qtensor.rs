@@ -175,9 +175,14 @@ impl QTensor {
         let lead = &x.dims()[..x.rank() - 1];
         let m: usize = lead.iter().product();
         let x2 = x.to_dtype(DType::F32)?.reshape_dims(&[m, self.cols])?;
-        let out = Tensor::from_op(OpKind::QMatmul(self.qtype), &[&x2, &self.raw], DType::F32, self.device(), vec![m, self.rows])?;
         let w = QTensor { transposed: false, ..self.clone() };
-        let out = out.track(&[&x2], move |g, _| Ok(vec![Some(g.matmul(&w.dequantize()?)?)]));
+        let out = if m > DENSE_ROWS && crate::backend::executor(self.device())?.capabilities().dense_wide_qmatmul {
+            // A prompt on a GPU: the dense kernels (see Capabilities).
+            x2.matmul_dense(&w.dequantize()?.t()?)?
+        } else {
+            let out = Tensor::from_op(OpKind::QMatmul(self.qtype), &[&x2, &self.raw], DType::F32, self.device(), vec![m, self.rows])?;
+            out.track(&[&x2], move |g, _| Ok(vec![Some(g.matmul(&w.dequantize()?)?)]))
+        };
         let mut dims = lead.to_vec();
         dims.push(self.rows);
         let out = out.reshape_dims(&dims)?;
@@ -188,6 +193,11 @@ impl QTensor {
         }
     }
 }
+
+/// Rows of `x` above which a device with `dense_wide_qmatmul` multiplies
+/// by the dequantized weight (at and below, its quantized GEMV reads the
+/// weight once for all rows).
+const DENSE_ROWS: usize = 8;
 
 /// What `Tensor::matmul` multiplies by: a [`Tensor`], or a transposed
 /// [`QTensor`] (`x.matmul(&w_q.t())`).

@@ -42,6 +42,12 @@ pub(crate) struct Capabilities {
     /// Reads can walk any layout; otherwise a strided view is made
     /// contiguous on the device before it is read back.
     pub strided_reads: bool,
+    /// A quantized matmul of many rows (a prompt) runs as its weight
+    /// dequantized into a temporary and the dense matmul: worth it where
+    /// the dense kernels are tuned for the hardware (a GPU's, 20x the
+    /// dequantizing tiled kernel on an H100); the CPU dequantizes a tile at
+    /// a time inside its product instead.
+    pub dense_wide_qmatmul: bool,
 }
 
 /// Bytes a device holds through Voltaic.

@@ -91,7 +91,7 @@ impl CpuExecutor {
 
 impl Executor for CpuExecutor {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: false, strided_reads: true }
+        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {

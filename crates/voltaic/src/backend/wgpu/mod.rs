@@ -183,7 +183,7 @@ pub(crate) fn finish_tuning() {
 
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: true, strided_reads: false }
+        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
