@@ -24,7 +24,10 @@ llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_t
 
 
 def last_argmax():
-    return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    # The last evaluated token's logits, straight from the context (Llama.eval
+    # keeps them in `scores` only with logits_all, which would copy every row).
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
 
 
 def prefill():
