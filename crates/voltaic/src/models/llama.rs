@@ -284,9 +284,14 @@ pub struct Llama {
     norm: Tensor,
     /// `None`: tied to `embed`.
     output: Option<Weight>,
-    /// `[context, rope_dims / 2]` cosines and sines of each position's angles.
+    /// `[context, head_dim]`: each position's cosines, one per element (a
+    /// pair's two elements share theirs; 1 past `rope_dims`).
     cos: Tensor,
+    /// `[context, head_dim]`: the sines, signed for the element they scale
+    /// (`-sin` for a pair's first element, `+sin` for its second; 0 past `rope_dims`).
     sin: Tensor,
+    /// `[head_dim]`: each element's pair partner (itself past `rope_dims`).
+    partner: Tensor,
     device: Device,
 }
 
@@ -327,18 +332,25 @@ impl Llama {
         let output = if c.tied_output { None } else { Some(Weight::load(f, "output.weight", &[c.vocab, h], device)?) };
         let norm = vector("output_norm.weight")?;
         // Angles in f64, as the reference computes them, rounded once.
-        let half = c.rope_dims / 2;
-        let (mut cos, mut sin) = (Vec::with_capacity(c.context * half), Vec::with_capacity(c.context * half));
+        let d = c.head_dim;
+        let (mut cos, mut sin) = (Vec::with_capacity(c.context * d), Vec::with_capacity(c.context * d));
         for p in 0..c.context {
-            for i in 0..half {
-                let a = c.rope_scaling.angle(p, i, c.rope_freq_base.powf(-2.0 * i as f64 / c.rope_dims as f64));
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
+            for e in 0..d {
+                if e < c.rope_dims {
+                    let a = c.rope_scaling.angle(p, e / 2, c.rope_freq_base.powf(-2.0 * (e / 2) as f64 / c.rope_dims as f64));
+                    cos.push(a.cos() as f32);
+                    sin.push(if e % 2 == 0 { -a.sin() } else { a.sin() } as f32);
+                } else {
+                    cos.push(1.0);
+                    sin.push(0.0);
+                }
             }
         }
-        let cos = Tensor::from_vec(cos, &[c.context, half], device)?;
-        let sin = Tensor::from_vec(sin, &[c.context, half], device)?;
-        Ok(Llama { config: c, embed, blocks, norm, output, cos, sin, device })
+        let cos = Tensor::from_vec(cos, &[c.context, d], device)?;
+        let sin = Tensor::from_vec(sin, &[c.context, d], device)?;
+        let partner: Vec<i32> = (0..d as i32).map(|e| if (e as usize) < c.rope_dims { e ^ 1 } else { e }).collect();
+        let partner = Tensor::from_vec(partner, &[d], device)?;
+        Ok(Llama { config: c, embed, blocks, norm, output, cos, sin, partner, device })
     }
 
     /// The device the weights live on.
@@ -351,7 +363,7 @@ impl Llama {
         let b = &self.blocks;
         let mats: usize = b.iter().map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down].iter().map(|w| w.size_in_bytes()).sum::<usize>()).sum();
         let vecs = (2 * b.len() + 1) * self.config.hidden * 4;
-        mats + vecs + self.embed.size_in_bytes() + self.output.as_ref().map_or(0, |w| w.size_in_bytes()) + 2 * self.cos.numel() * 4
+        mats + vecs + self.embed.size_in_bytes() + self.output.as_ref().map_or(0, |w| w.size_in_bytes()) + 2 * self.cos.numel() * 4 + self.partner.numel() * 4
     }
 
     /// An empty cache for one sequence.
@@ -388,7 +400,8 @@ impl Llama {
         let src = rel.clamp(Some(0.0), Some((t - 1) as f64))?.to_dtype(DType::I32)?;
         let visible = slots.reshape_dims(&[1, cap])?.le(&pos.reshape_dims(&[t, 1])?)?;
         let mask = Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?;
-        let (cos, sin) = (self.cos.index_select(0, &pos)?, self.sin.index_select(0, &pos)?);
+        let rows = |table: &Tensor| table.index_select(0, &pos)?.reshape_dims(&[t, 1, c.head_dim]);
+        let (cos, sin) = (rows(&self.cos)?, rows(&self.sin)?);
         let mut x = self.embed.rows(&ids)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
@@ -450,21 +463,11 @@ impl Llama {
     }
 
     /// Rotate adjacent pairs `(x[2i], x[2i + 1])` of the first `rope_dims`
-    /// of each head of `x` `[t, heads, head_dim]` by each position's angles.
+    /// of each head of `x` `[t, heads, head_dim]` by each position's angles
+    /// (`cos`, `sin`: the tables' rows of the positions, `[t, 1, head_dim]`):
+    /// `x * cos + partner(x) * signed sin`, a gather and one fused kernel.
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let c = &self.config;
-        let (t, heads, half) = (x.dims()[0], x.dims()[1], c.rope_dims / 2);
-        let rot = x.narrow(2, 0, c.rope_dims)?.reshape_dims(&[t, heads, half, 2])?;
-        let (x0, x1) = (rot.narrow(3, 0, 1)?, rot.narrow(3, 1, 1)?);
-        let (cs, sn) = (cos.reshape_dims(&[t, 1, half, 1])?, sin.reshape_dims(&[t, 1, half, 1])?);
-        let r0 = x0.mul(&cs)?.sub(&x1.mul(&sn)?)?;
-        let r1 = x0.mul(&sn)?.add(&x1.mul(&cs)?)?;
-        let rotated = Tensor::cat(&[&r0, &r1], 3)?.reshape_dims(&[t, heads, c.rope_dims])?;
-        if c.rope_dims == c.head_dim {
-            Ok(rotated)
-        } else {
-            Tensor::cat(&[&rotated, &x.narrow(2, c.rope_dims, c.head_dim - c.rope_dims)?], 2)
-        }
+        x.mul(cos)?.add(&x.index_select(2, &self.partner)?.mul(sin)?)
     }
 }
 
