@@ -23,7 +23,7 @@ use crate::ir::Plan;
 use crate::layout::Layout;
 use crate::primitive::{IndexOp, MapOp, ReduceOp};
 use foldhash::{HashMap, HashMapExt};
-use std::sync::{LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 /// One word of a structure key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -97,9 +97,9 @@ fn push_layout(t: &mut Vec<Tok>, l: &Layout) {
 }
 
 /// A scheduled plan with what ties it to any graph of its key.
-#[derive(Clone)]
 pub(crate) struct Entry {
-    pub plan: Plan,
+    /// Shared with every realization whose constants are the plan's own.
+    pub plan: Arc<Plan>,
     /// Graph positions of the nodes whose buffers are the plan's inputs, in order.
     pub input_nodes: Vec<usize>,
     /// Graph positions of the nodes that receive the plan's outputs, in order.
@@ -107,19 +107,32 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    /// The plan with the constants of `g` (a graph of the same key).
-    pub(crate) fn plan_for(&self, g: &Dag) -> Plan {
-        let mut plan = self.plan.clone();
+    /// The plan with the constants of `g` (a graph of the same key): the
+    /// cached plan itself when they are its own (a decode step's, a
+    /// training step's epsilons and scales), else a copy with them written
+    /// in. Copying a plan of hundreds of kernels costs more than keying it.
+    pub(crate) fn plan_for(&self, g: &Dag) -> Arc<Plan> {
+        let value = |pos: usize| match &g.ops[pos] {
+            Some(crate::graph::Op { kind: OpKind::Const(v), .. }) => Some(*v),
+            _ => None,
+        };
+        let same = self.plan.kernels.iter().all(|k| {
+            k.kind.exprs().iter().all(|e| e.consts.iter().zip(&e.const_nodes).all(|(c, &pos)| value(pos).is_none_or(|v| v.to_bits() == c.to_bits())))
+        });
+        if same {
+            return self.plan.clone();
+        }
+        let mut plan = (*self.plan).clone();
         for k in plan.kernels.iter_mut() {
             for e in k.kind.exprs_mut() {
                 for (c, &pos) in e.consts.iter_mut().zip(&e.const_nodes) {
-                    if let Some(crate::graph::Op { kind: OpKind::Const(v), .. }) = &g.ops[pos] {
-                        *c = *v;
+                    if let Some(v) = value(pos) {
+                        *c = v;
                     }
                 }
             }
         }
-        plan
+        Arc::new(plan)
     }
 
     /// An estimate of the bytes the entry holds (plan, layouts, expressions).
@@ -163,7 +176,7 @@ pub struct PlanCacheStats {
 }
 
 struct Slot {
-    entry: Entry,
+    entry: Arc<Entry>,
     bytes: usize,
     used: u64,
 }
@@ -190,7 +203,7 @@ fn default_limits() -> (usize, usize) {
 }
 
 /// The cached entry for `key`, if any (counted as a hit or a miss).
-pub(crate) fn lookup(key: &Key) -> Option<Entry> {
+pub(crate) fn lookup(key: &Key) -> Option<Arc<Entry>> {
     let mut c = cache();
     if c.stats.max_entries == 0 {
         return None;
@@ -221,7 +234,7 @@ pub(crate) fn insert(key: Key, entry: Entry) {
     }
     c.tick += 1;
     let used = c.tick;
-    if let Some(old) = c.map.insert(key, Slot { entry, bytes, used }) {
+    if let Some(old) = c.map.insert(key, Slot { entry: Arc::new(entry), bytes, used }) {
         c.stats.bytes -= old.bytes;
     }
     c.stats.bytes += bytes;

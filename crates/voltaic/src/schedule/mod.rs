@@ -30,7 +30,7 @@ use std::sync::Arc;
 /// A plan and what ties it to the graph: the buffers it runs with, and the
 /// nodes that receive its outputs (`store[i]` gets `plan.outputs[i]`).
 pub(crate) struct Scheduled {
-    pub plan: Plan,
+    pub plan: Arc<Plan>,
     pub inputs: Vec<Buffer>,
     pub store: Vec<Arc<Node>>,
     /// Whether the plan came from the plan cache.
@@ -70,6 +70,7 @@ fn schedule_dag(dag: &collect::Dag, caps: Capabilities) -> (Scheduled, cache::En
     }
     lifetimes::plan_lifetimes(&mut plan, &kept, &store);
     let store_nodes = store.iter().map(|(_, n)| dag.index[&n.id]).collect();
+    let plan = Arc::new(plan);
     let entry = cache::Entry { plan: plan.clone(), input_nodes, store_nodes };
     (Scheduled { plan, inputs, store: store.into_iter().map(|(_, n)| n).collect(), cached: false }, entry)
 }
