@@ -11,7 +11,7 @@ use crate::shape::Shape;
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
     pub(crate) shape: Shape,
-    pub(crate) strides: Vec<usize>,
+    pub(crate) strides: crate::shape::Dims,
     pub(crate) offset: usize,
 }
 
@@ -111,7 +111,7 @@ impl Layout {
                 );
             }
         }
-        Ok(Layout { shape: Shape::new(shape), strides, offset: self.offset })
+        Ok(Layout { shape: Shape::new(shape), strides: strides.into(), offset: self.offset })
     }
 
     /// Elements `start..start + len` (with `step`) of dimension `dim`.
@@ -191,7 +191,7 @@ impl Layout {
                 st *= shape[j];
             }
         }
-        Some(Layout { shape: Shape::new(shape), strides: new_strides, offset: self.offset })
+        Some(Layout { shape: Shape::new(shape), strides: new_strides.into(), offset: self.offset })
     }
 
     /// Merge neighbouring dimensions that are contiguous with each other in
@@ -230,7 +230,7 @@ impl Layout {
         let out = layouts
             .iter()
             .zip(strides)
-            .map(|(l, s)| Layout { shape: Shape(dims.clone()), strides: s, offset: l.offset })
+            .map(|(l, s)| Layout { shape: Shape::new(&dims), strides: s.into(), offset: l.offset })
             .collect();
         (dims, out)
     }
@@ -266,7 +266,7 @@ impl Layout {
             used[j] = true;
             strides[i] = inner.strides[j];
         }
-        Some(Layout { shape: view.shape.clone(), strides, offset: inner.offset_of(&base) })
+        Some(Layout { shape: view.shape.clone(), strides: strides.into(), offset: inner.offset_of(&base) })
     }
 
     /// Visit every offset this layout reaches, in row-major order.

@@ -2,14 +2,17 @@
 
 use crate::error::{bail, Result};
 
+/// Dimensions or strides, inline up to 6 (no allocation for common ranks).
+pub(crate) type Dims = smallvec::SmallVec<[usize; 6]>;
+
 /// The dimensions of a tensor, outermost first.
 #[derive(Clone, PartialEq, Eq, Hash, Default)]
-pub struct Shape(pub(crate) Vec<usize>);
+pub struct Shape(pub(crate) Dims);
 
 impl Shape {
     /// A shape from its dimensions.
     pub fn new(dims: &[usize]) -> Shape {
-        Shape(dims.to_vec())
+        Shape(Dims::from_slice(dims))
     }
     /// The dimensions.
     pub fn dims(&self) -> &[usize] {
@@ -24,8 +27,8 @@ impl Shape {
         self.0.iter().product()
     }
     /// Row-major strides of a contiguous tensor of this shape.
-    pub fn contiguous_strides(&self) -> Vec<usize> {
-        let mut s = vec![0; self.0.len()];
+    pub(crate) fn contiguous_strides(&self) -> Dims {
+        let mut s = Dims::from_elem(0, self.0.len());
         let mut acc = 1;
         for i in (0..self.0.len()).rev() {
             s[i] = acc;
@@ -47,17 +50,17 @@ impl std::fmt::Display for Shape {
 }
 impl From<&[usize]> for Shape {
     fn from(d: &[usize]) -> Shape {
-        Shape(d.to_vec())
+        Shape::new(d)
     }
 }
 impl From<Vec<usize>> for Shape {
     fn from(d: Vec<usize>) -> Shape {
-        Shape(d)
+        Shape::new(&d)
     }
 }
 impl<const N: usize> From<[usize; N]> for Shape {
     fn from(d: [usize; N]) -> Shape {
-        Shape(d.to_vec())
+        Shape::new(&d)
     }
 }
 

@@ -133,7 +133,7 @@ fn split_layout(l: &Layout, fine: &[usize]) -> Option<Layout> {
     if j != fine.len() {
         return None;
     }
-    Some(Layout { shape: crate::shape::Shape(fine.to_vec()), strides, offset: l.offset })
+    Some(Layout { shape: crate::shape::Shape::new(fine), strides: strides.into(), offset: l.offset })
 }
 
 /// Iterate an elementwise kernel over a finer shape when that lets a load
@@ -183,7 +183,7 @@ fn refine_expr(mut expr: Expr, dims: &[usize]) -> (Vec<usize>, Expr) {
 fn coalesce_expr(mut expr: Expr, shape: &[usize], groups: &[usize]) -> (Vec<usize>, Expr) {
     let mut new_shape = vec![];
     let mut new_firsts: Vec<Layout> =
-        expr.loads.iter().map(|l| Layout { shape: crate::shape::Shape(vec![]), strides: vec![], offset: l.path[0].offset }).collect();
+        expr.loads.iter().map(|l| Layout { shape: crate::shape::Shape::default(), strides: Default::default(), offset: l.path[0].offset }).collect();
     let mut start = 0;
     for &gsize in groups {
         let dims = &shape[start..start + gsize];
@@ -191,8 +191,8 @@ fn coalesce_expr(mut expr: Expr, shape: &[usize], groups: &[usize]) -> (Vec<usiz
             .loads
             .iter()
             .map(|l| Layout {
-                shape: crate::shape::Shape(dims.to_vec()),
-                strides: l.path[0].strides[start..start + gsize].to_vec(),
+                shape: crate::shape::Shape::new(dims),
+                strides: crate::shape::Dims::from_slice(&l.path[0].strides[start..start + gsize]),
                 offset: 0,
             })
             .collect();
@@ -201,8 +201,8 @@ fn coalesce_expr(mut expr: Expr, shape: &[usize], groups: &[usize]) -> (Vec<usiz
         // Keep a reduction's groups non-empty so `outer`/`inner` stay meaningful.
         new_shape.extend(&d);
         for (f, m) in new_firsts.iter_mut().zip(&merged) {
-            f.shape.0.extend(&d);
-            f.strides.extend(&m.strides);
+            f.shape.0.extend_from_slice(&d);
+            f.strides.extend_from_slice(&m.strides);
         }
         start += gsize;
     }
