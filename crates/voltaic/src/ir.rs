@@ -125,6 +125,9 @@ pub(crate) struct Strided {
 
 /// What a kernel computes. Equal kinds generate equal code, so executors
 /// cache compiled kernels by it.
+// Inline layouts make the matmul variant large; kernels live once per
+// cached plan, so boxing would buy nothing but an indirection.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Hash)]
 pub(crate) enum KernelKind {
     /// `out[i] = expr(i)` over `shape`.
