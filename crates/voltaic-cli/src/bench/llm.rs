@@ -111,8 +111,7 @@ pub fn run_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64,
     }
     times.sort_by(f64::total_cmp);
     let ms = times[times.len() / 2];
-    let n = if name == "llm_prefill_128" { PREFILL } else { DECODE };
-    let mut note = format!("{:.0} tokens/s", n as f64 / (ms / 1e3));
+    let mut note = format!("{:.0} tokens/s", tokens_per_second(name, ms));
     if let Some(p) = phases {
         note = format!("{note}; host us per token: {p}");
     }
@@ -136,7 +135,7 @@ fn per_token(a: &voltaic::HostProfile, b: &voltaic::HostProfile) -> String {
     format!("{} ({:.1} realizations)", parts.join(", "), (b.realizations - a.realizations) as f64 / n)
 }
 
-/// Tokens per second of a row's median time (for the peer's note).
+/// Tokens per second of a row's median time.
 pub fn tokens_per_second(name: &str, ms: f64) -> f64 {
     let n = if name == "llm_prefill_128" { PREFILL } else { DECODE };
     n as f64 / (ms / 1e3)

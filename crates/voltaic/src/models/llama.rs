@@ -397,7 +397,9 @@ impl Llama {
         let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I32, dev)?;
         let rel = slots.sub(p0 as f64)?;
         let take = rel.ge(0.0)?.logical_and(&rel.lt(t as f64)?)?;
-        let src = rel.clamp(Some(0.0), Some((t - 1) as f64))?.to_dtype(DType::I32)?;
+        // Where each slot's new token is (a prompt's tokens gather to their
+        // slots; one decoded token broadcasts, see `put`).
+        let src = if t > 1 { Some(rel.clamp(Some(0.0), Some((t - 1) as f64))?.to_dtype(DType::I32)?) } else { None };
         let visible = slots.reshape_dims(&[1, cap])?.le(&pos.reshape_dims(&[t, 1])?)?;
         let mask = Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?;
         let rows = |table: &Tensor| table.index_select(0, &pos)?.reshape_dims(&[t, 1, c.head_dim]);
@@ -410,10 +412,11 @@ impl Llama {
             let v = b.wv.forward(&hn)?.reshape_dims(&[t, c.kv_heads, c.head_dim])?;
             // Write the new keys and values into their slots.
             let put = |cache_t: &Tensor, new: &Tensor| -> Result<Tensor> {
-                // One new token (decode) broadcasts over the slots; several
-                // are gathered to theirs.
                 let new = new.permute(&[1, 0, 2])?;
-                let spread = if t == 1 { new } else { new.index_select(1, &src)? };
+                let spread = match &src {
+                    Some(src) => new.index_select(1, src)?,
+                    None => new,
+                };
                 take.reshape_dims(&[1, cap, 1])?.where_cond(&spread, cache_t)
             };
             cache.k[l] = put(&cache.k[l], &k)?;

@@ -154,21 +154,15 @@ pub(crate) fn matmul(a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usi
     let tiles = n.div_ceil(TILE_ROWS);
     (0..tiles).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, t| {
         let (r0, r1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(n));
-        if let Some(qx) = &int_rows {
+        if m <= SMALL_M {
+            // Each weight row against every row of `a`: integer dots, or its
+            // blocks dequantized into registers one at a time.
             for j in r0..r1 {
                 let mut sums = [0f32; SMALL_M];
-                super::qdot::dot_rows(b.q, b.row_bytes(j), b.padded, qx, &mut sums[..m]);
-                for (i, v) in sums[..m].iter().enumerate() {
-                    // SAFETY: tiles write disjoint columns of `out`.
-                    unsafe { *dst.get().add(i * n + j) = *v };
+                match &int_rows {
+                    Some(qx) => super::qdot::dot_rows(b.q, b.row_bytes(j), b.padded, qx, &mut sums[..m]),
+                    None => dot_rows(b.q, b.row_bytes(j), b.padded, &xs, k, &mut sums[..m]),
                 }
-            }
-        } else if m <= SMALL_M {
-            // Each weight row is dequantized a block at a time into
-            // registers and multiplied with every row of `a` there.
-            for j in r0..r1 {
-                let mut sums = [0f32; SMALL_M];
-                dot_rows(b.q, b.row_bytes(j), b.padded, &xs, k, &mut sums[..m]);
                 for (i, v) in sums[..m].iter().enumerate() {
                     // SAFETY: tiles write disjoint columns of `out`.
                     unsafe { *dst.get().add(i * n + j) = *v };
