@@ -26,13 +26,21 @@ pub struct Dataset {
 impl Dataset {
     /// Items from an IDX image file (u8, `[n, ...]`) and an IDX label file (u8, `[n]`).
     pub fn from_idx(images: &Path, labels: &Path) -> Result<Dataset> {
-        let im = idx::read(images)?;
-        let lb = idx::read(labels)?;
+        Dataset::from_parsed(idx::read(images)?, idx::read(labels)?, &images.display().to_string(), &labels.display().to_string())
+    }
+
+    /// Items from the bytes of an IDX image file and an IDX label file
+    /// (gzipped or plain): where there is no filesystem, as in a browser.
+    pub fn from_idx_bytes(images: &[u8], labels: &[u8]) -> Result<Dataset> {
+        Dataset::from_parsed(idx::parse_bytes(images, "the image file")?, idx::parse_bytes(labels, "the label file")?, "the image file", "the label file")
+    }
+
+    fn from_parsed(im: idx::Idx, lb: idx::Idx, images: &str, labels: &str) -> Result<Dataset> {
         let (IdxData::U8(pixels), IdxData::U8(lab)) = (im.data, lb.data) else {
-            bail!(Value, "dataset", "{} and {} must hold u8 data", images.display(), labels.display());
+            bail!(Value, "dataset", "{images} and {labels} must hold u8 data");
         };
         if lb.dims.len() != 1 || im.dims.is_empty() || im.dims[0] != lb.dims[0] {
-            bail!(Shape, "dataset", "{} has dims {:?} but {} has {:?}: expected [n, ...] images and [n] labels", images.display(), im.dims, labels.display(), lb.dims);
+            bail!(Shape, "dataset", "{images} has dims {:?} but {labels} has {:?}: expected [n, ...] images and [n] labels", im.dims, lb.dims);
         }
         let mut item_dims = im.dims[1..].to_vec();
         if item_dims.len() == 2 {
@@ -154,6 +162,12 @@ pub fn epoch_order(n: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize>
     }
     order
 }
+
+/// Fashion-MNIST's mean of the pixel values scaled to [0, 1] (what `voltaic
+/// train` normalizes with).
+pub const FASHION_MNIST_MEAN: f64 = 0.2860;
+/// Fashion-MNIST's standard deviation of the pixel values scaled to [0, 1].
+pub const FASHION_MNIST_STD: f64 = 0.3530;
 
 /// `(pixel / 255 - mean) / std` in f32, as every loader computes it.
 fn normalizer(mean: f64, std: f64) -> impl Fn(&u8) -> f32 + Copy {

@@ -11,7 +11,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use web_time::Instant;
 
 /// Whether `VOLTAIC_PROFILE` asks for profiles (read once).
 pub(crate) fn enabled() -> bool {

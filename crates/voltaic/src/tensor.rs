@@ -297,12 +297,63 @@ impl Tensor {
         crate::realize::realize(&values)
     }
 
+    /// Realize this tensor and wait until the device has computed it,
+    /// without blocking the thread (on a GPU, the future resolves when the
+    /// submitted work has finished; the CPU computes it at once). The
+    /// blocking [`Tensor::realize`] only hands the work to the device.
+    pub async fn realize_async(&self) -> Result<&Tensor> {
+        self.realize()?;
+        crate::backend::completed(executor(self.device())?.completion()?).await?;
+        Ok(self)
+    }
+
     /// The elements in row-major order. `T` must be the tensor's dtype.
+    /// Blocks until they are read back; see [`Tensor::to_vec_async`].
     pub fn to_vec<T: StorageElem>(&self) -> Result<Vec<T>> {
-        if T::DTYPE != self.dtype() {
-            bail!(DType, "to_vec", "the tensor holds {}, asked for {}; use to_dtype first", self.dtype(), T::DTYPE);
-        }
+        Self::check_elem::<T>(self.dtype(), "to_vec")?;
         self.read_host(|s, l| l.gather(T::slice(s).expect("dtype checked")))
+    }
+
+    /// The elements in row-major order, read back without blocking the
+    /// thread: the form a browser needs (where [`Tensor::to_vec`] on a GPU
+    /// tensor is an error), and a natively usable future too.
+    ///
+    /// ```
+    /// # use voltaic::{Tensor, Device};
+    /// let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3], Device::Cpu)?;
+    /// let v = pollster::block_on((&t * 2.0)?.to_vec_async::<f32>())?;
+    /// assert_eq!(v, vec![2.0, 4.0, 6.0]);
+    /// # Ok::<(), voltaic::Error>(())
+    /// ```
+    pub async fn to_vec_async<T: StorageElem>(&self) -> Result<Vec<T>> {
+        Self::check_elem::<T>(self.dtype(), "to_vec_async")?;
+        self.read_host_async(|s, l| l.gather(T::slice(s).expect("dtype checked"))).await
+    }
+
+    fn check_elem<T: StorageElem>(dtype: DType, op: &'static str) -> Result<()> {
+        if T::DTYPE != dtype {
+            bail!(DType, op, "the tensor holds {}, asked for {}; use to_dtype first", dtype, T::DTYPE);
+        }
+        Ok(())
+    }
+
+    /// The elements as f64, whatever the dtype, read back without blocking
+    /// the thread.
+    pub async fn to_f64_vec_async(&self) -> Result<Vec<f64>> {
+        self.read_host_async(|s, l| {
+            let mut out = Vec::with_capacity(l.numel());
+            l.for_each_offset(|o| out.push(s.get_f64(o)));
+            out
+        })
+        .await
+    }
+
+    /// The only element of a one-element tensor, read back without blocking the thread.
+    pub async fn item_async<T: StorageElem>(&self) -> Result<T> {
+        if self.numel() != 1 {
+            bail!(Shape, "item_async", "expected a tensor with one element, got shape {:?}", self.dims());
+        }
+        Ok(self.to_vec_async::<T>().await?[0])
     }
 
     /// The elements as f64, whatever the dtype (bools as 0/1).
@@ -319,12 +370,24 @@ impl Tensor {
     /// elements read back (made contiguous on the device first when the
     /// device cannot read strided views).
     pub(crate) fn read_host<R>(&self, f: impl FnOnce(&CpuStorage, &Layout) -> R) -> Result<R> {
+        let host = self.read_start()?.wait()?;
+        Ok(f(host.storage(), &host.layout))
+    }
+
+    /// [`Tensor::read_host`] without blocking the thread.
+    pub(crate) async fn read_host_async<R>(&self, f: impl FnOnce(&CpuStorage, &Layout) -> R) -> Result<R> {
+        let host = self.read_start()?.finish().await?;
+        Ok(f(host.storage(), &host.layout))
+    }
+
+    /// Realize and start reading the values back: the part of a read that
+    /// the blocking and the async forms share.
+    fn read_start(&self) -> Result<crate::backend::PendingRead> {
         let exec = executor(self.device())?;
         let t = if exec.capabilities().strided_reads || self.is_contiguous() { self.clone() } else { self.contiguous()? };
         crate::backend::read_follows(|| t.realize())?;
         let buf = t.value.node.buffer().expect("realized");
-        let host = exec.read(&buf, &t.value.layout)?;
-        Ok(f(host.storage(), &host.layout))
+        exec.read_start(&buf, &t.value.layout)
     }
 
     /// The only element of a one-element tensor.

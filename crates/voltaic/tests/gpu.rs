@@ -23,6 +23,18 @@ fn gpu() -> Device {
     Device::Gpu(i)
 }
 
+/// Whether the adapter under test holds f16 (SHADER_F16: not on GL over
+/// llvmpipe, for one).
+fn gpu_has_f16() -> bool {
+    let Device::Gpu(i) = gpu() else { unreachable!() };
+    voltaic::backend::adapters()[i].features.contains(&"shader-f16")
+}
+
+/// The half-precision dtypes the adapter under test holds.
+fn half_dtypes() -> Vec<DType> {
+    if gpu_has_f16() { vec![DType::F16, DType::BF16] } else { vec![DType::BF16] }
+}
+
 fn to_gpu(ts: &[Tensor]) -> Vec<Tensor> {
     ts.iter().map(|t| t.to_device(gpu()).expect("upload")).collect()
 }
@@ -176,7 +188,8 @@ fn casts_between_every_gpu_dtype_match_cpu() {
         0.0, -0.0, 1.5, -1.5, 2.5, 0.49, 65504.0, 65519.0, 65520.0, 70000.0, -3e9, 3e9, 5e9, f64::NAN, f64::INFINITY, -1.0,
         255.0, 1e-8, 2.98e-8, 3e-8, 6e-8, 9e-8, 1e-5, -4.5e-6, 6.1e-5, 6.2e-5, 1.00048828125, 1.000732421875, 2049.0, 2051.0,
     ];
-    let dts = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::U32, DType::Bool];
+    let mut dts = vec![DType::F32, DType::BF16, DType::I32, DType::U32, DType::Bool];
+    dts.extend(half_dtypes().into_iter().filter(|&d| d == DType::F16));
     for &from in &dts {
         let (x, _) = tensor(&vals, &[vals.len()], from);
         for &to in &dts {
@@ -188,7 +201,7 @@ fn casts_between_every_gpu_dtype_match_cpu() {
 #[test]
 fn half_precision_arithmetic_matches_cpu() {
     let mut rng = Rng::new(4);
-    for dt in [DType::F16, DType::BF16] {
+    for dt in half_dtypes() {
         let a = randn(&mut rng, &[9, 17], dt);
         let b = transposed(&mut rng, &[9, 17], dt);
         // Two units in the last place: NVIDIA's Vulkan driver does not always
@@ -415,7 +428,8 @@ fn views_and_creation_round_trip() {
     assert_eq!(v.contiguous().unwrap().to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
     let eye = Tensor::eye(3, DType::I32, g).unwrap();
     assert_eq!(eye.to_vec::<i32>().unwrap(), vec![1, 0, 0, 0, 1, 0, 0, 0, 1]);
-    let f = Tensor::full(&[2, 2], 2.5, DType::F16, g).unwrap();
+    let half = *half_dtypes().first().expect("bf16 always");
+    let f = Tensor::full(&[2, 2], 2.5, half, g).unwrap();
     assert_eq!(f.to_f64_vec().unwrap(), vec![2.5; 4]);
     assert_eq!(Tensor::scalar(3u32, g).unwrap().item::<u32>().unwrap(), 3);
     let s = format!("{}", Tensor::linspace(0.0, 1.0, 3, DType::F32, g).unwrap());
@@ -514,7 +528,9 @@ fn row_wise_work_runs_in_one_kernel_and_matches_cpu() {
     same("softmax with NaN and inf", &[x], 1e-5, 1e-7, |t| t[0].softmax(-1));
     // f16 rows compute in f32.
     let h = randn(&mut rng, &[33, 70], DType::F32);
-    same("f16 softmax rows", &[h.to_dtype(DType::F16).unwrap()], 1e-2, 1e-3, |t| t[0].softmax(-1));
+    for dt in half_dtypes() {
+        same(&format!("{dt} softmax rows"), &[h.to_dtype(dt).unwrap()], 1e-2, 1e-3, |t| t[0].softmax(-1));
+    }
     // Results someone keeps are not folded away: the max is asked for too.
     let x = randn(&mut rng, &[20, 30], DType::F32).to_device(gpu()).unwrap();
     let m = x.max(&[-1], true).unwrap();
@@ -629,7 +645,7 @@ fn cumsum_and_scatter_add_along_long_dims_match_cpu() {
     same("cumsum strided", &[xt], 1e-5, 1e-4, |t| t[0].cumsum(0));
     let i = randn(&mut rng, &[long, 2], DType::I32);
     same("cumsum long i32", &[i], 0.0, 0.0, |t| t[0].cumsum(0));
-    for dt in [DType::F16, DType::BF16] {
+    for dt in half_dtypes() {
         let h = Tensor::rand(&[5000], dt, Device::Cpu).unwrap();
         // Both accumulate in f32 and round each stored sum to the half type.
         same(&format!("cumsum {dt}"), &[h], 8e-3, 0.0, |t| t[0].cumsum(0));
@@ -643,7 +659,7 @@ fn cumsum_and_scatter_add_along_long_dims_match_cpu() {
     let ibase = randn(&mut rng, &[1, size], DType::I32);
     same("scatter_add long i32", &[ibase, idx.clone(), isrc], 0.0, 0.0, |t| t[0].scatter_add(1, &t[1], &t[2]));
     let uidx = idx.to_dtype(DType::U32).unwrap();
-    for dt in [DType::F16, DType::BF16] {
+    for dt in half_dtypes() {
         let hsrc = Tensor::rand(&[1, 300], dt, Device::Cpu).unwrap();
         let hb = Tensor::zeros(&[1, size], dt, Device::Cpu).unwrap();
         let ui = uidx.narrow(1, 0, 300).unwrap();
@@ -670,4 +686,17 @@ fn sin_and_cos_of_huge_arguments_match_cpu() {
     let x = Tensor::from_vec(xs, &[n], Device::Cpu).unwrap();
     same("sin of huge arguments", std::slice::from_ref(&x), 0.0, 2e-7, |t| t[0].sin());
     same("cos of huge arguments", &[x], 0.0, 2e-7, |t| t[0].cos());
+}
+
+/// f16 on the adapter under test: computed where it has SHADER_F16, else
+/// refused with an error that names the feature and the alternatives.
+#[test]
+fn f16_works_or_is_refused_clearly() {
+    let x = Tensor::from_vec(vec![1.5f32, -2.25, 3.0], &[3], Device::Cpu).unwrap().to_dtype(DType::F16).unwrap();
+    let r = x.to_device(gpu()).and_then(|g| g.mul(2.0)?.to_f64_vec());
+    if gpu_has_f16() {
+        assert_eq!(r.unwrap(), vec![3.0, -4.5, 6.0]);
+    } else {
+        common::assert_err_mentions(r, &["f16", "SHADER_F16", "f32 or bf16"]);
+    }
 }

@@ -14,7 +14,7 @@
 pub(crate) mod cpu;
 pub(crate) mod wgpu;
 
-pub use self::wgpu::{adapters, AdapterReport};
+pub use self::wgpu::{adapters, adapters_async, AdapterReport};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -116,6 +116,82 @@ impl HostView {
     }
 }
 
+/// Work handed to a device that finishes in the background. The blocking
+/// and the async forms of a read (or of waiting for a realization) share
+/// everything but this: `wait` blocks the thread (native only), `register`
+/// asks to be woken instead (what a future does; the web's only way).
+pub(crate) trait Completion: Send + Sync {
+    /// Whether the work has finished (never blocks; may poll the device).
+    fn is_done(&self) -> bool;
+    /// Block until the work has finished.
+    fn wait(&self) -> Result<()>;
+    /// Wake `waker` once the work has finished.
+    fn register(&self, waker: &std::task::Waker);
+    /// The device's verdict once done: `Err` when the work failed.
+    fn outcome(&self) -> Result<()>;
+}
+
+/// A future over a [`Completion`].
+struct Completed<'a>(&'a dyn Completion);
+
+impl std::future::Future for Completed<'_> {
+    type Output = Result<()>;
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<()>> {
+        if self.0.is_done() {
+            return std::task::Poll::Ready(self.0.outcome());
+        }
+        self.0.register(cx.waker());
+        // Done between the check and the registration: no wake would come.
+        if self.0.is_done() {
+            return std::task::Poll::Ready(self.0.outcome());
+        }
+        std::task::Poll::Pending
+    }
+}
+
+/// Values on their way to the host: [`PendingRead::wait`] blocks for them,
+/// [`PendingRead::finish`] awaits them.
+pub(crate) struct PendingRead {
+    completion: Option<Box<dyn Completion>>,
+    collect: Box<dyn FnOnce() -> Result<HostView> + Send>,
+}
+
+impl PendingRead {
+    /// Values already on the host.
+    pub fn ready(view: HostView) -> PendingRead {
+        PendingRead { completion: None, collect: Box::new(move || Ok(view)) }
+    }
+
+    /// Values that `collect` takes once `completion` is done.
+    pub fn new(completion: Box<dyn Completion>, collect: Box<dyn FnOnce() -> Result<HostView> + Send>) -> PendingRead {
+        PendingRead { completion: Some(completion), collect }
+    }
+
+    /// Block the thread until the values are here.
+    pub fn wait(self) -> Result<HostView> {
+        if let Some(c) = &self.completion {
+            c.wait()?;
+        }
+        (self.collect)()
+    }
+
+    /// The values, without blocking the thread.
+    pub async fn finish(self) -> Result<HostView> {
+        if let Some(c) = &self.completion {
+            Completed(&**c).await?;
+        }
+        (self.collect)()
+    }
+}
+
+/// Wait for a completion without blocking the thread (see [`Executor::completion`]).
+pub(crate) async fn completed(c: Option<Box<dyn Completion>>) -> Result<()> {
+    match c {
+        Some(c) => Completed(&*c).await,
+        None => Ok(()),
+    }
+}
+
 /// A device's executor.
 pub(crate) trait Executor: Send + Sync {
     /// What the executor offers.
@@ -125,11 +201,19 @@ pub(crate) trait Executor: Send + Sync {
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>>;
     /// A new buffer holding `data`.
     fn upload(&self, data: CpuStorage) -> Result<Buffer>;
-    /// The elements `layout` sees of `buf`, on the host. Without
-    /// `strided_reads` the layout must be contiguous.
-    fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView>;
+    /// Start reading the elements `layout` sees of `buf` back to the host.
+    /// Without `strided_reads` the layout must be contiguous.
+    fn read_start(&self, buf: &Buffer, layout: &Layout) -> Result<PendingRead>;
+    /// Everything given to the device so far, submitted; `None` when it has
+    /// already finished (an executor that runs work as it is given).
+    fn completion(&self) -> Result<Option<Box<dyn Completion>>>;
     /// Wait until all work submitted to the device has finished.
-    fn synchronize(&self) -> Result<()>;
+    fn synchronize(&self) -> Result<()> {
+        match self.completion()? {
+            Some(c) => c.wait(),
+            None => Ok(()),
+        }
+    }
     /// Counters and memory.
     fn stats(&self) -> DeviceStats;
     /// Give cached memory back to the system.
@@ -218,6 +302,43 @@ impl Device {
     /// Wait until all work submitted to this device has finished.
     pub fn synchronize(self) -> Result<()> {
         executor(self)?.synchronize()
+    }
+
+    /// Wait until all work submitted to this device has finished, without
+    /// blocking the thread (the form the web needs).
+    pub async fn synchronize_async(self) -> Result<()> {
+        completed(executor(self)?.completion()?).await
+    }
+
+    /// Open `gpu:index` without blocking the thread: finds the adapters and
+    /// creates the device through futures. On the web this must come before
+    /// any GPU work (the blocking [`Device::Gpu`] path cannot open a device
+    /// there); natively it is the async twin of the first use of `gpu:index`.
+    ///
+    /// ```no_run
+    /// # async fn run() -> voltaic::Result<()> {
+    /// let gpu = voltaic::Device::gpu_async(0).await?;
+    /// let x = voltaic::Tensor::ones(&[4], voltaic::DType::F32, gpu)?;
+    /// assert_eq!(x.sum_all()?.to_vec_async::<f32>().await?, vec![4.0]);
+    /// # Ok(()) }
+    /// ```
+    pub async fn gpu_async(index: usize) -> Result<Device> {
+        self::wgpu::context_async(index).await?;
+        Ok(Device::Gpu(index))
+    }
+
+    /// The best device, without blocking the thread: the first hardware
+    /// adapter (opened), else a software one on the web (where the browser
+    /// decides what it offers), else the CPU.
+    pub async fn best_async() -> Device {
+        let adapters = self::wgpu::adapters_async().await;
+        let pick = adapters.iter().find(|a| !a.is_software() || cfg!(target_arch = "wasm32"));
+        if let Some(a) = pick {
+            if let Ok(d) = Device::gpu_async(a.index).await {
+                return d;
+            }
+        }
+        Device::Cpu
     }
 
     /// Fail unless tensors can be created and computed on this device.

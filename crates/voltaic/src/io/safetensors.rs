@@ -71,6 +71,22 @@ impl SafetensorsFile {
     }
 }
 
+/// Every tensor of a safetensors file held in memory (`what` names it in
+/// errors), in file order: where there is no filesystem to map, as in a
+/// browser.
+pub fn read_bytes(bytes: &[u8], what: &str, device: Device) -> Result<Vec<(String, Tensor)>> {
+    let err = |m: String| Error::Format(format!("{what}: {m}"));
+    let st = SafeTensors::deserialize(bytes).map_err(|e| err(e.to_string()))?;
+    let mut named: Vec<(usize, String, Tensor)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let storage = convert(view.dtype(), view.data()).map_err(|m| err(format!("tensor {name:?}: {m}")))?;
+        let start = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
+        named.push((start, name, Tensor::from_storage(storage, view.shape(), device)?));
+    }
+    named.sort_by_key(|(start, _, _)| *start);
+    Ok(named.into_iter().map(|(_, n, t)| (n, t)).collect())
+}
+
 /// Little-endian elements of a file as a host buffer. Floats and 32-bit
 /// integers map directly; smaller integers widen to i32; i64/u64 narrow to
 /// i32/u32 when every value fits (Voltaic has no 64-bit integers); the

@@ -6,7 +6,7 @@
 use super::llama::{KvCache, Llama};
 use crate::error::{bail, Result};
 use crate::rng::Generator;
-use std::time::Instant;
+use web_time::Instant;
 
 /// How the next token is chosen.
 #[derive(Clone, Debug, PartialEq)]

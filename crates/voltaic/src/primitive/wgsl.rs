@@ -8,7 +8,12 @@
 ///
 /// NaN is tested on the bits (`isnan_`), never as `x != x`: some drivers
 /// (Mesa's NIR among them) fold `x != x` to false and `x - x` to 0.
+///
+/// Infinities and NaN are made by `f32_bits_`, a function call: WGSL makes
+/// a constant expression that evaluates to one a shader-creation error
+/// (browsers' Tint enforces it; naga lets `bitcast<f32>(0x7f800000u)` pass).
 pub const WGSL_HELPERS: &[(&str, &str)] = &[
+    ("f32_bits_", "fn f32_bits_(b: u32) -> f32 { return bitcast<f32>(b); }"),
     ("isnan_", "fn isnan_(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }"),
     ("isinf_", "fn isinf_(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) == 0x7f800000u; }"),
     ("log1p_", "fn log1p_(x: f32) -> f32 {
@@ -65,7 +70,7 @@ pub const WGSL_HELPERS: &[(&str, &str)] = &[
         default: { v = -c; }
     }
     // NaN and infinities give NaN.
-    return select(v, bitcast<f32>(0x7fc00000u), isnan_(x) || isinf_(x));
+    return select(v, f32_bits_(0x7fc00000u), isnan_(x) || isinf_(x));
 }"),
     ("trig_reduce_", "// The bits of 2/pi, 32 at a time.
 var<private> tpi_: array<u32, 8> = array<u32, 8>(0xa2f9836eu, 0x4e441529u, 0xfc2757d1u, 0xf534ddc0u, 0xdb629599u, 0x3c439041u, 0xfe5163abu, 0xdebbc561u);
@@ -179,15 +184,15 @@ fn trig_reduce_(a: f32) -> vec2<f32> {
     ("pow_", "fn pow_(a: f32, b: f32) -> f32 {
     // IEEE pow (C's powf, what the CPU kernel calls), special cases first.
     if (b == 0.0 || a == 1.0) { return 1.0; }
-    if (isnan_(a) || isnan_(b)) { return bitcast<f32>(0x7fc00000u); }
-    let inf = bitcast<f32>(0x7f800000u);
+    if (isnan_(a) || isnan_(b)) { return f32_bits_(0x7fc00000u); }
+    let inf = f32_bits_(0x7f800000u);
     let m = abs(a);
     if (isinf_(b)) {
         if (m == 1.0) { return 1.0; }
         return select(0.0, inf, (m > 1.0) == (b > 0.0));
     }
     let whole = floor(b) == b;
-    if (a < 0.0 && !isinf_(a) && !whole) { return bitcast<f32>(0x7fc00000u); }
+    if (a < 0.0 && !isinf_(a) && !whole) { return f32_bits_(0x7fc00000u); }
     // Odd integer exponents keep the base's sign (floats of 2^24 and more are even).
     let odd = whole && abs(b) < 16777216.0 && abs(b - 2.0 * floor(b * 0.5)) == 1.0;
     var r: f32;
@@ -213,7 +218,7 @@ fn trig_reduce_(a: f32) -> vec2<f32> {
     let sign = ux & 0x80000000u;
     let ax = ux & 0x7fffffffu;
     let ay = uy & 0x7fffffffu;
-    if (ay == 0u || ax >= 0x7f800000u || ay > 0x7f800000u) { return bitcast<f32>(0x7fc00000u); }
+    if (ay == 0u || ax >= 0x7f800000u || ay > 0x7f800000u) { return f32_bits_(0x7fc00000u); }
     if (ax < ay) { return x; }
     if (ax == ay) { return bitcast<f32>(sign); }
     // Significands with the implicit bit, and their exponents (subnormals normalised).
@@ -275,7 +280,12 @@ fn trig_reduce_(a: f32) -> vec2<f32> {
 }"),
     ("rem_i32", "fn rem_i32(a: i32, b: i32) -> i32 {
     if (b == 0) { return 0; }
-    let r = a % b;
+    // On magnitudes: `%` of negative operands is undefined in GLSL, which
+    // wgpu's GL backend translates this to (i32::MIN wraps to 2^31 here).
+    let ua = select(u32(a), 0u - u32(a), a < 0);
+    let ub = select(u32(b), 0u - u32(b), b < 0);
+    var r = i32(ua % ub);
+    if (a < 0) { r = -r; }
     if (r != 0 && ((r < 0) != (b < 0))) { return r + b; }
     return r;
 }"),

@@ -9,7 +9,7 @@ pub(crate) mod quant;
 pub(crate) mod reduce;
 pub(crate) mod simd;
 
-use super::{Buffer, Capabilities, DeviceStats, Executor, HostData, HostView};
+use super::{Buffer, Capabilities, Completion, DeviceStats, Executor, HostData, HostView, PendingRead};
 use crate::error::{bail, Result};
 use crate::ir::{Kernel, KernelKind, Plan, SlotSource, Strided};
 use crate::layout::Layout;
@@ -48,7 +48,7 @@ impl CpuExecutor {
         let profile = super::profiling();
         let mut times = vec![];
         for (k, kernel) in plan.kernels.iter().enumerate() {
-            let t0 = std::time::Instant::now();
+            let t0 = web_time::Instant::now();
             let out = Arc::new(pool::HostBuf::pooled(run_kernel(kernel, &bufs)?));
             if profile {
                 times.push((t0.elapsed().as_secs_f64() * 1e6, kernel.numel, format!("{} ({})", kernel.kind.name(), kernel.ops.join(" "))));
@@ -114,15 +114,16 @@ impl Executor for CpuExecutor {
         Ok(Buffer::Host(Arc::new(pool::HostBuf::foreign(data))))
     }
 
-    fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView> {
+    fn read_start(&self, buf: &Buffer, layout: &Layout) -> Result<PendingRead> {
         match buf {
-            Buffer::Host(b) => Ok(HostView { data: HostData::Shared(b.clone()), layout: layout.clone() }),
+            Buffer::Host(b) => Ok(PendingRead::ready(HostView { data: HostData::Shared(b.clone()), layout: layout.clone() })),
             _ => bail!(Device, "to_vec", "a buffer of another device reached the CPU executor"),
         }
     }
 
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
+    fn completion(&self) -> Result<Option<Box<dyn Completion>>> {
+        // Plans run to the end when they are given.
+        Ok(None)
     }
 
     fn stats(&self) -> DeviceStats {

@@ -22,7 +22,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Condvar, Mutex};
-use std::time::Instant;
+use web_time::Instant;
 
 /// What decides the best plan: shape, operand layouts and dtype.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -115,6 +115,10 @@ pub(crate) struct Tuner {
     file: Option<PathBuf>,
     /// A software adapter: tuning is off unless asked for.
     software: bool,
+    /// wgpu's GL backend: one context lock for the whole device, which a
+    /// tuner thread's waits would hold against the caller's work (seen on
+    /// llvmpipe: the caller's next call panics after a second): never tuned.
+    gl: bool,
     /// Bumped whenever a remembered plan changes: prepared plans re-resolve.
     generation: AtomicU64,
     /// Shapes queued or being measured in the background.
@@ -160,6 +164,7 @@ impl Tuner {
             plans: Mutex::new(plans),
             file,
             software,
+            gl: info.backend == wgpu::Backend::Gl,
             generation: AtomicU64::new(0),
             queued: Mutex::new(HashSet::new()),
             compiling: Mutex::new(HashSet::new()),
@@ -170,6 +175,10 @@ impl Tuner {
 
     /// The mode `VOLTAIC_AUTOTUNE` asks for now (read when a shape is new).
     fn mode(&self) -> Mode {
+        // The web has no threads to tune on, and must not block to measure.
+        if cfg!(target_arch = "wasm32") || self.gl {
+            return Mode::Off;
+        }
         match std::env::var("VOLTAIC_AUTOTUNE").as_deref() {
             Ok("0") | Ok("") => Mode::Off,
             Ok("sync") => Mode::Blocking,
@@ -302,8 +311,11 @@ pub(crate) fn stand_in(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], 
 }
 
 fn register_exit_handler() {
+    // The web has no process exit and no threads to stop.
+    #[cfg(not(target_arch = "wasm32"))]
     static AT_EXIT: std::sync::Once = std::sync::Once::new();
     // SAFETY: registers a function without arguments that touches only atomics.
+    #[cfg(not(target_arch = "wasm32"))]
     AT_EXIT.call_once(|| unsafe {
         libc::atexit(stop_tuners);
     });
@@ -318,6 +330,7 @@ static BUSY: AtomicU64 = AtomicU64::new(0);
 /// registered when the device was opened, earlier; exit runs handlers in
 /// reverse order): a tuner thread still compiling or timing while the driver
 /// tears itself down would crash the process after its work was done.
+#[cfg(not(target_arch = "wasm32"))]
 extern "C" fn stop_tuners() {
     STOP.store(true, Ordering::SeqCst);
     let start = Instant::now();

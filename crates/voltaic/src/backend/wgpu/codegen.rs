@@ -145,7 +145,9 @@ pub(crate) fn binary_expr(op: BinaryOp, dt: DType, a: &str, b: &str) -> String {
 /// A WGSL literal of `v` in the compute type of `dt` (exact, infinities and NaN included).
 pub(crate) fn literal(v: f64, dt: DType) -> String {
     match compute_ty(dt) {
-        "f32" => format!("bitcast<f32>(0x{:08x}u)", (v as f32).to_bits()),
+        "f32" if (v as f32).is_finite() => format!("bitcast<f32>(0x{:08x}u)", (v as f32).to_bits()),
+        // Not a constant expression: see `f32_bits_`.
+        "f32" => format!("f32_bits_(0x{:08x}u)", (v as f32).to_bits()),
         "i32" => format!("bitcast<i32>(0x{:08x}u)", v as i32 as u32),
         "u32" => format!("{}u", v as u32),
         "bool" => (v != 0.0).to_string(),
@@ -456,6 +458,9 @@ pub(crate) fn emit_expr_with(out: &mut String, sh: &mut Shader, ix: &mut Indexer
             Instr::Map(op, args) => {
                 let arg = |k: usize| &names[args[k]];
                 match op {
+                    // `abs` of a u32 is itself; wgpu's GL backend turns WGSL's
+                    // `abs(u32)` into a signed one (abs(0xffffffffu) gave 1 on llvmpipe).
+                    MapOp::Unary(crate::primitive::UnaryOp::Abs) if ty == "u32" => arg(0).to_string(),
                     MapOp::Unary(op) => {
                         let t = if ty == "f32" { op.wgsl() } else { op.wgsl_int() };
                         round_to(*dt, &t.replace("{T}", ty).replace("{x}", arg(0)))

@@ -133,7 +133,7 @@ pub(crate) struct GpuContext {
     pub tuner: super::autotune::Tuner,
     /// Where the driver's pipeline cache is kept between runs.
     pipeline_cache_file: Option<std::path::PathBuf>,
-    last_cache_save: Mutex<Option<std::time::Instant>>,
+    last_cache_save: Mutex<Option<web_time::Instant>>,
     /// Pipelines compiled, submissions and dispatches so far (for tests and profiles).
     pub compiled: AtomicU64,
     pub submissions: AtomicU64,
@@ -143,7 +143,7 @@ pub(crate) struct GpuContext {
 impl GpuContext {
     /// Open a device on `adapter`, asking for every limit it offers and the
     /// features Voltaic can use.
-    pub(crate) fn open(index: usize, adapter: &wgpu::Adapter) -> Result<GpuContext> {
+    pub(crate) async fn open(index: usize, adapter: &wgpu::Adapter) -> Result<GpuContext> {
         let info = adapter.get_info();
         let have = adapter.features();
         // Tensor cores through cooperative matrices, where the adapter offers
@@ -178,7 +178,9 @@ impl GpuContext {
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         };
-        let (device, queue) = pollster::block_on(adapter.request_device(&desc))
+        let (device, queue) = adapter
+            .request_device(&desc)
+            .await
             .map_err(|e| Error::Backend(format!("gpu:{index} ({}): cannot open the device: {e}", info.name)))?;
         let lost = Arc::new(Mutex::new(None));
         let l2 = lost.clone();
@@ -265,7 +267,7 @@ impl GpuContext {
         if let Some(p) = self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).get(source) {
             return Ok(p.clone());
         }
-        let started = std::time::Instant::now();
+        let started = web_time::Instant::now();
         let (p, err) = self.scoped(|| {
             // SAFETY: every index a generated kernel computes is in bounds by
             // construction (index tensors are checked in the kernel), and its
@@ -334,7 +336,7 @@ impl GpuContext {
         if !now && last.is_some_and(|t| t.elapsed().as_secs_f64() < 5.0) {
             return;
         }
-        *last = Some(std::time::Instant::now());
+        *last = Some(web_time::Instant::now());
         if let Some(data) = cache.get_data() {
             // A cache that cannot be written only costs compile time later.
             let _ = crate::files::write_atomic(file, &data);
@@ -343,6 +345,7 @@ impl GpuContext {
 
     /// Run `f` inside error scopes for out-of-memory, validation and internal
     /// errors, returning its value and the first error raised.
+    #[cfg(not(target_arch = "wasm32"))]
     pub(crate) fn scoped<T>(&self, f: impl FnOnce() -> T) -> (T, Option<Error>) {
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let val = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -357,6 +360,16 @@ impl GpuContext {
             _ => None,
         };
         (out, err.or_else(|| self.take_uncaptured()))
+    }
+
+    /// Run `f`, returning its value and any error reported so far. A browser
+    /// answers error scopes through promises, which this synchronous caller
+    /// cannot wait for: there, errors arrive through the uncaptured-error
+    /// handler, a little later (by the next read at the latest).
+    #[cfg(target_arch = "wasm32")]
+    pub(crate) fn scoped<T>(&self, f: impl FnOnce() -> T) -> (T, Option<Error>) {
+        let out = f();
+        (out, self.take_uncaptured())
     }
 
     /// An error that escaped every error scope since the last call, if any.
@@ -443,7 +456,10 @@ impl GpuContext {
         });
         let submitted = self.submissions.fetch_add(1, Ordering::Relaxed) + 1;
         let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        q.push_back(idx.clone());
+        // The browser polls for itself: nothing there waits on this queue.
+        if !cfg!(target_arch = "wasm32") {
+            q.push_back(idx.clone());
+        }
         let limit = max_in_flight() as u64;
         if q.len() as u64 > limit {
             let oldest = q.pop_front().expect("non-empty");
@@ -497,7 +513,7 @@ impl GpuContext {
     }
 
     fn spin_until_untimed(&self, done: &dyn Fn(wgpu::PollStatus) -> bool) -> Result<bool> {
-        let start = std::time::Instant::now();
+        let start = web_time::Instant::now();
         let limit = spin_wait();
         while start.elapsed() < limit {
             let status = self

@@ -19,7 +19,7 @@ pub(crate) mod transfer;
 #[cfg(test)]
 mod validate;
 
-use super::{Buffer, Capabilities, DeviceStats, Executor, HostData, HostView};
+use super::{Buffer, Capabilities, Completion, DeviceStats, Executor, HostData, HostView, PendingRead};
 use crate::error::{Error, Result};
 use crate::ir::Plan;
 use crate::layout::Layout;
@@ -60,49 +60,90 @@ struct Registry {
     contexts: Mutex<HashMap<usize, Arc<GpuContext>>>,
 }
 
-fn registry() -> &'static Registry {
-    static REG: OnceLock<Registry> = OnceLock::new();
-    REG.get_or_init(|| {
-        // WGPU_BACKEND (e.g. `vulkan`) narrows the search, as in every wgpu
-        // program. Otherwise the native APIs first; GL only where they find
-        // nothing (probing EGL is slow and noisy on headless machines).
-        let find = |backends: wgpu::Backends| {
-            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-            desc.backends = backends;
-            desc.flags = wgpu::InstanceFlags::empty().with_env();
-            let instance = wgpu::Instance::new(desc);
-            pollster::block_on(instance.enumerate_adapters(backends))
-        };
-        let mut adapters = match wgpu::Backends::from_env() {
-            Some(b) => find(b),
-            None => {
-                let primary = find(wgpu::Backends::PRIMARY);
-                if primary.is_empty() { find(wgpu::Backends::GL) } else { primary }
-            }
-        };
-        // gpu:N is stable across set-ups: the native APIs (Vulkan, Metal,
-        // DX12) before GL, then real GPUs before software ones, then the
-        // driver's order (`voltaic devices` prints this rule).
-        let rank = |a: &wgpu::Adapter| {
-            let i = a.get_info();
-            let t = match i.device_type {
-                wgpu::DeviceType::DiscreteGpu => 0,
-                wgpu::DeviceType::IntegratedGpu => 1,
-                wgpu::DeviceType::VirtualGpu => 2,
-                wgpu::DeviceType::Other => 3,
-                wgpu::DeviceType::Cpu => 4,
-            };
-            (matches!(i.backend, wgpu::Backend::Gl) as u8, t)
-        };
-        adapters.sort_by_key(rank);
-        Registry { adapters, contexts: Mutex::new(HashMap::new()) }
-    })
+/// The backends asked for by `VOLTAIC_BACKEND` or, as in every wgpu
+/// program, `WGPU_BACKEND` (e.g. `gl`, `vulkan`, `vulkan,gl`).
+fn backends_from_env() -> Option<wgpu::Backends> {
+    ["VOLTAIC_BACKEND", "WGPU_BACKEND"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.trim().is_empty()))
+        .map(|s| wgpu::Backends::from_comma_list(&s))
 }
 
-/// Every adapter wgpu finds, best first (`gpu:0` is the first).
+/// Every adapter of the backends asked for, best first. Without a choice,
+/// the native APIs (and the browser's WebGPU); GL only where they find
+/// nothing (probing EGL is slow and noisy on headless machines).
+async fn find_adapters() -> Vec<wgpu::Adapter> {
+    let find = |backends: wgpu::Backends| {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backends;
+        desc.flags = wgpu::InstanceFlags::empty().with_env();
+        let instance = wgpu::Instance::new(desc);
+        async move { instance.enumerate_adapters(backends).await }
+    };
+    let mut adapters = match backends_from_env() {
+        Some(b) => find(b).await,
+        None => {
+            let primary = find(wgpu::Backends::PRIMARY).await;
+            if primary.is_empty() && !cfg!(target_arch = "wasm32") { find(wgpu::Backends::GL).await } else { primary }
+        }
+    };
+    // gpu:N is stable across set-ups: the native APIs (Vulkan, Metal,
+    // DX12) before GL, then real GPUs before software ones, then the
+    // driver's order (`voltaic devices` prints this rule).
+    let rank = |a: &wgpu::Adapter| {
+        let i = a.get_info();
+        let t = match i.device_type {
+            wgpu::DeviceType::DiscreteGpu => 0,
+            wgpu::DeviceType::IntegratedGpu => 1,
+            wgpu::DeviceType::VirtualGpu => 2,
+            wgpu::DeviceType::Other => 3,
+            wgpu::DeviceType::Cpu => 4,
+        };
+        (matches!(i.backend, wgpu::Backend::Gl) as u8, t)
+    };
+    adapters.sort_by_key(rank);
+    adapters
+}
+
+static REGISTRY: OnceLock<Registry> = OnceLock::new();
+
+/// The adapters, found on first use. On the web only [`registry_async`]
+/// can find them; until it has, there are none.
+fn registry() -> &'static Registry {
+    #[cfg(not(target_arch = "wasm32"))]
+    return REGISTRY.get_or_init(|| Registry { adapters: pollster::block_on(find_adapters()), contexts: Mutex::new(HashMap::new()) });
+    #[cfg(target_arch = "wasm32")]
+    {
+        static NOT_YET: OnceLock<Registry> = OnceLock::new();
+        REGISTRY.get().unwrap_or_else(|| NOT_YET.get_or_init(|| Registry { adapters: Vec::new(), contexts: Mutex::new(HashMap::new()) }))
+    }
+}
+
+/// The adapters, found without blocking the thread.
+async fn registry_async() -> &'static Registry {
+    if let Some(r) = REGISTRY.get() {
+        return r;
+    }
+    let adapters = find_adapters().await;
+    // Two finders racing keep the first one's list.
+    let _ = REGISTRY.set(Registry { adapters, contexts: Mutex::new(HashMap::new()) });
+    REGISTRY.get().expect("just set")
+}
+
+/// Every adapter wgpu finds, best first (`gpu:0` is the first). On the web
+/// the browser's adapter appears once [`adapters_async`] or
+/// `Device::gpu_async` has asked for it.
 pub fn adapters() -> Vec<AdapterReport> {
-    registry()
-        .adapters
+    reports(registry())
+}
+
+/// Every adapter wgpu finds, best first, found without blocking the thread.
+pub async fn adapters_async() -> Vec<AdapterReport> {
+    reports(registry_async().await)
+}
+
+fn reports(reg: &Registry) -> Vec<AdapterReport> {
+    reg.adapters
         .iter()
         .enumerate()
         .map(|(index, a)| {
@@ -137,11 +178,26 @@ pub fn adapters() -> Vec<AdapterReport> {
         .collect()
 }
 
-/// The open device `gpu:index`, opened on first use.
+/// The open device `gpu:index`, opened on first use (natively; on the web
+/// it must have been opened by [`context_async`]).
 pub(crate) fn context(index: usize) -> Result<Arc<GpuContext>> {
-    let reg = registry();
-    let mut ctxs = reg.contexts.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(c) = ctxs.get(&index) {
+    if let Some(c) = registry().contexts.lock().unwrap_or_else(|e| e.into_inner()).get(&index) {
+        c.check_alive()?;
+        return Ok(c.clone());
+    }
+    #[cfg(target_arch = "wasm32")]
+    return Err(Error::Device {
+        op: "device",
+        msg: format!("gpu:{index} is not open: in a browser, open it first with `Device::gpu_async({index}).await` (opening blocks otherwise)"),
+    });
+    #[cfg(not(target_arch = "wasm32"))]
+    pollster::block_on(context_async(index))
+}
+
+/// The open device `gpu:index`, opened without blocking the thread.
+pub(crate) async fn context_async(index: usize) -> Result<Arc<GpuContext>> {
+    let reg = registry_async().await;
+    if let Some(c) = reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).get(&index) {
         c.check_alive()?;
         return Ok(c.clone());
     }
@@ -149,7 +205,9 @@ pub(crate) fn context(index: usize) -> Result<Arc<GpuContext>> {
         let n = reg.adapters.len();
         return Err(Error::Device {
             op: "device",
-            msg: if n == 0 {
+            msg: if n == 0 && cfg!(target_arch = "wasm32") {
+                format!("gpu:{index} is not available: the browser offers no WebGPU adapter (`navigator.gpu` is missing or refused)")
+            } else if n == 0 {
                 format!(
                     "gpu:{index} is not available: wgpu found no GPU adapter (on Linux install a Vulkan driver, e.g. \
                      `apt-get install libvulkan1 mesa-vulkan-drivers`, which includes the lavapipe software adapter)"
@@ -159,9 +217,9 @@ pub(crate) fn context(index: usize) -> Result<Arc<GpuContext>> {
             },
         });
     };
-    let ctx = Arc::new(GpuContext::open(index, adapter)?);
-    ctxs.insert(index, ctx.clone());
-    Ok(ctx)
+    let ctx = Arc::new(GpuContext::open(index, adapter).await?);
+    // Two openers racing keep the first device.
+    Ok(reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).entry(index).or_insert(ctx).clone())
 }
 
 /// Write each open device's pipeline cache to disk now (it is also written
@@ -194,21 +252,25 @@ impl Executor for GpuContext {
         Ok(Buffer::Wgpu(Arc::new(transfer::upload(self, &data)?)))
     }
 
-    fn read(&self, buf: &Buffer, layout: &Layout) -> Result<HostView> {
+    fn read_start(&self, buf: &Buffer, layout: &Layout) -> Result<PendingRead> {
         let Buffer::Wgpu(b) = buf else {
             return Err(Error::Device { op: "to_vec", msg: format!("a buffer of another device reached gpu:{}", self.index) });
         };
         if !layout.is_contiguous() {
             return Err(Error::Backend(format!("gpu:{}: internal: a strided view was read without making it contiguous", self.index)));
         }
-        let s = transfer::download(self, b, layout.offset(), layout.numel())?;
-        Ok(HostView { data: HostData::Owned(s), layout: Layout::contiguous(layout.dims()) })
+        let (completion, collect) = transfer::download_start(&context(self.index)?, b, layout.offset(), layout.numel())?;
+        let layout = Layout::contiguous(layout.dims());
+        Ok(PendingRead::new(completion, Box::new(move || Ok(HostView { data: HostData::Owned(collect()?), layout }))))
     }
 
-    fn synchronize(&self) -> Result<()> {
-        self.wait(None)?;
-        self.clear_in_flight();
-        Ok(())
+    fn completion(&self) -> Result<Option<Box<dyn Completion>>> {
+        self.check_alive()?;
+        let idx = self.flush()?;
+        let signal = std::sync::Arc::new(transfer::Signal::default());
+        let s2 = signal.clone();
+        self.queue.on_submitted_work_done(move || s2.set(None));
+        Ok(Some(Box::new(transfer::GpuCompletion::new(context(self.index)?, idx, signal))))
     }
 
     fn stats(&self) -> DeviceStats {

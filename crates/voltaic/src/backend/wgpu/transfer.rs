@@ -6,7 +6,11 @@ use super::pool::{alloc, GpuBuf};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::storage::CpuStorage;
+use crate::backend::Completion;
 use half::{bf16, f16};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Waker;
 
 /// The bytes a host buffer takes on the GPU (see [`elem_bytes`]).
 fn to_gpu_bytes(s: &CpuStorage) -> Vec<u8> {
@@ -52,9 +56,17 @@ pub(crate) fn upload(ctx: &GpuContext, s: &CpuStorage) -> Result<GpuBuf> {
     Ok(buf)
 }
 
-/// Read elements `start..start + len` of a GPU buffer. Also reports an index
-/// error that an index kernel flagged since the last read.
-pub(crate) fn download(ctx: &GpuContext, buf: &GpuBuf, start: usize, len: usize) -> Result<CpuStorage> {
+/// Start reading elements `start..start + len` of a GPU buffer: the copy is
+/// submitted and the staging buffer asked to map; the returned completion
+/// says when the bytes have arrived, and the function turns them into
+/// values. Also reports an index error that an index kernel flagged since
+/// the last read.
+pub(crate) fn download_start(
+    ctx: &Arc<GpuContext>,
+    buf: &GpuBuf,
+    start: usize,
+    len: usize,
+) -> Result<(Box<GpuCompletion>, impl FnOnce() -> Result<CpuStorage> + Send + 'static)> {
     ctx.check_alive()?;
     let eb = elem_bytes(buf.dtype);
     let lo = (start as u64 * eb) & !3;
@@ -76,24 +88,165 @@ pub(crate) fn download(ctx: &GpuContext, buf: &GpuBuf, start: usize, len: usize)
     if let Some(e) = ctx.take_uncaptured() {
         return Err(e);
     }
-    let bytes = map_read(ctx, &staging, idx, size as usize + 16)?;
-    ctx.clear_in_flight();
-    give_staging(ctx, staging);
-    let flags: Vec<u32> = bytes[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    if flags[0] != 0 {
-        ctx.queue.write_buffer(&ctx.index_error, 0, &[0u8; 16]);
-        return Err(Error::Index {
-            op: crate::primitive::IndexOp::name_of_error_code(flags[3] & !super::kernels::UNSIGNED_INDEX),
-            msg: format!(
-                "index {} is out of range for a dimension of size {} (found on gpu:{} when the values were read)",
-                if flags[3] & super::kernels::UNSIGNED_INDEX != 0 { flags[1] as i64 } else { flags[1] as i32 as i64 },
-                flags[2],
-                ctx.index
-            ),
-        });
+    let signal = Arc::new(Signal::default());
+    let s2 = signal.clone();
+    // The mapping completes once the copy's submission has finished.
+    staging.map_async(wgpu::MapMode::Read, ..size + 16, move |r| s2.set(r.err().map(|e| format!("reading a buffer back failed: {e}"))));
+    let completion = Box::new(GpuCompletion::new(ctx.clone(), Some(idx), signal));
+    let (ctx, dtype) = (ctx.clone(), buf.dtype);
+    let collect = move || {
+        // On the web, errors of the work read here arrive this way.
+        if let Some(e) = ctx.take_uncaptured() {
+            return Err(e);
+        }
+        let bytes = {
+            let view = staging
+                .get_mapped_range(..size + 16)
+                .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?;
+            view.to_vec()
+        };
+        staging.unmap();
+        give_staging(&ctx, staging);
+        let flags: Vec<u32> = bytes[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        if flags[0] != 0 {
+            ctx.queue.write_buffer(&ctx.index_error, 0, &[0u8; 16]);
+            return Err(Error::Index {
+                op: crate::primitive::IndexOp::name_of_error_code(flags[3] & !super::kernels::UNSIGNED_INDEX),
+                msg: format!(
+                    "index {} is out of range for a dimension of size {} (found on gpu:{} when the values were read)",
+                    if flags[3] & super::kernels::UNSIGNED_INDEX != 0 { flags[1] as i64 } else { flags[1] as i32 as i64 },
+                    flags[2],
+                    ctx.index
+                ),
+            });
+        }
+        let skip = (start as u64 * eb - lo) as usize;
+        Ok(from_gpu_bytes(dtype, &bytes[skip..size as usize], len))
+    };
+    Ok((completion, collect))
+}
+
+/// Set once by a wgpu callback (a mapping, finished work), waking whoever
+/// awaits it.
+#[derive(Default)]
+pub(crate) struct Signal {
+    done: AtomicBool,
+    error: Mutex<Option<String>>,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Signal {
+    pub(crate) fn set(&self, error: Option<String>) {
+        let mut first = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if first.is_none() {
+            *first = error;
+        }
+        drop(first);
+        self.done.store(true, Ordering::Release);
+        if let Some(w) = self.waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            w.wake();
+        }
     }
-    let skip = (start as u64 * eb - lo) as usize;
-    Ok(from_gpu_bytes(buf.dtype, &bytes[skip..size as usize], len))
+
+    fn is_set(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+}
+
+/// Wait for `signal` after its work is known to be done: another thread's
+/// poll may have collected the callback and not run it yet.
+fn settle(ctx: &GpuContext, signal: &Signal) -> Result<()> {
+    let start = web_time::Instant::now();
+    while !signal.is_set() {
+        if start.elapsed().as_secs() >= 30 {
+            return Err(Error::Backend(format!("gpu:{}: the device finished the work but never reported it", ctx.index)));
+        }
+        let _ = ctx.device.poll(wgpu::PollType::Poll);
+        std::thread::yield_now();
+    }
+    Ok(())
+}
+
+/// Work submitted to a GPU, done when its signal is set. Natively the
+/// device must be polled for callbacks to run: `wait` spins and then sleeps
+/// in the driver, and an awaiting future gets a thread that sleeps there
+/// for it. The browser runs callbacks itself, so on the web nothing polls
+/// (and nothing may block).
+pub(crate) struct GpuCompletion {
+    ctx: Arc<GpuContext>,
+    /// The submission to wait for (`None`: everything submitted).
+    idx: Option<wgpu::SubmissionIndex>,
+    signal: Arc<Signal>,
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
+    waiter: AtomicBool,
+}
+
+impl GpuCompletion {
+    pub(crate) fn new(ctx: Arc<GpuContext>, idx: Option<wgpu::SubmissionIndex>, signal: Arc<Signal>) -> GpuCompletion {
+        GpuCompletion { ctx, idx, signal, waiter: AtomicBool::new(false) }
+    }
+}
+
+impl Completion for GpuCompletion {
+    fn is_done(&self) -> bool {
+        #[cfg(not(target_arch = "wasm32"))]
+        if !self.signal.is_set() {
+            let _ = self.ctx.device.poll(wgpu::PollType::Poll);
+        }
+        self.signal.is_set()
+    }
+
+    fn wait(&self) -> Result<()> {
+        if cfg!(target_arch = "wasm32") && !self.signal.is_set() {
+            return Err(Error::Device {
+                op: "to_vec",
+                msg: "a browser cannot block for the GPU: use the async forms (to_vec_async, item_async, realize_async, \
+                      Device::synchronize_async)"
+                    .into(),
+            });
+        }
+        if !self.ctx.spin_until(&|_| self.signal.is_set())? {
+            self.ctx.wait(self.idx.clone())?;
+        }
+        self.ctx.clear_in_flight();
+        settle(&self.ctx, &self.signal)?;
+        self.outcome()
+    }
+
+    fn register(&self, waker: &Waker) {
+        *self.signal.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(waker.clone());
+        #[cfg(not(target_arch = "wasm32"))]
+        if !self.waiter.swap(true, Ordering::AcqRel) {
+            // Polls with short sleeps rather than one blocking wait: GL's
+            // wait holds the adapter's context lock, and the task's thread
+            // may submit more work meanwhile.
+            let (device, signal) = (self.ctx.device.clone(), self.signal.clone());
+            let started = std::thread::Builder::new().name("voltaic-wait".into()).spawn(move || {
+                let mut pause = std::time::Duration::from_micros(20);
+                while !signal.is_set() {
+                    if let Err(e) = device.poll(wgpu::PollType::Poll) {
+                        signal.set(Some(format!("polling the device failed: {e}")));
+                        break;
+                    }
+                    if !signal.is_set() {
+                        std::thread::sleep(pause);
+                        pause = (pause * 2).min(std::time::Duration::from_millis(1));
+                    }
+                }
+            });
+            if started.is_err() {
+                // No thread: poll again soon instead.
+                waker.wake_by_ref();
+            }
+        }
+    }
+
+    fn outcome(&self) -> Result<()> {
+        if let Some(e) = self.signal.error.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Err(Error::Backend(format!("gpu:{}: {e}", self.ctx.index)));
+        }
+        self.ctx.check_alive()
+    }
 }
 
 /// Staging buffers up to this size are kept for the next read.
@@ -124,29 +277,23 @@ fn give_staging(ctx: &GpuContext, b: wgpu::Buffer) {
     }
 }
 
-/// Map the first `len` bytes of a staging buffer after submission `idx` and copy them out.
+/// Map the first `len` bytes of a staging buffer after submission `idx`
+/// and copy them out, blocking (timing and tuning: native tools).
 fn map_read(ctx: &GpuContext, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex, len: usize) -> Result<Vec<u8>> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let mapped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = mapped.clone();
-    staging.map_async(wgpu::MapMode::Read, ..len as u64, move |r| {
-        let _ = tx.send(r);
-        flag.store(true, std::sync::atomic::Ordering::Release);
-    });
-    // The mapping completes once the copy's submission has finished.
-    if !ctx.spin_until(&|_| mapped.load(std::sync::atomic::Ordering::Acquire))? {
+    let signal = Arc::new(Signal::default());
+    let s2 = signal.clone();
+    staging.map_async(wgpu::MapMode::Read, ..len as u64, move |r| s2.set(r.err().map(|e| e.to_string())));
+    if !ctx.spin_until(&|_| signal.is_set())? {
         ctx.wait(Some(idx))?;
     }
-    match rx.recv() {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(Error::Backend(format!("gpu:{}: reading a buffer back failed: {e}", ctx.index))),
-        Err(_) => return Err(Error::Backend(format!("gpu:{}: the readback never completed", ctx.index))),
+    settle(ctx, &signal)?;
+    if let Some(e) = signal.error.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+        return Err(Error::Backend(format!("gpu:{}: reading a buffer back failed: {e}", ctx.index)));
     }
-    let view = staging
+    let out = staging
         .get_mapped_range(..len as u64)
-        .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?;
-    let out = view.to_vec();
-    drop(view);
+        .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?
+        .to_vec();
     staging.unmap();
     Ok(out)
 }
