@@ -138,9 +138,9 @@ pub fn locate_data(arg: Option<&Path>, quiet: bool) -> anyhow::Result<PathBuf> {
 }
 
 /// Fashion-MNIST's mean and standard deviation of the pixel values in [0, 1].
-pub const MEAN: f64 = 0.2860;
+pub const MEAN: f64 = voltaic::data::FASHION_MNIST_MEAN;
 /// See [`MEAN`].
-pub const STD: f64 = 0.3530;
+pub const STD: f64 = voltaic::data::FASHION_MNIST_STD;
 
 pub fn build_model(name: &str, device: Device) -> anyhow::Result<Sequential> {
     Ok(match name {
@@ -573,6 +573,9 @@ pub struct EvalArgs {
     /// Directory with the Fashion-MNIST IDX files (default: the Debian package's).
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Evaluate only the first N test images.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -583,13 +586,20 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let device = crate::parse_device(args.device.as_deref())?;
     let (state, file) = read_checkpoint(&args.dir)?;
     let data = locate_data(args.data.as_deref(), true)?;
-    let (_, test) = fashion_mnist(&data).with_context(|| format!("loading Fashion-MNIST from {}", data.display()))?;
+    let (_, mut test) = fashion_mnist(&data).with_context(|| format!("loading Fashion-MNIST from {}", data.display()))?;
+    if let Some(n) = args.limit {
+        if n == 0 {
+            bail!("--limit must be positive");
+        }
+        test = test.take(n);
+    }
     let model = build_model(&state.args.model, device)?;
     load_model(&file, &model, device)?;
+    let n_images = test.len();
     let (loss, acc) = evaluate(&model, &Split::new(test, device, false)?, device)?;
     let epoch = state.progress.epoch;
     if args.json {
-        println!("{}", json!({ "dir": args.dir.display().to_string(), "model": state.args.model, "epoch": epoch, "test_loss": loss, "test_accuracy": acc }));
+        println!("{}", json!({ "dir": args.dir.display().to_string(), "model": state.args.model, "epoch": epoch, "images": n_images, "test_loss": loss, "test_accuracy": acc }));
     } else {
         println!("{} after {}: test accuracy {:.2}%, test loss {:.4}", state.args.model, plural(epoch, "epoch"), 100.0 * acc, loss);
     }

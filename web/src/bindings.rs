@@ -1,0 +1,66 @@
+//! The functions the pages call. Each returns a promise of a JSON string
+//! (or rejects with the error's message).
+
+use crate::{demo, suite};
+use voltaic::Device;
+use wasm_bindgen::prelude::*;
+
+fn js_err(e: impl std::fmt::Display) -> JsValue {
+    JsValue::from_str(&e.to_string())
+}
+
+#[wasm_bindgen(start)]
+fn start() {
+    console_error_panic_hook::set_once();
+}
+
+/// Open the device the page asked for: `gpu` (fails without WebGPU),
+/// `cpu`, or `auto` (the browser's GPU, else the CPU executor). Returns
+/// JSON: the device and the adapter's description.
+async fn open(which: &str) -> Result<(Device, String), JsValue> {
+    let device = match which {
+        "cpu" => Device::Cpu,
+        "gpu" => Device::gpu_async(0).await.map_err(js_err)?,
+        _ => Device::best_async().await,
+    };
+    let adapter = match device {
+        Device::Cpu => "CPU executor (WebAssembly, one thread)".to_string(),
+        Device::Gpu(i) => voltaic::backend::adapters_async()
+            .await
+            .get(i)
+            .map(|a| format!("{} ({}, {}, {})", a.name, a.backend, a.device_type, a.driver))
+            .unwrap_or_else(|| format!("gpu:{i}")),
+    };
+    Ok((device, adapter))
+}
+
+/// Run every case of the suite on `which` and compare with `fixtures`
+/// (JSON written by `web-fixtures`). Resolves to a JSON report.
+#[wasm_bindgen]
+pub async fn run_suite(which: String, fixtures: String) -> Result<String, JsValue> {
+    let want: suite::Fixtures = serde_json::from_str(&fixtures).map_err(js_err)?;
+    let (device, adapter) = open(&which).await?;
+    let mut reports = Vec::new();
+    for name in suite::CASES {
+        let got = suite::run_case(name, device).await;
+        let report = match want.cases.get(*name) {
+            Some(w) => suite::compare(name, w, &got),
+            None => suite::CaseReport { name: name.to_string(), ok: false, worst: f64::INFINITY, error: Some("no fixture".into()) },
+        };
+        reports.push(report);
+    }
+    let ok = reports.iter().all(|r| r.ok);
+    Ok(serde_json::json!({ "ok": ok, "adapter": adapter, "device": format!("{device:?}"), "cases": reports }).to_string())
+}
+
+/// Classify the first `limit` test images with a checkpoint, on `which`.
+/// Resolves to JSON: model, adapter, predictions, labels, accuracy, pixels.
+#[wasm_bindgen]
+pub async fn classify(which: String, checkpoint: Vec<u8>, images: Vec<u8>, labels: Vec<u8>, limit: usize) -> Result<String, JsValue> {
+    let (device, adapter) = open(&which).await?;
+    let c = demo::classify(&checkpoint, &images, &labels, limit, device).await.map_err(js_err)?;
+    let mut v = serde_json::to_value(&c).map_err(js_err)?;
+    v["adapter"] = adapter.into();
+    v["classes"] = serde_json::json!(demo::CLASSES);
+    Ok(v.to_string())
+}
