@@ -19,6 +19,8 @@ fi
 # without an adapter; the training tests read Fashion-MNIST from Debian.
 need=()
 ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || need+=(libvulkan1 mesa-vulkan-drivers)
+# The GL run of the GPU tests: EGL with Mesa's llvmpipe, headless.
+ls /usr/share/glvnd/egl_vendor.d/*mesa*.json >/dev/null 2>&1 || need+=(libegl1 libegl-mesa0 libgl1-mesa-dri)
 [ -d /usr/share/datasets/fashion-mnist ] || need+=(dataset-fashion-mnist)
 if [ ${#need[@]} -gt 0 ]; then
     sudo=""
@@ -60,3 +62,14 @@ for ex in tensor_basics autograd custom_module minilm fashion_mnist; do
     say "example $ex (cargo run --release --example $ex)"
     "$bin" >/dev/null
 done
+
+# The GPU tests again on wgpu's GL backend (Mesa's llvmpipe over EGL): every
+# kernel kind, f16 excepted (llvmpipe's GL has no SHADER_F16; gpu.rs checks
+# the error instead). They fail, never skip, without a GL adapter.
+VOLTAIC_BACKEND=gl cargo run -q --release -p voltaic-cli -- devices --json | grep -q '"backend":"Gl"' || { say "error: VOLTAIC_BACKEND=gl finds no GL adapter"; exit 1; }
+say "VOLTAIC_BACKEND=gl cargo test --release -p voltaic (the GPU test binaries, on GL)"
+VOLTAIC_BACKEND=gl cargo test --release -p voltaic --test gpu --test gpu_runtime --test async_api --test plan_cache --test opinfo \
+    --test grad --test api --test train --test memory --test index --test nn
+
+# The browser: wasm32 + WebGPU in headless chromium.
+bash scripts/web_test.sh

@@ -139,7 +139,7 @@ pub async fn run_case(name: &str, device: Device) -> Result<Outputs> {
                 p.set(rng.tensor(&dims, device)?.mul(0.3)?)?;
             }
             let x = rng.tensor(&[10, 12], device)?;
-            let y = Tensor::from_vec((0..10).map(|i| (i * 7 % 4) as i32).collect::<Vec<i32>>(), &[10], device)?;
+            let y = Tensor::from_vec((0..10i32).map(|i| i * 7 % 4).collect::<Vec<i32>>(), &[10], device)?;
             let mut opt = Adam::new(model.parameters(), 1e-2);
             let mut losses = Vec::new();
             for _ in 0..3 {

@@ -35,6 +35,8 @@ pub fn run(json: bool) -> anyhow::Result<()> {
     let threads = rayon::current_num_threads();
     let model = cpu_model();
     let features = simd();
+    // GL adapters too (otherwise searched for only where nothing else is found).
+    voltaic::backend::probe_gl();
     let gpus = voltaic::backend::adapters();
     let best = voltaic::Device::best();
     if json {
@@ -51,7 +53,7 @@ pub fn run(json: bool) -> anyhow::Result<()> {
                 json!({
                     "device": format!("gpu:{}", a.index), "name": a.name, "backend": a.backend,
                     "device_type": a.device_type, "driver": a.driver, "features": a.features, "limits": limits,
-                    "software": a.is_software(), "best": best == voltaic::Device::Gpu(a.index),
+                    "software": a.is_software(), "best": best == voltaic::Device::Gpu(a.index), "notes": a.notes,
                 })
             );
         }
@@ -71,15 +73,20 @@ pub fn run(json: bool) -> anyhow::Result<()> {
     );
     for a in &gpus {
         let d = voltaic::Device::Gpu(a.index);
-        println!("{}{:<8} {:<8} {:<14} {} | driver: {}", mark(d), d.to_string(), a.backend, a.device_type, a.name, a.driver);
+        let gl_n = gpus.iter().filter(|g| g.backend == "Gl" && g.index < a.index).count();
+        let alias = if a.backend == "Gl" { format!(" (gl:{gl_n})") } else { String::new() };
+        println!("{}{:<8} {:<8} {:<14} {}{alias} | driver: {}", mark(d), d.to_string(), a.backend, a.device_type, a.name, a.driver);
         println!("{:<33} features: {}", "", if a.features.is_empty() { "none".into() } else { a.features.join(" ") });
         let lim: Vec<String> = a.limits.iter().map(|(k, v)| format!("{k}={v}")).collect();
         println!("{:<33} limits: {}", "", lim.join(" "));
+        for n in &a.notes {
+            println!("{:<33} note: {n}", "");
+        }
     }
     if gpus.is_empty() {
         println!("\nNo GPU adapter found (on Linux: `apt-get install libvulkan1 mesa-vulkan-drivers`).");
     }
-    println!("\ngpu:N numbering: Vulkan/Metal/DX12 adapters first, then GL; hardware before software within each.");
+    println!("\ngpu:N numbering: Vulkan/Metal/DX12 adapters first, then GL (also gl:N); hardware before software within each.");
     println!("* = Device::best(){}", if gpus.iter().any(|a| a.is_software()) {
         "; software adapters are used only when asked for (--device gpu:N or VOLTAIC_DEVICE)"
     } else {

@@ -33,8 +33,13 @@ impl Device {
                     return Ok(Device::Gpu(i));
                 }
             }
+            if kind == "gl" {
+                if let Ok(n) = idx.parse() {
+                    return Device::gl(n);
+                }
+            }
         }
-        bail!(Value, "device", "cannot parse device {s:?}: expected cpu, gpu or gpu:N")
+        bail!(Value, "device", "cannot parse device {s:?}: expected cpu, gpu, gpu:N or gl:N")
     }
 }
 

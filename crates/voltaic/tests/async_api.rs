@@ -87,7 +87,7 @@ fn check_reads(device: Device) {
     assert!(!z.is_realized());
     let (r, _) = run(z.realize_async());
     assert!(r.unwrap().is_realized());
-    let e = Tensor::zeros(&[0, 3], DType::F32, device).unwrap().add(&Tensor::ones(&[3], DType::F32, device).unwrap()).unwrap();
+    let e = Tensor::zeros(&[0, 3], DType::F32, device).unwrap().add(Tensor::ones(&[3], DType::F32, device).unwrap()).unwrap();
     assert_eq!(run(e.to_vec_async::<f32>()).0.unwrap(), Vec::<f32>::new());
     run(device.synchronize_async()).0.unwrap();
 }

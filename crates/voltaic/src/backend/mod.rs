@@ -14,7 +14,7 @@
 pub(crate) mod cpu;
 pub(crate) mod wgpu;
 
-pub use self::wgpu::{adapters, adapters_async, AdapterReport};
+pub use self::wgpu::{adapters, adapters_async, probe_gl, AdapterReport};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -308,6 +308,13 @@ impl Device {
     /// blocking the thread (the form the web needs).
     pub async fn synchronize_async(self) -> Result<()> {
         completed(executor(self)?.completion()?).await
+    }
+
+    /// The `n`-th GL adapter as a device (`gl:n`), looking for GL adapters
+    /// first (they are not searched for otherwise while Vulkan, Metal or
+    /// DX12 has adapters).
+    pub fn gl(n: usize) -> Result<Device> {
+        Ok(Device::Gpu(self::wgpu::gl_index(n)?))
     }
 
     /// Open `gpu:index` without blocking the thread: finds the adapters and

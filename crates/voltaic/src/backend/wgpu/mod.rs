@@ -46,6 +46,9 @@ pub struct AdapterReport {
     pub features: Vec<&'static str>,
     /// Limits Voltaic uses, by name.
     pub limits: Vec<(&'static str, u64)>,
+    /// What the executor does differently on this adapter, where it lacks
+    /// something a kernel or a part of the executor would use.
+    pub notes: Vec<String>,
 }
 
 impl AdapterReport {
@@ -57,6 +60,9 @@ impl AdapterReport {
 
 struct Registry {
     adapters: Vec<wgpu::Adapter>,
+    /// GL adapters found on request ([`probe_gl`]) where the search above
+    /// had none; numbered after `adapters`.
+    gl: OnceLock<Vec<wgpu::Adapter>>,
     contexts: Mutex<HashMap<usize, Arc<GpuContext>>>,
 }
 
@@ -107,15 +113,61 @@ async fn find_adapters() -> Vec<wgpu::Adapter> {
 
 static REGISTRY: OnceLock<Registry> = OnceLock::new();
 
+impl Registry {
+    fn new(adapters: Vec<wgpu::Adapter>) -> Registry {
+        Registry { adapters, gl: OnceLock::new(), contexts: Mutex::new(HashMap::new()) }
+    }
+
+    /// Every adapter known so far, in `gpu:N` order.
+    fn all(&self) -> impl Iterator<Item = &wgpu::Adapter> {
+        self.adapters.iter().chain(self.gl.get().into_iter().flatten())
+    }
+}
+
+/// Also look for GL adapters (EGL; slow and noisy on some headless
+/// machines, so only when asked: `voltaic devices`, `gl:N`), numbered
+/// after the others. A no-op where the search already found GL ones.
+pub fn probe_gl() {
+    let reg = registry();
+    reg.gl.get_or_init(|| {
+        if cfg!(target_arch = "wasm32") || reg.adapters.iter().any(|a| a.get_info().backend == wgpu::Backend::Gl) {
+            return Vec::new();
+        }
+        #[cfg(not(target_arch = "wasm32"))]
+        return pollster::block_on(async {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+            desc.backends = wgpu::Backends::GL;
+            desc.flags = wgpu::InstanceFlags::empty().with_env();
+            wgpu::Instance::new(desc).enumerate_adapters(wgpu::Backends::GL).await
+        });
+        #[cfg(target_arch = "wasm32")]
+        Vec::new()
+    });
+}
+
+/// The index `gpu:N` of the `n`-th GL adapter (`gl:n`), probing for GL.
+pub(crate) fn gl_index(n: usize) -> Result<usize> {
+    probe_gl();
+    let gl: Vec<usize> = registry().all().enumerate().filter(|(_, a)| a.get_info().backend == wgpu::Backend::Gl).map(|(i, _)| i).collect();
+    gl.get(n).copied().ok_or_else(|| Error::Device {
+        op: "device",
+        msg: if gl.is_empty() {
+            format!("gl:{n} is not available: wgpu found no GL adapter (on Linux install EGL and Mesa: `apt-get install libegl1 libgl1-mesa-dri`)")
+        } else {
+            format!("gl:{n} is not available: wgpu found {} GL adapter(s)", gl.len())
+        },
+    })
+}
+
 /// The adapters, found on first use. On the web only [`registry_async`]
 /// can find them; until it has, there are none.
 fn registry() -> &'static Registry {
     #[cfg(not(target_arch = "wasm32"))]
-    return REGISTRY.get_or_init(|| Registry { adapters: pollster::block_on(find_adapters()), contexts: Mutex::new(HashMap::new()) });
+    return REGISTRY.get_or_init(|| Registry::new(pollster::block_on(find_adapters())));
     #[cfg(target_arch = "wasm32")]
     {
         static NOT_YET: OnceLock<Registry> = OnceLock::new();
-        REGISTRY.get().unwrap_or_else(|| NOT_YET.get_or_init(|| Registry { adapters: Vec::new(), contexts: Mutex::new(HashMap::new()) }))
+        REGISTRY.get().unwrap_or_else(|| NOT_YET.get_or_init(|| Registry::new(Vec::new())))
     }
 }
 
@@ -126,7 +178,7 @@ async fn registry_async() -> &'static Registry {
     }
     let adapters = find_adapters().await;
     // Two finders racing keep the first one's list.
-    let _ = REGISTRY.set(Registry { adapters, contexts: Mutex::new(HashMap::new()) });
+    let _ = REGISTRY.set(Registry::new(adapters));
     REGISTRY.get().expect("just set")
 }
 
@@ -143,8 +195,7 @@ pub async fn adapters_async() -> Vec<AdapterReport> {
 }
 
 fn reports(reg: &Registry) -> Vec<AdapterReport> {
-    reg.adapters
-        .iter()
+    reg.all()
         .enumerate()
         .map(|(index, a)| {
             let i = a.get_info();
@@ -158,7 +209,22 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
                 (wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX, "cooperative-matrix"),
                 (wgpu::Features::SHADER_F64, "shader-f64"),
             ];
+            let mut notes = Vec::new();
+            if !f.contains(wgpu::Features::SHADER_F16) {
+                notes.push("f16 tensors refused (no SHADER_F16): use f32, or bf16 (held in 32-bit words)".to_string());
+            }
+            if i.backend == wgpu::Backend::Gl {
+                notes.push("autotune off: GL serialises the device on one context lock".to_string());
+            } else if i.backend == wgpu::Backend::BrowserWebGpu {
+                notes.push("no blocking reads or autotuning: use the async API (to_vec_async, ...)".to_string());
+            } else if i.device_type == wgpu::DeviceType::Cpu {
+                notes.push("autotune off unless VOLTAIC_AUTOTUNE asks (software adapter)".to_string());
+            }
+            if !f.contains(wgpu::Features::TIMESTAMP_QUERY) {
+                notes.push("no GPU timestamps: VOLTAIC_PROFILE has no per-kernel times, the tuner times on the host".to_string());
+            }
             AdapterReport {
+                notes,
                 index,
                 name: i.name.clone(),
                 backend: format!("{:?}", i.backend),
@@ -201,8 +267,13 @@ pub(crate) async fn context_async(index: usize) -> Result<Arc<GpuContext>> {
         c.check_alive()?;
         return Ok(c.clone());
     }
-    let Some(adapter) = reg.adapters.get(index) else {
-        let n = reg.adapters.len();
+    if index >= reg.adapters.len() {
+        // Numbered after the others: the GL adapters `voltaic devices` lists.
+        #[cfg(not(target_arch = "wasm32"))]
+        probe_gl();
+    }
+    let Some(adapter) = reg.all().nth(index) else {
+        let n = reg.all().count();
         return Err(Error::Device {
             op: "device",
             msg: if n == 0 && cfg!(target_arch = "wasm32") {
