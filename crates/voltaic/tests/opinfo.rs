@@ -79,17 +79,7 @@ struct OpInfo {
 const FLOATS: &[DType] = &[F32, F64, F16, BF16];
 const NUMERIC: &[DType] = &[F32, F64, F16, BF16, I32, U32];
 const ALL: &[DType] = &[F32, F64, F16, BF16, I32, U32, Bool];
-const CASTS_ALL: &[DType] = &[F32, F16, BF16, I32, U32, Bool];
-
-thread_local! {
-    /// Set while checking a GPU without SHADER_F16: casts leave f16 out.
-    static NO_F16: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// The dtypes `to_dtype` is checked with on the device under test.
-fn casts() -> Vec<DType> {
-    CASTS_ALL.iter().copied().filter(|&d| d != F16 || !NO_F16.with(|c| c.get())).collect()
-}
+const CASTS: &[DType] = &[F32, F16, BF16, I32, U32, Bool];
 
 fn op(name: &'static str, dtypes: &'static [DType], samples: Samples, run: Run, reference: Reference) -> OpInfo {
     OpInfo { name, dtypes, samples, run, reference, grad: false, grad_values: None, slack: 1.0 }
@@ -452,8 +442,8 @@ fn table() -> Vec<OpInfo> {
         }),
         // Every dtype but f64, which the GPU refuses (tests/gpu.rs checks the error).
         // (Gradients of casts: tests/grad.rs; a finite difference through an f16 cast is noise.)
-        op("to_dtype", ALL, unary_samples, |t, _| casts().iter().map(|&d| t[0].to_dtype(d)).collect::<Result<Vec<_>>>(), |a, _, dt| {
-            casts().iter().map(|&d| map1(a, |x| cast(x, dt, d)).remove(0)).collect()
+        op("to_dtype", ALL, unary_samples, |t, _| CASTS.iter().map(|&d| t[0].to_dtype(d)).collect::<Result<Vec<_>>>(), |a, _, dt| {
+            CASTS.iter().map(|&d| map1(a, |x| cast(x, dt, d)).remove(0)).collect()
         }),
         op("clamp", NUMERIC, unary_samples, |t, _| Ok(vec![t[0].clamp(Some(-1.0), Some(2.0))?, t[0].clamp(Some(3.0), Some(1.0))?, t[0].clamp(None, Some(0.0))?]), |a, _, _| {
             let c = |lo: f64, hi: f64| map1(a, move |x| if x.is_nan() { x } else { x.max(lo).min(hi) }).remove(0);
@@ -1110,11 +1100,6 @@ fn build(i: &Input, dev: Device) -> Tensor {
     t.to_device(dev).unwrap()
 }
 
-fn gpu_has_f16(dev: Device) -> bool {
-    let Device::Gpu(i) = dev else { return true };
-    voltaic::backend::adapters()[i].features.contains(&"shader-f16")
-}
-
 fn gpu() -> Device {
     assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)");
     Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0))
@@ -1127,11 +1112,8 @@ fn tolerance(dt: DType, slack: f64) -> (f64, f64) {
 
 /// Run every sample of one entry on `dev`; compare with the reference.
 fn check_values(info: &OpInfo, dev: Device, rng: &mut Rng, failures: &mut Vec<String>) {
-    NO_F16.with(|c| c.set(dev.is_gpu() && !gpu_has_f16(dev)));
     for &dt in info.dtypes {
-        // f64 never lives on a GPU; f16 only on adapters with SHADER_F16
-        // (gpu.rs checks the error elsewhere).
-        if dev.is_gpu() && (dt == F64 || (dt == DType::F16 && !gpu_has_f16(dev))) {
+        if dev.is_gpu() && dt == F64 {
             continue;
         }
         for (si, s) in (info.samples)(rng, dt).into_iter().enumerate() {

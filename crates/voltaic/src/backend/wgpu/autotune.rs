@@ -436,14 +436,14 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
 /// Time every candidate on scratch buffers; the fastest wins.
 fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, default: Variant) -> Result<Variant> {
     let bufs: Vec<super::pool::GpuBuf> =
-        inputs.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect::<Result<_>>()?;
+        inputs.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(&ctx.caps, dt))).collect::<Result<_>>()?;
     // Zero them: uninitialised memory could hold NaN or denormals.
     let mut enc = ctx.device.create_command_encoder(&Default::default());
     for b in &bufs {
         enc.clear_buffer(b.raw(), 0, None);
     }
     ctx.submit(enc.finish())?;
-    let out = alloc(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(k.dtype))?;
+    let out = alloc(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(&ctx.caps, k.dtype))?;
     // An epilogue (bias, GELU) may read constants: bind the kernel's own.
     let consts = k.kind.consts();
     let mut runs = vec![];

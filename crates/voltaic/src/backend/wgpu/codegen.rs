@@ -59,40 +59,36 @@ pub(crate) struct WgslProgram {
 }
 
 /// Bytes one element takes in a GPU buffer. bool and bf16 take a 32-bit word
-/// (WGSL has no 8- or 16-bit integer storage); f16 is packed when the
-/// adapter has SHADER_F16.
-pub(crate) fn elem_bytes(dt: DType) -> u64 {
+/// (WGSL has no 8- or 16-bit integer storage); f16 is packed where the
+/// adapter has SHADER_F16, and elsewhere (GL, many browsers) held in a word
+/// as the f32 of its value, computed in f32 and rounded to f16 when stored.
+pub(crate) fn elem_bytes(caps: &Caps, dt: DType) -> u64 {
     match dt {
-        DType::F16 => 2,
+        DType::F16 if caps.f16 => 2,
         DType::F64 => 8,
         _ => 4,
     }
 }
 
 /// Fail for dtypes this adapter cannot hold.
-pub(crate) fn check_dtype(caps: &Caps, dt: DType, op: &'static str) -> Result<()> {
+pub(crate) fn check_dtype(_caps: &Caps, dt: DType, op: &'static str) -> Result<()> {
     match dt {
         DType::F64 => bail!(
             DType,
             op,
             "f64 is not supported on the GPU (WGSL has no portable f64); use f32, or keep f64 tensors on the CPU"
         ),
-        DType::F16 if !caps.f16 => bail!(
-            DType,
-            op,
-            "f16 needs the adapter feature SHADER_F16, which this adapter lacks; use f32 or bf16"
-        ),
         _ => Ok(()),
     }
 }
 
 /// WGSL type of an element in storage.
-pub(crate) fn storage_ty(dt: DType) -> &'static str {
+pub(crate) fn storage_ty(caps: &Caps, dt: DType) -> &'static str {
     match dt {
         DType::F32 => "f32",
-        DType::F16 => "f16",
+        DType::F16 if caps.f16 => "f16",
         DType::I32 => "i32",
-        DType::U32 | DType::Bool | DType::BF16 => "u32",
+        DType::U32 | DType::Bool | DType::BF16 | DType::F16 => "u32",
         DType::F64 => "f64",
     }
 }
@@ -108,18 +104,19 @@ pub(crate) fn compute_ty(dt: DType) -> &'static str {
     }
 }
 
-fn from_storage(dt: DType, e: &str) -> String {
+fn from_storage(caps: &Caps, dt: DType, e: &str) -> String {
     match dt {
-        DType::F16 => format!("f32({e})"),
-        DType::BF16 => format!("bitcast<f32>({e})"),
+        DType::F16 if caps.f16 => format!("f32({e})"),
+        DType::BF16 | DType::F16 => format!("bitcast<f32>({e})"),
         DType::Bool => format!("({e} != 0u)"),
         _ => e.to_string(),
     }
 }
 
-fn to_storage(dt: DType, e: &str) -> String {
+fn to_storage(caps: &Caps, dt: DType, e: &str) -> String {
     match dt {
-        DType::F16 => format!("f16({e})"),
+        DType::F16 if caps.f16 => format!("f16({e})"),
+        DType::F16 => format!("bitcast<u32>(f16r_({e}))"),
         DType::BF16 => format!("bitcast<u32>(bf16r_({e}))"),
         DType::Bool => format!("select(0u, 1u, {e})"),
         _ => e.to_string(),
@@ -206,13 +203,14 @@ impl<'c> Shader<'c> {
     /// Bind an array of `numel` elements of `dt` as `name`, with accessor
     /// `ld_{name}(i)` and, when writable, `st_{name}(i, v)`.
     pub(crate) fn array(&mut self, src: Src, name: &str, dt: DType, numel: usize, writable: bool) {
-        let eb = elem_bytes(dt);
+        let eb = elem_bytes(self.caps, dt);
         let chunk_bytes = self.caps.chunk_bytes();
         let per = (chunk_bytes / eb) as usize;
         let chunks = numel.div_ceil(per).max(1);
-        self.f16 |= dt == DType::F16;
-        let (st, ct) = (storage_ty(dt), compute_ty(dt));
+        self.f16 |= dt == DType::F16 && self.caps.f16;
+        let (st, ct) = (storage_ty(self.caps, dt), compute_ty(dt));
         let mode = if writable { "read_write" } else { "read" };
+        let caps = self.caps;
         let d = &mut self.decls;
         for c in 0..chunks {
             let b = self.binds.len();
@@ -236,13 +234,13 @@ impl<'c> Shader<'c> {
         };
         let _ = writeln!(d, "fn ld_{name}(i: u32) -> {ct} {{");
         pick(d, &|d, c| {
-            let _ = write!(d, "    return {};", from_storage(dt, &format!("{name}_{c}[j]")));
+            let _ = write!(d, "    return {};", from_storage(caps, dt, &format!("{name}_{c}[j]")));
         });
         let _ = writeln!(d, "\n}}");
         if writable {
             let _ = writeln!(d, "fn st_{name}(i: u32, v: {ct}) {{");
             pick(d, &|d, c| {
-                let _ = write!(d, "    {name}_{c}[j] = {}; return;", to_storage(dt, "v"));
+                let _ = write!(d, "    {name}_{c}[j] = {}; return;", to_storage(caps, dt, "v"));
             });
             let _ = writeln!(d, "\n}}");
         }

@@ -133,7 +133,7 @@ pub(crate) fn bind<'b>(
 
 /// The scratch buffers of kernel `c`, from the pool.
 fn fresh_scratch(ctx: &GpuContext, c: &Compiled) -> Result<Vec<GpuBuf>> {
-    c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(dt))).collect()
+    c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(&ctx.caps, dt))).collect()
 }
 
 /// A new buffer holding a kernel's constants (written before the next submit).
@@ -294,7 +294,7 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
     for k in &plan.kernels {
         check_dtype(&ctx.caps, k.dtype, k.kind.name())?;
         // A buffer too large for the device is out of memory, before any compile error it would cause.
-        super::pool::fits(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(k.dtype))?;
+        super::pool::fits(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(&ctx.caps, k.dtype))?;
         let inputs: Vec<_> = k.inputs.iter().map(|&s| (plan.slots[s].dtype, plan.slots[s].numel)).collect();
         for &(dt, _) in &inputs {
             check_dtype(&ctx.caps, dt, k.kind.name())?;
@@ -391,7 +391,7 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
     let mut encoded: Vec<(Encoded, usize)> = Vec::new();
     let mut labels: Vec<String> = Vec::new();
     for (ki, k) in plan.kernels.iter().enumerate() {
-        let bytes = k.numel as u64 * elem_bytes(k.dtype);
+        let bytes = k.numel as u64 * elem_bytes(&ctx.caps, k.dtype);
         let out = Arc::new(match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {
             Some(i) => retired.swap_remove(i).reuse(k.dtype, k.numel),
             None => alloc(ctx, k.dtype, k.numel, bytes)?,

@@ -211,7 +211,7 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
             ];
             let mut notes = Vec::new();
             if !f.contains(wgpu::Features::SHADER_F16) {
-                notes.push("f16 tensors refused (no SHADER_F16): use f32, or bf16 (held in 32-bit words)".to_string());
+                notes.push("no SHADER_F16: f16 tensors are held in 32-bit words (4 bytes each) and computed in f32, rounded to f16 on every store".to_string());
             }
             if i.backend == wgpu::Backend::Gl {
                 notes.push("autotune off: GL serialises the device on one context lock".to_string());

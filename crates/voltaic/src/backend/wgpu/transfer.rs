@@ -1,7 +1,7 @@
 //! Moving data between host and GPU, and the optional per-kernel profile.
 
 use super::codegen::{check_dtype, elem_bytes};
-use super::context::GpuContext;
+use super::context::{Caps, GpuContext};
 use super::pool::{alloc, GpuBuf};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -13,8 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::task::Waker;
 
 /// The bytes a host buffer takes on the GPU (see [`elem_bytes`]).
-fn to_gpu_bytes(s: &CpuStorage) -> Vec<u8> {
+fn to_gpu_bytes(caps: &Caps, s: &CpuStorage) -> Vec<u8> {
     let mut v: Vec<u8> = match s {
+        CpuStorage::F16(x) if !caps.f16 => x.iter().flat_map(|h| h.to_f32().to_le_bytes()).collect(),
         CpuStorage::F32(x) => bytemuck::cast_slice(x).to_vec(),
         CpuStorage::I32(x) => bytemuck::cast_slice(x).to_vec(),
         CpuStorage::U32(x) => bytemuck::cast_slice(x).to_vec(),
@@ -28,9 +29,11 @@ fn to_gpu_bytes(s: &CpuStorage) -> Vec<u8> {
     v
 }
 
-fn from_gpu_bytes(dt: DType, b: &[u8], n: usize) -> CpuStorage {
+fn from_gpu_bytes(caps: &Caps, dt: DType, b: &[u8], n: usize) -> CpuStorage {
     let words = |b: &[u8]| -> Vec<u32> { b.chunks_exact(4).take(n).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
     match dt {
+        // Words holding f32s of f16 values (no SHADER_F16): exact conversions.
+        DType::F16 if !caps.f16 => CpuStorage::F16(words(b).into_iter().map(|w| f16::from_f32(f32::from_bits(w))).collect()),
         DType::F32 => CpuStorage::F32(words(b).into_iter().map(f32::from_bits).collect()),
         DType::I32 => CpuStorage::I32(words(b).into_iter().map(|w| w as i32).collect()),
         DType::U32 => CpuStorage::U32(words(b)),
@@ -45,7 +48,7 @@ fn from_gpu_bytes(dt: DType, b: &[u8], n: usize) -> CpuStorage {
 pub(crate) fn upload(ctx: &GpuContext, s: &CpuStorage) -> Result<GpuBuf> {
     ctx.check_alive()?;
     check_dtype(&ctx.caps, s.dtype(), "to_device")?;
-    let bytes = to_gpu_bytes(s);
+    let bytes = to_gpu_bytes(&ctx.caps, s);
     let buf = alloc(ctx, s.dtype(), s.len(), bytes.len() as u64)?;
     if !bytes.is_empty() {
         let ((), err) = ctx.scoped(|| ctx.queue.write_buffer(buf.raw(), 0, &bytes));
@@ -68,7 +71,7 @@ pub(crate) fn download_start(
     len: usize,
 ) -> Result<(Box<GpuCompletion>, impl FnOnce() -> Result<CpuStorage> + Send + 'static)> {
     ctx.check_alive()?;
-    let eb = elem_bytes(buf.dtype);
+    let eb = elem_bytes(&ctx.caps, buf.dtype);
     let lo = (start as u64 * eb) & !3;
     let hi = ((start + len) as u64 * eb).next_multiple_of(4);
     let size = hi - lo;
@@ -121,7 +124,7 @@ pub(crate) fn download_start(
             });
         }
         let skip = (start as u64 * eb - lo) as usize;
-        Ok(from_gpu_bytes(dtype, &bytes[skip..size as usize], len))
+        Ok(from_gpu_bytes(&ctx.caps, dtype, &bytes[skip..size as usize], len))
     };
     Ok((completion, collect))
 }

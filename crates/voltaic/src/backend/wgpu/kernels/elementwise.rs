@@ -47,7 +47,7 @@ impl Gen<'_> {
         let mut b = format!("    let i0 = group * {}u + lid;\n    if (i0 >= {n4}u) {{ return; }}\n", WG as usize * per);
         let mut values = vec![];
         for (li, (l, k)) in expr.loads.iter().zip(&kinds).enumerate() {
-            let ty = storage_ty(self.inputs[l.input].0);
+            let ty = storage_ty(self.caps, self.inputs[l.input].0);
             match k {
                 Src4::Vec(off) => {
                     sh.bind_raw(Src::Input(l.input), &format!("vl{li}"), &format!("array<vec4<{ty}>>"), false);
@@ -62,7 +62,7 @@ impl Gen<'_> {
             }
             values.push(li);
         }
-        let ot = storage_ty(self.out.0);
+        let ot = storage_ty(self.caps, self.out.0);
         sh.bind_raw(Src::Output, "outv", &format!("array<vec4<{ot}>>"), true);
         for u in 0..per {
             let _ = writeln!(b, "    {{\n    let i = i0 + {}u;\n    if (i < {n4}u) {{\n    var r: vec4<{ot}>;", u * WG as usize);

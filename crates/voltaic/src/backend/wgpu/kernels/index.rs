@@ -118,7 +118,7 @@ impl Gen<'_> {
     fn scatter_add(&self, dim: usize, input: &View, index: &View, src: &View, code: u32) -> Dispatch {
         let idims = index.layout.dims();
         let dt = self.out.0;
-        let fits = (self.out.1 as u64) * super::super::codegen::elem_bytes(dt) <= self.caps.chunk_bytes();
+        let fits = (self.out.1 as u64) * super::super::codegen::elem_bytes(self.caps, dt) <= self.caps.chunk_bytes();
         if idims[dim] > 64 && fits {
             return self.scatter_add_atomic(dim, input, index, src, code);
         }
@@ -189,6 +189,8 @@ impl Gen<'_> {
             }
             DType::F32 => cas(&mut b, "o", "bitcast<u32>(bitcast<f32>(old) + v)"),
             DType::BF16 => cas(&mut b, "o", "bitcast<u32>(bf16r_(bitcast<f32>(old) + v))"),
+            // Held in words (no SHADER_F16): as bf16, rounded to f16.
+            DType::F16 if !self.caps.f16 => cas(&mut b, "o", "bitcast<u32>(f16r_(bitcast<f32>(old) + v))"),
             DType::F16 => {
                 // Two halves per word: replace this element's half of it.
                 let _ = writeln!(b, "    let w = o / 2u;\n    let sh = (o % 2u) * 16u;");
