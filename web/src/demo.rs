@@ -72,3 +72,21 @@ pub async fn classify(checkpoint: &[u8], images: &[u8], labels: &[u8], limit: us
     let accuracy = if data.is_empty() { 0.0 } else { correct as f64 / data.len() as f64 };
     Ok(Classified { model: model_name, predictions, labels: data.labels.clone(), accuracy, pixels: data.pixels.clone() })
 }
+
+/// The sentences the MiniLM panel compares unless the page gives others.
+pub const SENTENCES: [&str; 5] = [
+    "A man is playing a guitar.",
+    "Someone is playing music on an instrument.",
+    "A woman is slicing vegetables in the kitchen.",
+    "Somebody is cutting up carrots.",
+    "The stock market fell sharply today.",
+];
+
+/// Cosine similarities `[n, n]` (row-major) of the sentences' MiniLM
+/// embeddings, the model given as its files' contents.
+pub async fn similarity(config: &str, model: Vec<u8>, tokenizer: &[u8], sentence_config: Option<&str>, sentences: &[&str], device: Device) -> Result<Vec<f64>> {
+    let embedder = voltaic::models::bert::SentenceEmbedder::from_bytes(config, model, tokenizer, sentence_config, device)?;
+    let e = embedder.embed(sentences)?;
+    // Unit-length rows: their products are the cosines.
+    e.matmul(&e.t()?)?.to_f64_vec_async().await
+}

@@ -1,6 +1,6 @@
 // The demo page: fetch the checkpoint and the test set, classify on the
 // device asked for (?device=auto|gpu|cpu, default auto), draw the images.
-import init, { classify } from "./pkg/voltaic_web.js";
+import init, { classify, minilm_similarity } from "./pkg/voltaic_web.js";
 import { browserAdapter } from "./adapter.js";
 
 const params = new URLSearchParams(location.search);
@@ -34,6 +34,33 @@ function draw(grid, res) {
   }
 }
 
+async function text(url) {
+  return new TextDecoder().decode(await bytes(url));
+}
+
+// The MiniLM panel: fetch the model's files, embed, draw the similarities.
+async function minilm() {
+  const box = document.getElementById("minilm");
+  box.textContent = "Loading all-MiniLM-L6-v2…";
+  const dir = "data/minilm/";
+  const [config, model, tokenizer, sbert] = await Promise.all([
+    text(dir + "config.json"), bytes(dir + "model.safetensors"),
+    bytes(dir + "tokenizer.json"), text(dir + "sentence_bert_config.json"),
+  ]);
+  const t0 = performance.now();
+  const res = JSON.parse(await minilm_similarity(device, config, model, tokenizer, sbert, ""));
+  const ms = performance.now() - t0;
+  res.adapter = await browserAdapter(res.adapter);
+  const n = res.sentences.length;
+  const cell = (v) => `<td style="background: rgba(42,157,75,${Math.max(0, v).toFixed(2)})">${v.toFixed(3)}</td>`;
+  let html = `<table class="sim"><tr><th></th>${res.sentences.map((_, j) => `<th>${j + 1}</th>`).join("")}</tr>`;
+  for (let i = 0; i < n; i++) {
+    html += `<tr><th>${i + 1}. ${res.sentences[i]}</th>${res.similarity.slice(i * n, i * n + n).map(cell).join("")}</tr>`;
+  }
+  box.innerHTML = html + `</table><div class="sub">${res.adapter}, ${ms.toFixed(0)} ms</div>`;
+  return res;
+}
+
 async function main() {
   await init();
   const [ckpt, images, labels] = await Promise.all([
@@ -55,8 +82,18 @@ async function main() {
   return res;
 }
 
+document.getElementById("load-minilm").onclick = () =>
+  minilm().catch((e) => { document.getElementById("minilm").innerHTML = `<div class="error">${e}</div>`; });
+
 main().then(
-  (res) => { window.__result = { ok: true, ...res }; document.body.dataset.done = "1"; },
+  async (res) => {
+    window.__result = { ok: true, ...res };
+    if (params.get("minilm") === "1") {
+      try { window.__result.minilm = await minilm(); }
+      catch (e) { window.__result = { ok: false, error: `MiniLM: ${e}` }; document.getElementById("minilm").innerHTML = `<div class="error">${e}</div>`; }
+    }
+    document.body.dataset.done = "1";
+  },
   (e) => {
     document.getElementById("error").textContent = String(e);
     window.__result = { ok: false, error: String(e) };

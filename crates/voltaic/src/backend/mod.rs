@@ -334,10 +334,17 @@ impl Device {
         Ok(Device::Gpu(index))
     }
 
-    /// The best device, without blocking the thread: the first hardware
-    /// adapter (opened), else a software one on the web (where the browser
-    /// decides what it offers), else the CPU.
+    /// The best device, without blocking the thread: as [`Device::best`]
+    /// (`VOLTAIC_DEVICE` first, then the first hardware adapter, opened),
+    /// except that on the web a software adapter counts too (the browser
+    /// decides what it offers); the CPU when there is none.
     pub async fn best_async() -> Device {
+        if let Some(d) = std::env::var("VOLTAIC_DEVICE").ok().and_then(|s| Device::parse(&s).ok()) {
+            return match d {
+                Device::Gpu(i) => Device::gpu_async(i).await.unwrap_or(Device::Cpu),
+                d => d,
+            };
+        }
         let adapters = self::wgpu::adapters_async().await;
         let pick = adapters.iter().find(|a| !a.is_software() || cfg!(target_arch = "wasm32"));
         if let Some(a) = pick {

@@ -15,19 +15,49 @@ fn format_err(path: &Path, msg: impl std::fmt::Display) -> Error {
 }
 
 /// An open safetensors file: the header is parsed and checked, the data is
-/// memory-mapped and read only when a tensor is asked for.
+/// memory-mapped (or held, when it came as bytes) and read only when a
+/// tensor is asked for.
 pub struct SafetensorsFile {
     path: PathBuf,
-    mmap: memmap2::Mmap,
+    mmap: Bytes,
+}
+
+/// A file's bytes: mapped from disk, or handed over (a browser's fetch).
+enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
 }
 
 impl SafetensorsFile {
     /// Open and validate `path` (header, offsets, sizes).
     pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile> {
         let path = path.as_ref().to_path_buf();
-        let mmap = super::map_file(&path, "safetensors")?;
+        let mmap = Bytes::Mapped(super::map_file(&path, "safetensors")?);
         SafeTensors::deserialize(&mmap).map_err(|e| format_err(&path, e))?;
         Ok(SafetensorsFile { path, mmap })
+    }
+
+    /// Validate a file already in memory (`name` stands for its path in
+    /// errors): where there is no filesystem, as in a browser.
+    pub fn from_bytes(bytes: Vec<u8>, name: &str) -> Result<SafetensorsFile> {
+        let path = PathBuf::from(name);
+        SafeTensors::deserialize(&bytes).map_err(|e| format_err(&path, e))?;
+        Ok(SafetensorsFile { path, mmap: Bytes::Owned(bytes) })
+    }
+
+    /// The path it was opened from (or the name it was given).
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     fn parsed(&self) -> Result<SafeTensors<'_>> {

@@ -44,7 +44,12 @@ impl BertConfig {
     pub fn from_file(path: impl AsRef<Path>) -> Result<BertConfig> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-        let c: BertConfig = serde_json::from_str(&text).map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+        BertConfig::from_json(&text, &path.display().to_string())
+    }
+
+    /// Parse and check the text of a `config.json` (`what` names it in errors).
+    pub fn from_json(text: &str, what: &str) -> Result<BertConfig> {
+        let c: BertConfig = serde_json::from_str(text).map_err(|e| Error::Format(format!("{what}: {e}")))?;
         if c.num_attention_heads == 0 || !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             bail!(Value, "BertConfig", "hidden_size {} is not divisible by num_attention_heads {}", c.hidden_size, c.num_attention_heads);
         }
@@ -132,9 +137,14 @@ impl BertModel {
     pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<BertModel> {
         let dir = dir.as_ref();
         let config = BertConfig::from_file(dir.join("config.json"))?;
-        let path = dir.join("model.safetensors");
-        let file = SafetensorsFile::open(&path)?;
-        let w = Weights { file: &file, path: &path, device };
+        BertModel::from_weights(config, &SafetensorsFile::open(dir.join("model.safetensors"))?, device)
+    }
+
+    /// Build the encoder from a configuration and an open checkpoint, with
+    /// the checks of [`BertModel::load`].
+    pub fn from_weights(config: BertConfig, file: &SafetensorsFile, device: Device) -> Result<BertModel> {
+        let path = file.path();
+        let w = Weights { file, path, device };
         let (h, eps) = (config.hidden_size, config.layer_norm_eps);
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
@@ -259,20 +269,35 @@ impl SentenceEmbedder {
         let dir = dir.as_ref();
         let model = BertModel::load(dir, device)?;
         let tpath = dir.join("tokenizer.json");
-        let mut tokenizer = tokenizers::Tokenizer::from_file(&tpath).map_err(|e| Error::Format(format!("{}: {e}", tpath.display())))?;
+        let tokenizer = std::fs::read(&tpath).map_err(|e| Error::Io(format!("{}: {e}", tpath.display())))?;
+        let sentence_config = std::fs::read_to_string(dir.join("sentence_bert_config.json")).ok();
+        SentenceEmbedder::from_parts(model, &tokenizer, &tpath.display().to_string(), sentence_config.as_deref(), device)
+    }
+
+    /// Build from the files' contents, where there is no filesystem (a
+    /// browser): `config.json`'s text, `model.safetensors`'s bytes,
+    /// `tokenizer.json`'s bytes and, if there is one, the text of
+    /// `sentence_bert_config.json`.
+    pub fn from_bytes(config: &str, model: Vec<u8>, tokenizer: &[u8], sentence_config: Option<&str>, device: Device) -> Result<SentenceEmbedder> {
+        let config = BertConfig::from_json(config, "config.json")?;
+        let model = BertModel::from_weights(config, &SafetensorsFile::from_bytes(model, "model.safetensors")?, device)?;
+        SentenceEmbedder::from_parts(model, tokenizer, "tokenizer.json", sentence_config, device)
+    }
+
+    fn from_parts(model: BertModel, tokenizer: &[u8], tname: &str, sentence_config: Option<&str>, device: Device) -> Result<SentenceEmbedder> {
+        let mut tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer).map_err(|e| Error::Format(format!("{tname}: {e}")))?;
         // The file pads and truncates to 128; padding and masks are ours, and
         // the length limit is the sentence-transformers one.
         tokenizer.with_padding(None);
-        let max_len = std::fs::read_to_string(dir.join("sentence_bert_config.json"))
-            .ok()
-            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        let max_len = sentence_config
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
             .and_then(|v| v["max_seq_length"].as_u64())
             .map(|v| v as usize)
             .unwrap_or(model.config.max_position_embeddings)
             .min(model.config.max_position_embeddings);
         tokenizer
             .with_truncation(Some(tokenizers::TruncationParams { max_length: max_len, ..Default::default() }))
-            .map_err(|e| Error::Format(format!("{}: {e}", tpath.display())))?;
+            .map_err(|e| Error::Format(format!("{tname}: {e}")))?;
         Ok(SentenceEmbedder { model, tokenizer, max_len, device })
     }
 
