@@ -49,6 +49,16 @@ pub async fn run_suite(which: String, fixtures: String) -> Result<String, JsValu
         };
         reports.push(report);
     }
+    // In a browser the blocking read of a GPU tensor must refuse, naming the async form.
+    if device.is_gpu() {
+        let r = voltaic::Tensor::ones(&[2], voltaic::DType::F32, device).and_then(|t| t.mul(3.0)?.to_vec::<f32>());
+        let error = match r {
+            Ok(v) => Some(format!("to_vec returned {v:?} instead of an error")),
+            Err(e) if e.to_string().contains("to_vec_async") => None,
+            Err(e) => Some(format!("the error does not name to_vec_async: {e}")),
+        };
+        reports.push(suite::CaseReport { name: "blocking_read_is_refused".into(), ok: error.is_none(), worst: 0.0, error });
+    }
     let ok = reports.iter().all(|r| r.ok);
     Ok(serde_json::json!({ "ok": ok, "adapter": adapter, "device": format!("{device:?}"), "cases": reports }).to_string())
 }
