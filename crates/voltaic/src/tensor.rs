@@ -340,12 +340,7 @@ impl Tensor {
     /// The elements as f64, whatever the dtype, read back without blocking
     /// the thread.
     pub async fn to_f64_vec_async(&self) -> Result<Vec<f64>> {
-        self.read_host_async(|s, l| {
-            let mut out = Vec::with_capacity(l.numel());
-            l.for_each_offset(|o| out.push(s.get_f64(o)));
-            out
-        })
-        .await
+        self.read_host_async(gather_f64).await
     }
 
     /// The only element of a one-element tensor, read back without blocking the thread.
@@ -358,11 +353,7 @@ impl Tensor {
 
     /// The elements as f64, whatever the dtype (bools as 0/1).
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
-        self.read_host(|s, l| {
-            let mut out = Vec::with_capacity(l.numel());
-            l.for_each_offset(|o| out.push(s.get_f64(o)));
-            out
-        })
+        self.read_host(gather_f64)
     }
 
     /// Realize, then look at the values in host memory through a layout:
@@ -417,6 +408,13 @@ impl Tensor {
         let from = self.device();
         Ok(Tensor::from_storage(host, self.dims(), device)?.track(&[self], move |g, _| Ok(vec![Some(g.to_device(from)?)])))
     }
+}
+
+/// The elements a layout sees, as f64 (bools as 0/1).
+fn gather_f64(s: &CpuStorage, l: &Layout) -> Vec<f64> {
+    let mut out = Vec::with_capacity(l.numel());
+    l.for_each_offset(|o| out.push(s.get_f64(o)));
+    out
 }
 
 /// Round a scalar to what the dtype can hold (for constants).

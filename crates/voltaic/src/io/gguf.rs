@@ -10,6 +10,7 @@
 //! an `Err` naming the file and the field, never a panic or a huge allocation.
 
 use crate::error::{Error, Result};
+use super::Bytes;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -122,21 +123,6 @@ pub struct GgufFile {
     pub tensors: Vec<GgufTensorInfo>,
     /// Where the data section starts in the file.
     pub data_offset: usize,
-}
-
-enum Bytes {
-    Mapped(memmap2::Mmap),
-    Owned(Vec<u8>),
-}
-
-impl std::ops::Deref for Bytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Bytes::Mapped(m) => m,
-            Bytes::Owned(v) => v,
-        }
-    }
 }
 
 /// Most dims a ggml tensor has.

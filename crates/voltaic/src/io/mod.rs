@@ -11,6 +11,23 @@ pub use crate::files::{cache_dir, remove_stale_temp_files, write_atomic};
 
 /// Memory-map `path` read-only for a reader of `kind` files (the error of a
 /// directory names what was expected).
+/// A file's bytes: mapped from disk, or handed over (read elsewhere, or a
+/// browser's fetch). The readers parse either the same way.
+pub(crate) enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
 pub(crate) fn map_file(path: &std::path::Path, kind: &str) -> crate::error::Result<memmap2::Mmap> {
     use crate::error::Error;
     if path.is_dir() {

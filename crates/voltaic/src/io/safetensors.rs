@@ -7,6 +7,7 @@ use crate::tensor::Tensor;
 use crate::Device;
 use half::{bf16, f16};
 use safetensors::{Dtype as St, SafeTensors};
+use super::Bytes;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -19,32 +20,16 @@ fn format_err(path: &Path, msg: impl std::fmt::Display) -> Error {
 /// tensor is asked for.
 pub struct SafetensorsFile {
     path: PathBuf,
-    mmap: Bytes,
-}
-
-/// A file's bytes: mapped from disk, or handed over (a browser's fetch).
-enum Bytes {
-    Mapped(memmap2::Mmap),
-    Owned(Vec<u8>),
-}
-
-impl std::ops::Deref for Bytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Bytes::Mapped(m) => m,
-            Bytes::Owned(v) => v,
-        }
-    }
+    data: Bytes,
 }
 
 impl SafetensorsFile {
     /// Open and validate `path` (header, offsets, sizes).
     pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile> {
         let path = path.as_ref().to_path_buf();
-        let mmap = Bytes::Mapped(super::map_file(&path, "safetensors")?);
-        SafeTensors::deserialize(&mmap).map_err(|e| format_err(&path, e))?;
-        Ok(SafetensorsFile { path, mmap })
+        let data = Bytes::Mapped(super::map_file(&path, "safetensors")?);
+        SafeTensors::deserialize(&data).map_err(|e| format_err(&path, e))?;
+        Ok(SafetensorsFile { path, data })
     }
 
     /// Validate a file already in memory (`name` stands for its path in
@@ -52,7 +37,7 @@ impl SafetensorsFile {
     pub fn from_bytes(bytes: Vec<u8>, name: &str) -> Result<SafetensorsFile> {
         let path = PathBuf::from(name);
         SafeTensors::deserialize(&bytes).map_err(|e| format_err(&path, e))?;
-        Ok(SafetensorsFile { path, mmap: Bytes::Owned(bytes) })
+        Ok(SafetensorsFile { path, data: Bytes::Owned(bytes) })
     }
 
     /// The path it was opened from (or the name it was given).
@@ -61,12 +46,12 @@ impl SafetensorsFile {
     }
 
     fn parsed(&self) -> Result<SafeTensors<'_>> {
-        SafeTensors::deserialize(&self.mmap).map_err(|e| format_err(&self.path, e))
+        SafeTensors::deserialize(&self.data).map_err(|e| format_err(&self.path, e))
     }
 
     /// The header's string metadata (empty when it has none).
     pub fn metadata(&self) -> Result<HashMap<String, String>> {
-        let (_, meta) = SafeTensors::read_metadata(&self.mmap).map_err(|e| format_err(&self.path, e))?;
+        let (_, meta) = SafeTensors::read_metadata(&self.data).map_err(|e| format_err(&self.path, e))?;
         Ok(meta.metadata().clone().unwrap_or_default())
     }
 
@@ -105,16 +90,7 @@ impl SafetensorsFile {
 /// errors), in file order: where there is no filesystem to map, as in a
 /// browser.
 pub fn read_bytes(bytes: &[u8], what: &str, device: Device) -> Result<Vec<(String, Tensor)>> {
-    let err = |m: String| Error::Format(format!("{what}: {m}"));
-    let st = SafeTensors::deserialize(bytes).map_err(|e| err(e.to_string()))?;
-    let mut named: Vec<(usize, String, Tensor)> = Vec::new();
-    for (name, view) in st.tensors() {
-        let storage = convert(view.dtype(), view.data()).map_err(|m| err(format!("tensor {name:?}: {m}")))?;
-        let start = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
-        named.push((start, name, Tensor::from_storage(storage, view.shape(), device)?));
-    }
-    named.sort_by_key(|(start, _, _)| *start);
-    Ok(named.into_iter().map(|(_, n, t)| (n, t)).collect())
+    SafetensorsFile::from_bytes(bytes.to_vec(), what)?.tensors(device)
 }
 
 /// Little-endian elements of a file as a host buffer. Floats and 32-bit

@@ -75,27 +75,14 @@ fn backends_from_env() -> Option<wgpu::Backends> {
         .map(|s| wgpu::Backends::from_comma_list(&s))
 }
 
-/// Every adapter of the backends asked for, best first. Without a choice,
-/// the native APIs (and the browser's WebGPU); GL only where they find
-/// nothing (probing EGL is slow and noisy on headless machines).
-async fn find_adapters() -> Vec<wgpu::Adapter> {
-    let find = |backends: wgpu::Backends| {
-        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-        desc.backends = backends;
-        desc.flags = wgpu::InstanceFlags::empty().with_env();
-        let instance = wgpu::Instance::new(desc);
-        async move { instance.enumerate_adapters(backends).await }
-    };
-    let mut adapters = match backends_from_env() {
-        Some(b) => find(b).await,
-        None => {
-            let primary = find(wgpu::Backends::PRIMARY).await;
-            if primary.is_empty() && !cfg!(target_arch = "wasm32") { find(wgpu::Backends::GL).await } else { primary }
-        }
-    };
-    // gpu:N is stable across set-ups: the native APIs (Vulkan, Metal,
-    // DX12) before GL, then real GPUs before software ones, then the
-    // driver's order (`voltaic devices` prints this rule).
+/// Every adapter of `backends`, best first: gpu:N is stable across set-ups
+/// (the native APIs (Vulkan, Metal, DX12) before GL, then real GPUs before
+/// software ones, then the driver's order; `voltaic devices` prints this rule).
+async fn enumerate(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    desc.backends = backends;
+    desc.flags = wgpu::InstanceFlags::empty().with_env();
+    let mut adapters = wgpu::Instance::new(desc).enumerate_adapters(backends).await;
     let rank = |a: &wgpu::Adapter| {
         let i = a.get_info();
         let t = match i.device_type {
@@ -109,6 +96,17 @@ async fn find_adapters() -> Vec<wgpu::Adapter> {
     };
     adapters.sort_by_key(rank);
     adapters
+}
+
+/// Every adapter of the backends asked for, best first. Without a choice,
+/// the native APIs (and the browser's WebGPU); GL only where they find
+/// nothing (probing EGL is slow and noisy on headless machines).
+async fn find_adapters() -> Vec<wgpu::Adapter> {
+    if let Some(b) = backends_from_env() {
+        return enumerate(b).await;
+    }
+    let primary = enumerate(wgpu::Backends::PRIMARY).await;
+    if primary.is_empty() && !cfg!(target_arch = "wasm32") { enumerate(wgpu::Backends::GL).await } else { primary }
 }
 
 static REGISTRY: OnceLock<Registry> = OnceLock::new();
@@ -130,17 +128,11 @@ impl Registry {
 pub fn probe_gl() {
     let reg = registry();
     reg.gl.get_or_init(|| {
-        if cfg!(target_arch = "wasm32") || reg.adapters.iter().any(|a| a.get_info().backend == wgpu::Backend::Gl) {
-            return Vec::new();
-        }
+        // The web has no GL backend here (WebGPU only).
         #[cfg(not(target_arch = "wasm32"))]
-        return pollster::block_on(async {
-            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-            desc.backends = wgpu::Backends::GL;
-            desc.flags = wgpu::InstanceFlags::empty().with_env();
-            wgpu::Instance::new(desc).enumerate_adapters(wgpu::Backends::GL).await
-        });
-        #[cfg(target_arch = "wasm32")]
+        if !reg.adapters.iter().any(|a| a.get_info().backend == wgpu::Backend::Gl) {
+            return pollster::block_on(enumerate(wgpu::Backends::GL));
+        }
         Vec::new()
     });
 }

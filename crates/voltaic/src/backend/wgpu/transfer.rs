@@ -285,14 +285,8 @@ fn give_staging(ctx: &GpuContext, b: wgpu::Buffer) {
 fn map_read(ctx: &GpuContext, staging: &wgpu::Buffer, idx: wgpu::SubmissionIndex, len: usize) -> Result<Vec<u8>> {
     let signal = Arc::new(Signal::default());
     let s2 = signal.clone();
-    staging.map_async(wgpu::MapMode::Read, ..len as u64, move |r| s2.set(r.err().map(|e| e.to_string())));
-    if !ctx.spin_until(&|_| signal.is_set())? {
-        ctx.wait(Some(idx))?;
-    }
-    settle(ctx, &signal)?;
-    if let Some(e) = signal.error.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-        return Err(Error::Backend(format!("gpu:{}: reading a buffer back failed: {e}", ctx.index)));
-    }
+    staging.map_async(wgpu::MapMode::Read, ..len as u64, move |r| s2.set(r.err().map(|e| format!("reading a buffer back failed: {e}"))));
+    GpuCompletion::new(super::context(ctx.index)?, Some(idx), signal).wait()?;
     let out = staging
         .get_mapped_range(..len as u64)
         .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?
