@@ -64,12 +64,12 @@ for ex in tensor_basics autograd custom_module minilm fashion_mnist; do
 done
 
 # The GPU tests again on wgpu's GL backend (Mesa's llvmpipe over EGL): every
-# kernel kind, and every dtype (llvmpipe's GL has no SHADER_F16: f16 runs
-# in 32-bit words there). They fail, never skip, without a GL adapter.
+# kernel kind, and every dtype (llvmpipe's GL has no SHADER_F16: f16 is
+# packed two to a word there, as bf16 is everywhere). They fail, never skip, without a GL adapter.
 VOLTAIC_BACKEND=gl cargo run -q --release -p voltaic-cli -- devices --json | grep -q '"backend":"Gl"' || { say "error: VOLTAIC_BACKEND=gl finds no GL adapter"; exit 1; }
 say "VOLTAIC_BACKEND=gl cargo test --release -p voltaic (the GPU test binaries, on GL)"
 VOLTAIC_BACKEND=gl cargo test --release -p voltaic --test gpu --test gpu_runtime --test async_api --test plan_cache --test opinfo \
-    --test grad --test api --test train --test memory --test index --test nn --test qtensor
+    --test grad --test api --test train --test memory --test index --test nn --test qtensor --test mixed_precision
 
 # The browser: wasm32 + WebGPU in headless chromium.
 bash scripts/web_test.sh

@@ -192,6 +192,8 @@ impl Tensor {
             bail!(Shape, "backward", "gradient of shape {:?} for a tensor of shape {:?}", grad.dims(), self.dims());
         }
         let _g = NoGradGuard::new();
+        // Each gradient runs in the types of its forward pass (ops/autocast.rs).
+        let _a = crate::ops::autocast::AutocastGuard::new(None);
         let order = topo_order(root);
         let mut grads: HashMap<u64, Tensor> = HashMap::new();
         grads.insert(root.id, grad.to_dtype(self.dtype())?.detach());

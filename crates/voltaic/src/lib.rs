@@ -69,6 +69,7 @@ pub mod nn;
 pub mod optim;
 
 pub use autograd::{is_grad_enabled, no_grad, NoGradGuard};
+pub use ops::autocast::{autocast, autocast_dtype, AutocastGuard};
 pub use backend::{DeviceStats, MemoryStats};
 pub use device::Device;
 pub use dtype::{DType, WithDType};

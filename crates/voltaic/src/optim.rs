@@ -335,3 +335,149 @@ impl LrSchedule for ConstantLr {
         base
     }
 }
+
+/// Dynamic loss scaling for f16 training, as `torch.amp.GradScaler`: the
+/// loss is multiplied by a large factor before `backward` so that small
+/// gradients survive f16's range; `step` divides the gradients by it again,
+/// and skips the optimizer step when any gradient is inf or NaN (the scale
+/// was too large), halving the scale; after `growth_interval` clean steps
+/// in a row the scale doubles.
+///
+/// Deciding whether to step reads one value per step from the device (as
+/// PyTorch's scaler does). bf16 has f32's range and needs no scaler.
+///
+/// ```
+/// use voltaic::nn::{Forward, Linear, Module};
+/// use voltaic::optim::{Adam, GradScaler, Optimizer};
+/// use voltaic::{autocast, DType, Device, Tensor};
+/// let layer = Linear::new(3, 1, true, Device::Cpu)?;
+/// let mut opt = Adam::new(layer.parameters(), 0.1);
+/// let mut scaler = GradScaler::new();
+/// let x = Tensor::randn(&[8, 3], DType::F32, Device::Cpu)?;
+/// let loss = autocast(DType::F16, || layer.forward(&x)?.sqr()?.mean(&[], false))?;
+/// opt.zero_grad();
+/// scaler.scale(&loss)?.backward()?;
+/// assert!(scaler.step(&mut opt)?);
+/// scaler.update();
+/// # Ok::<(), voltaic::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct GradScaler {
+    scale: f64,
+    /// Factor the scale grows by after `growth_interval` steps without inf/NaN.
+    pub growth_factor: f64,
+    /// Factor the scale shrinks by after a step with inf/NaN gradients.
+    pub backoff_factor: f64,
+    /// Clean steps in a row before the scale grows.
+    pub growth_interval: usize,
+    clean: usize,
+    /// Whether the last `unscale`/`step` found inf or NaN (None: not checked yet).
+    found_inf: Option<bool>,
+    unscaled: bool,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        GradScaler::new()
+    }
+}
+
+impl GradScaler {
+    /// PyTorch's defaults: scale 65536, growth 2 every 2000 clean steps, backoff 0.5.
+    pub fn new() -> GradScaler {
+        GradScaler::with_scale(65536.0)
+    }
+
+    /// Start from `scale` (positive and finite; else 65536).
+    pub fn with_scale(scale: f64) -> GradScaler {
+        let scale = if scale.is_finite() && scale > 0.0 { scale } else { 65536.0 };
+        GradScaler { scale, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000, clean: 0, found_inf: None, unscaled: false }
+    }
+
+    /// The current scale.
+    pub fn get_scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// (scale, clean steps in a row), to checkpoint.
+    pub fn state(&self) -> (f64, usize) {
+        (self.scale, self.clean)
+    }
+
+    /// Restore what [`GradScaler::state`] returned (a scale that is not
+    /// positive and finite is ignored).
+    pub fn load_state(&mut self, scale: f64, clean: usize) {
+        if scale.is_finite() && scale > 0.0 {
+            self.scale = scale;
+            self.clean = clean;
+        }
+    }
+
+    /// `loss * scale`, to call `backward` on.
+    pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
+        loss.mul(self.scale)
+    }
+
+    /// Divide the gradients of `opt`'s parameters by the scale (in place,
+    /// once per step; `step` does it if it was not done), and find whether
+    /// any is inf or NaN. Call it before clipping gradients, as in PyTorch.
+    /// Returns whether a non-finite gradient was found.
+    pub fn unscale(&mut self, opt: &dyn Optimizer) -> Result<bool> {
+        if self.unscaled {
+            return Ok(self.found_inf.unwrap_or(false));
+        }
+        let _g = crate::NoGradGuard::new();
+        let inv = 1.0 / self.scale;
+        // `g * 0` is 0 for finite values and NaN for inf and NaN: the sum
+        // is NaN exactly when some gradient is not finite, and cannot
+        // overflow on its way there.
+        let mut poison: Option<Tensor> = None;
+        for p in opt.params() {
+            let Some(g) = p.grad() else { continue };
+            let g = g.mul(inv)?;
+            let z = g.mul(0.0)?.to_dtype(crate::DType::F32)?.sum_all()?;
+            poison = Some(match poison {
+                Some(s) => s.add(&z)?,
+                None => z,
+            });
+            p.value().set_grad(Some(g))?;
+        }
+        let found = match poison {
+            Some(s) => s.item::<f32>()?.is_nan(),
+            None => false,
+        };
+        self.found_inf = Some(found);
+        self.unscaled = true;
+        Ok(found)
+    }
+
+    /// Unscale (unless done) and step `opt` if every gradient is finite.
+    /// Returns whether the optimizer stepped. Call [`GradScaler::update`] after.
+    pub fn step(&mut self, opt: &mut dyn Optimizer) -> Result<bool> {
+        let found = self.unscale(opt)?;
+        if !found {
+            opt.step()?;
+        }
+        Ok(!found)
+    }
+
+    /// Adjust the scale after a step: shrink it if the step found inf/NaN,
+    /// grow it after `growth_interval` clean steps in a row.
+    pub fn update(&mut self) {
+        match self.found_inf.take() {
+            Some(true) => {
+                self.scale *= self.backoff_factor;
+                self.clean = 0;
+            }
+            Some(false) => {
+                self.clean += 1;
+                if self.clean >= self.growth_interval {
+                    self.scale *= self.growth_factor;
+                    self.clean = 0;
+                }
+            }
+            None => {}
+        }
+        self.unscaled = false;
+    }
+}

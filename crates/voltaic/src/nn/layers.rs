@@ -35,7 +35,8 @@ impl Forward for Linear {
         }
         let y = x.matmul(&w.t()?)?;
         match &self.bias {
-            Some(b) => y.add(b.value()),
+            // Under autocast the bias joins the product in its low type (as torch's addmm).
+            Some(b) => y.add(crate::ops::autocast::low(&b.value())?),
             None => Ok(y),
         }
     }

@@ -29,6 +29,11 @@ impl Tensor {
 
     /// `self @ rhs` for a dense right operand.
     pub(crate) fn matmul_dense(&self, rhs: &Tensor) -> Result<Tensor> {
+        if super::autocast::autocast_dtype().is_some() {
+            let (a, b) = (super::autocast::low(self)?, super::autocast::low(rhs)?);
+            let _off = super::autocast::AutocastGuard::new(None);
+            return a.matmul_dense(&b);
+        }
         self.check_same_device("matmul", rhs)?;
         let (ra, rb) = (self.rank(), rhs.rank());
         if ra == 0 || rb == 0 {

@@ -1,6 +1,7 @@
 //! The public op methods of [`Tensor`](crate::Tensor), grouped by kind. Each
 //! records graph nodes after checking shapes and dtypes; nothing runs here.
 
+pub mod autocast;
 pub mod elementwise;
 pub mod index;
 pub mod join;

@@ -131,8 +131,11 @@ impl Tensor {
                 bail!(Shape, "conv2d", "expected bias of shape [{cout}], got {:?}", b.dims());
             }
         }
+        // Autocast: cast before the unfold, which then moves half the bytes.
+        let (x, weight) = (super::autocast::low(self)?, super::autocast::low(weight)?);
+        let bias = bias.map(super::autocast::low).transpose()?;
         let p = UnfoldParams { kernel: [kh, kw], stride: opts.stride, padding: opts.padding, dilation: opts.dilation };
-        let u = self.unfold("conv2d", p, 0.0)?;
+        let u = x.unfold("conv2d", p, 0.0)?;
         let (oh, ow) = (u.dims()[4], u.dims()[5]);
         let k = cpg * kh * kw;
         let u = u.reshape_dims(&[n, g, k, oh * ow])?;
@@ -248,7 +251,7 @@ impl Tensor {
                 }
             }
         }
-        let x = self.to_dtype(self.dtype().to_float())?;
+        let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let axes: Vec<isize> = (r - k..r).map(|a| a as isize).collect();
         let mu = x.mean(&axes, true)?;
         let var = x.sub(&mu)?.sqr()?.mean(&axes, true)?;
@@ -328,7 +331,8 @@ impl Tensor {
     /// each other as PyTorch does (PyTorch also warns when the shapes differ).
     pub fn mse_loss(&self, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
         crate::shape::broadcast_shapes("mse_loss", self.dims(), target.dims())?;
-        self.sub(target)?.sqr()?.reduce_loss(reduction)
+        let full = |t: &Tensor| t.to_dtype(super::autocast::full(t.dtype()));
+        full(self)?.sub(&full(target)?)?.sqr()?.reduce_loss(reduction)
     }
 
     /// Checks shared by the classification losses: `self` holds scores

@@ -197,7 +197,7 @@ impl Tensor {
 
     /// Mean over `axes` (integers give f32). The mean of nothing is NaN.
     pub fn mean(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
-        let x = self.to_dtype(self.dtype().to_float())?;
+        let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let n = x.reduced_count("mean", axes)?;
         x.sum(axes, keepdim)?.div(n as f64)
     }
@@ -209,7 +209,7 @@ impl Tensor {
 
     /// `var`, with errors naming `op`.
     fn var_as(&self, op: &'static str, axes: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
-        let x = self.to_dtype(self.dtype().to_float())?;
+        let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let n = x.reduced_count(op, axes)?;
         let mu = x.mean(axes, true)?;
         let ss = x.sub(&mu)?.sqr()?.sum(axes, keepdim)?;
@@ -261,7 +261,7 @@ impl Tensor {
 
     /// `log(sum(exp(x)))` over `axes`, computed stably.
     pub fn logsumexp(&self, axes: &[isize], keepdim: bool) -> Result<Tensor> {
-        let x = self.to_dtype(self.dtype().to_float())?;
+        let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         if x.reduced_count("logsumexp", axes)? == 0 {
             // The log of an empty sum: -inf (PyTorch), where max would have no identity.
             return x.sum(axes, keepdim)?.log();
@@ -282,7 +282,7 @@ impl Tensor {
     /// Softmax along `dim`. Runs as three kernels: max, sum of exp, normalise
     /// (the exponentials are recomputed rather than stored).
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
-        let x = self.to_dtype(self.dtype().to_float())?;
+        let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let d = norm_axis("softmax", dim, x.rank().max(1))? as isize;
         if x.rank() == 0 {
             return x.sub(&x)?.exp();
@@ -298,7 +298,7 @@ impl Tensor {
 
     /// Log of the softmax along `dim`, computed stably.
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
-        let x = self.to_dtype(self.dtype().to_float())?;
+        let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let d = norm_axis("log_softmax", dim, x.rank().max(1))? as isize;
         if x.rank() == 0 {
             return x.sub(&x);

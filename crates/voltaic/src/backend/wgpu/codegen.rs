@@ -58,16 +58,25 @@ pub(crate) struct WgslProgram {
     pub scratch: Vec<(DType, usize)>,
 }
 
-/// Bytes one element takes in a GPU buffer. bool and bf16 take a 32-bit word
-/// (WGSL has no 8- or 16-bit integer storage); f16 is packed where the
-/// adapter has SHADER_F16, and elsewhere (GL, many browsers) held in a word
-/// as the f32 of its value, computed in f32 and rounded to f16 when stored.
-pub(crate) fn elem_bytes(caps: &Caps, dt: DType) -> u64 {
+/// Bytes one element takes in a GPU buffer. bool takes a 32-bit word (WGSL
+/// has no 8-bit storage); bf16, and f16 where the adapter lacks SHADER_F16
+/// (GL, many browsers), are packed two to a word (see [`packed16`]); f16 is
+/// WGSL's own `f16` where the adapter has it.
+pub(crate) fn elem_bytes(_caps: &Caps, dt: DType) -> u64 {
     match dt {
-        DType::F16 if caps.f16 => 2,
+        DType::F16 | DType::BF16 => 2,
         DType::F64 => 8,
         _ => 4,
     }
+}
+
+/// Whether `dt` is held as 16-bit halves of `u32` words: loads shift its
+/// half out and widen it to f32 in registers; stores replace their half with
+/// two atomic bit operations (`and` clears it, `or` sets it), which commute
+/// with the neighbouring element's, so threads that share a word need no
+/// other coordination.
+pub(crate) fn packed16(caps: &Caps, dt: DType) -> bool {
+    dt == DType::BF16 || (dt == DType::F16 && !caps.f16)
 }
 
 /// Fail for dtypes this adapter cannot hold.
@@ -104,10 +113,11 @@ pub(crate) fn compute_ty(dt: DType) -> &'static str {
     }
 }
 
+/// The compute value of a stored element (`packed16` types are read by
+/// [`Shader::array`] itself).
 fn from_storage(caps: &Caps, dt: DType, e: &str) -> String {
     match dt {
         DType::F16 if caps.f16 => format!("f32({e})"),
-        DType::BF16 | DType::F16 => format!("bitcast<f32>({e})"),
         DType::Bool => format!("({e} != 0u)"),
         _ => e.to_string(),
     }
@@ -116,8 +126,6 @@ fn from_storage(caps: &Caps, dt: DType, e: &str) -> String {
 fn to_storage(caps: &Caps, dt: DType, e: &str) -> String {
     match dt {
         DType::F16 if caps.f16 => format!("f16({e})"),
-        DType::F16 => format!("bitcast<u32>(f16r_({e}))"),
-        DType::BF16 => format!("bitcast<u32>(bf16r_({e}))"),
         DType::Bool => format!("select(0u, 1u, {e})"),
         _ => e.to_string(),
     }
@@ -209,6 +217,7 @@ impl<'c> Shader<'c> {
         let chunks = numel.div_ceil(per).max(1);
         self.f16 |= dt == DType::F16 && self.caps.f16;
         let (st, ct) = (storage_ty(self.caps, dt), compute_ty(dt));
+        let st = if writable && packed16(self.caps, dt) { "atomic<u32>" } else { st };
         let mode = if writable { "read_write" } else { "read" };
         let caps = self.caps;
         let d = &mut self.decls;
@@ -232,15 +241,31 @@ impl<'c> Shader<'c> {
                 each(d, chunks - 1);
             }
         };
+        let packed = packed16(caps, dt);
+        // A packed element's word, and its half's bit shift.
+        let word = |c: usize| if writable { format!("atomicLoad(&{name}_{c}[j >> 1u])") } else { format!("{name}_{c}[j >> 1u]") };
         let _ = writeln!(d, "fn ld_{name}(i: u32) -> {ct} {{");
         pick(d, &|d, c| {
-            let _ = write!(d, "    return {};", from_storage(caps, dt, &format!("{name}_{c}[j]")));
+            if !packed {
+                let _ = write!(d, "    return {};", from_storage(caps, dt, &format!("{name}_{c}[j]")));
+            } else {
+                let h = format!("(({} >> ((j & 1u) * 16u)) & 0xffffu)", word(c));
+                let _ = write!(d, "    return {};", if dt == DType::BF16 { format!("bitcast<f32>({h} << 16u)") } else { format!("h2f_({h})") });
+            }
         });
         let _ = writeln!(d, "\n}}");
         if writable {
             let _ = writeln!(d, "fn st_{name}(i: u32, v: {ct}) {{");
             pick(d, &|d, c| {
-                let _ = write!(d, "    {name}_{c}[j] = {}; return;", to_storage(caps, dt, "v"));
+                if !packed {
+                    let _ = write!(d, "    {name}_{c}[j] = {}; return;", to_storage(caps, dt, "v"));
+                } else {
+                    let bits = if dt == DType::BF16 { "(bitcast<u32>(bf16r_(v)) >> 16u)" } else { "f2h_(f16r_(v))" };
+                    let _ = write!(
+                        d,
+                        "    let s = (j & 1u) * 16u; atomicAnd(&{name}_{c}[j >> 1u], ~(0xffffu << s)); atomicOr(&{name}_{c}[j >> 1u], {bits} << s); return;"
+                    );
+                }
             });
             let _ = writeln!(d, "\n}}");
         }

@@ -1,7 +1,7 @@
 //! Moving data between host and GPU, and the optional per-kernel profile.
 
 use super::codegen::{check_dtype, elem_bytes};
-use super::context::{Caps, GpuContext};
+use super::context::GpuContext;
 use super::pool::{alloc, GpuBuf};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -13,14 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::task::Waker;
 
 /// The bytes a host buffer takes on the GPU (see [`elem_bytes`]).
-fn to_gpu_bytes(caps: &Caps, s: &CpuStorage) -> Vec<u8> {
+fn to_gpu_bytes(s: &CpuStorage) -> Vec<u8> {
     let mut v: Vec<u8> = match s {
-        CpuStorage::F16(x) if !caps.f16 => x.iter().flat_map(|h| h.to_f32().to_le_bytes()).collect(),
         CpuStorage::F32(x) => bytemuck::cast_slice(x).to_vec(),
         CpuStorage::I32(x) => bytemuck::cast_slice(x).to_vec(),
         CpuStorage::U32(x) => bytemuck::cast_slice(x).to_vec(),
         CpuStorage::F16(x) => bytemuck::cast_slice(x).to_vec(),
-        CpuStorage::BF16(x) => x.iter().flat_map(|b| ((b.to_bits() as u32) << 16).to_le_bytes()).collect(),
+        CpuStorage::BF16(x) => bytemuck::cast_slice(x).to_vec(),
         CpuStorage::Bool(x) => x.iter().flat_map(|&b| (b as u32).to_le_bytes()).collect(),
         CpuStorage::F64(x) => bytemuck::cast_slice(x).to_vec(),
     };
@@ -29,17 +28,16 @@ fn to_gpu_bytes(caps: &Caps, s: &CpuStorage) -> Vec<u8> {
     v
 }
 
-fn from_gpu_bytes(caps: &Caps, dt: DType, b: &[u8], n: usize) -> CpuStorage {
+fn from_gpu_bytes(dt: DType, b: &[u8], n: usize) -> CpuStorage {
+    let halves = |b: &[u8]| b.chunks_exact(2).take(n).map(|c| u16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>().into_iter();
     let words = |b: &[u8]| -> Vec<u32> { b.chunks_exact(4).take(n).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
     match dt {
-        // Words holding f32s of f16 values (no SHADER_F16): exact conversions.
-        DType::F16 if !caps.f16 => CpuStorage::F16(words(b).into_iter().map(|w| f16::from_f32(f32::from_bits(w))).collect()),
         DType::F32 => CpuStorage::F32(words(b).into_iter().map(f32::from_bits).collect()),
         DType::I32 => CpuStorage::I32(words(b).into_iter().map(|w| w as i32).collect()),
         DType::U32 => CpuStorage::U32(words(b)),
         DType::Bool => CpuStorage::Bool(words(b).into_iter().map(|w| w != 0).collect()),
-        DType::BF16 => CpuStorage::BF16(words(b).into_iter().map(|w| bf16::from_bits((w >> 16) as u16)).collect()),
-        DType::F16 => CpuStorage::F16(b.chunks_exact(2).take(n).map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect()),
+        DType::BF16 => CpuStorage::BF16(halves(b).map(bf16::from_bits).collect()),
+        DType::F16 => CpuStorage::F16(halves(b).map(f16::from_bits).collect()),
         DType::F64 => CpuStorage::F64(b.chunks_exact(8).take(n).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()),
     }
 }
@@ -48,7 +46,7 @@ fn from_gpu_bytes(caps: &Caps, dt: DType, b: &[u8], n: usize) -> CpuStorage {
 pub(crate) fn upload(ctx: &GpuContext, s: &CpuStorage) -> Result<GpuBuf> {
     ctx.check_alive()?;
     check_dtype(&ctx.caps, s.dtype(), "to_device")?;
-    let bytes = to_gpu_bytes(&ctx.caps, s);
+    let bytes = to_gpu_bytes(s);
     let buf = alloc(ctx, s.dtype(), s.len(), bytes.len() as u64)?;
     if !bytes.is_empty() {
         let ((), err) = ctx.scoped(|| ctx.queue.write_buffer(buf.raw(), 0, &bytes));
@@ -124,7 +122,7 @@ pub(crate) fn download_start(
             });
         }
         let skip = (start as u64 * eb - lo) as usize;
-        Ok(from_gpu_bytes(&ctx.caps, dtype, &bytes[skip..size as usize], len))
+        Ok(from_gpu_bytes(dtype, &bytes[skip..size as usize], len))
     };
     Ok((completion, collect))
 }

@@ -188,15 +188,18 @@ impl Gen<'_> {
                 let _ = writeln!(b, "    if (v) {{ atomicOr(&outa[o], 1u); }}");
             }
             DType::F32 => cas(&mut b, "o", "bitcast<u32>(bitcast<f32>(old) + v)"),
-            DType::BF16 => cas(&mut b, "o", "bitcast<u32>(bf16r_(bitcast<f32>(old) + v))"),
-            // Held in words (no SHADER_F16): as bf16, rounded to f16.
-            DType::F16 if !self.caps.f16 => cas(&mut b, "o", "bitcast<u32>(f16r_(bitcast<f32>(old) + v))"),
-            DType::F16 => {
-                // Two halves per word: replace this element's half of it.
+            DType::F16 | DType::BF16 => {
+                // Packed halves: replace this element's half of the word
+                // (native f16 too: WGSL has no 16-bit atomics).
                 let _ = writeln!(b, "    let w = o / 2u;\n    let sh = (o % 2u) * 16u;");
                 // On the bits: pack2x16float needs a capability WebGPU and GL
                 // may lack, and naga mistypes a bitcast to vec2<f16>.
-                cas(&mut b, "w", "(old & ~(0xffffu << sh)) | (f2h_(f16r_(h2f_((old >> sh) & 0xffffu) + v)) << sh)");
+                let new = if dt == DType::BF16 {
+                    "(old & ~(0xffffu << sh)) | ((bitcast<u32>(bf16r_(bitcast<f32>(((old >> sh) & 0xffffu) << 16u) + v)) >> 16u) << sh)"
+                } else {
+                    "(old & ~(0xffffu << sh)) | (f2h_(f16r_(h2f_((old >> sh) & 0xffffu) + v)) << sh)"
+                };
+                cas(&mut b, "w", new);
             }
             DType::F64 => unreachable!("f64 is refused on the GPU"),
         }

@@ -1,0 +1,294 @@
+//! Mixed precision: 16-bit storage on the GPU (bf16 packed two to a word
+//! everywhere, f16 too where the adapter lacks SHADER_F16), conversions
+//! rounding to nearest even on edge values, the autocast policy and its
+//! gradients, and dynamic loss scaling with a forced overflow.
+
+mod common;
+use common::{round_bf16, round_f16, Rng};
+use voltaic::nn::{Conv2d, Forward, LayerNorm, Linear, Module};
+use voltaic::optim::{Adam, GradScaler, Optimizer};
+use voltaic::{autocast, Conv2dOpts, DType, Device, Reduction, Tensor};
+
+fn gpu() -> Device {
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)");
+    Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0))
+}
+
+fn devices() -> [Device; 2] {
+    [Device::Cpu, gpu()]
+}
+
+/// Same value, NaN equal to NaN and -0 different from +0.
+fn same(a: f64, b: f64) -> bool {
+    (a.is_nan() && b.is_nan()) || (a == b && a.is_sign_negative() == b.is_sign_negative())
+}
+
+#[test]
+fn half_types_take_two_bytes_per_element_on_the_gpu() {
+    let dev = gpu();
+    let n = 1 << 20;
+    let in_use = || dev.memory_stats().unwrap().in_use;
+    let mut rng = Rng::new(1);
+    let data: Vec<f32> = rng.normals(n).into_iter().map(|v| v as f32).collect();
+    let x32 = Tensor::from_vec(data, &[n], Device::Cpu).unwrap();
+    let before = in_use();
+    let g32 = x32.to_device(dev).unwrap();
+    let f32_bytes = in_use() - before;
+    assert!(f32_bytes >= 4 * n as u64, "an f32 tensor of {n} elements took {f32_bytes} bytes");
+    for dt in [DType::BF16, DType::F16] {
+        let h = x32.to_dtype(dt).unwrap();
+        let before = in_use();
+        let g = h.to_device(dev).unwrap();
+        let bytes = in_use() - before;
+        // The pool rounds sizes up to its buckets: half, to within them.
+        let half = |b: u64| (b as f64 / f32_bytes as f64 - 0.5).abs() < 0.01;
+        assert!(half(bytes), "{dt}: {bytes} bytes on the GPU against {f32_bytes} for f32");
+        // And a tensor computed on the GPU in that type.
+        let before = in_use();
+        let y = g32.to_dtype(dt).unwrap();
+        y.realize().unwrap();
+        assert!(half(in_use() - before), "{dt} computed on the GPU: {} bytes", in_use() - before);
+        assert_eq!(y.to_f64_vec().unwrap(), h.to_f64_vec().unwrap(), "{dt}: the GPU cast differs from the CPU's");
+        drop((g, y));
+    }
+}
+
+/// f32 values at the edges of both half types: ties, subnormals, overflow
+/// thresholds, infinities, NaN, signed zeros.
+fn edge_values() -> Vec<f32> {
+    let mut v = vec![
+        0.0,
+        -0.0,
+        1.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::MAX,
+        -f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-40,  // f32 subnormal
+        -1e-45, // smallest f32 subnormal
+        65504.0,
+        65519.0,  // rounds down to f16's max
+        65520.0,  // ties away to inf in f16
+        -65520.0, // and -inf
+        5.960_464_5e-8,       // 2^-24, f16's smallest subnormal
+        2.980_232_2e-8,       // 2^-25: a tie between 0 and 2^-24, to even (0)
+        8.940_697e-8,         // 3 * 2^-25: a tie, to even (2^-22)
+        6.097_555e-5,         // f16's largest subnormal
+        3.389_531_4e38,       // bf16's largest finite
+        3.396_170_6e38,       // rounds to inf in bf16
+        9.183_549_6e-41,      // a bf16 subnormal
+        -3.0e-39,             // an f32 subnormal that bf16 rounds
+    ];
+    // Ties and near-ties around 1 for both mantissa widths.
+    for k in [1u32, 2, 3, 4, 5, 7, 8] {
+        v.push(f32::from_bits(0x3f80_0000 + (k << 15))); // bf16: k halves of its ulp
+        v.push(f32::from_bits(0x3f80_0000 + (k << 12))); // f16: k halves of its ulp
+        v.push(-f32::from_bits(0x3f80_0000 + (k << 15) + 1));
+    }
+    let mut rng = Rng::new(7);
+    for _ in 0..41 {
+        // Odd count: the packed layout's last word is half used.
+        v.push((rng.normal() * 10f64.powi(rng.below(20) as i32 - 10)) as f32);
+    }
+    v
+}
+
+#[test]
+fn conversions_round_to_nearest_even_on_edge_values() {
+    let vals = edge_values();
+    assert!(vals.len() % 2 == 1);
+    for dev in devices() {
+        let x = Tensor::from_vec(vals.clone(), &[vals.len()], Device::Cpu).unwrap().to_device(dev).unwrap();
+        for (dt, round) in [(DType::BF16, round_bf16 as fn(f64) -> f64), (DType::F16, round_f16)] {
+            let h = x.to_dtype(dt).unwrap();
+            let got = h.to_f64_vec().unwrap();
+            for (v, g) in vals.iter().zip(&got) {
+                let want = round(*v as f64);
+                assert!(same(*g, want), "{dev} {v:e} ({:#010x}) -> {dt}: got {g:e}, want {want:e}", v.to_bits());
+            }
+            // Back to f32 exactly, and through a computation (x * 1 + 0 rounds again: no change).
+            let back = h.to_dtype(DType::F32).unwrap().to_f64_vec().unwrap();
+            assert!(back.iter().zip(&got).all(|(a, b)| same(*a, *b)), "{dev} {dt} -> f32 is not exact");
+            let again = h.mul(1.0).unwrap().to_f64_vec().unwrap();
+            assert!(again.iter().zip(&got).all(|(a, b)| same(*a, *b) || (*a == 0.0 && *b == 0.0)), "{dev} {dt}: x * 1 changed values");
+        }
+    }
+}
+
+/// Elementwise work, odd-sized strided views and scatter-adds in the half
+/// types give the same bits on the GPU as on the CPU: every thread's
+/// half-word stores land, whatever the word's other half is doing.
+#[test]
+fn packed_halves_compute_like_the_cpu() {
+    let dev = gpu();
+    let mut rng = Rng::new(3);
+    for dt in [DType::BF16, DType::F16] {
+        for n in [1usize, 3, 255, 4097, 100_003] {
+            let a: Vec<f32> = rng.normals(n).into_iter().map(|v| v as f32).collect();
+            let b: Vec<f32> = rng.normals(n).into_iter().map(|v| v as f32).collect();
+            let ca = Tensor::from_vec(a, &[n], Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            let cb = Tensor::from_vec(b, &[n], Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            let (ga, gb) = (ca.to_device(dev).unwrap(), cb.to_device(dev).unwrap());
+            // Correctly rounded f32 ops only (WGSL's exp and division may be an ulp off).
+            let f = |x: &Tensor, y: &Tensor| x.mul(y)?.add(1.5)?.maximum(&x.neg()?)?.sub(&x.sqr()?);
+            let (want, got) = (f(&ca, &cb).unwrap().to_f64_vec().unwrap(), f(&ga, &gb).unwrap().to_f64_vec().unwrap());
+            let bad = want.iter().zip(&got).filter(|(w, g)| !same(**w, **g)).count();
+            assert_eq!(bad, 0, "{dt} n={n}: {bad} elements differ between CPU and GPU");
+            // Views at odd element offsets and strides (half-word starts).
+            if n > 8 {
+                let m = (n - 3) / 2;
+                let v = |t: &Tensor| t.narrow(0, 1, n - 2)?.narrow(0, 1, 2 * m)?.reshape(&[m as isize, 2])?.t()?.add(0.25);
+                let (want, got) = (v(&ca).unwrap().to_f64_vec().unwrap(), v(&ga).unwrap().to_f64_vec().unwrap());
+                assert!(want.iter().zip(&got).all(|(w, g)| same(*w, *g)), "{dt} n={n}: a strided view differs");
+            }
+        }
+        // Scatter-add into a half tensor along a long dim (the atomic path) and a short one.
+        for (rows, len) in [(5usize, 300usize), (33, 7)] {
+            let idx: Vec<i32> = (0..rows * len).map(|_| rng.below(rows) as i32).collect();
+            let src: Vec<f32> = rng.normals(rows * len).into_iter().map(|v| (v * 4.0).round() as f32 / 4.0).collect();
+            let idx = Tensor::from_vec(idx, &[len, rows], Device::Cpu).unwrap().t().unwrap();
+            let src = Tensor::from_vec(src, &[rows, len], Device::Cpu).unwrap().to_dtype(dt).unwrap();
+            let base = Tensor::zeros(&[rows, 3], dt, Device::Cpu).unwrap();
+            let idx = idx.narrow(1, 0, len).unwrap();
+            let c = base.scatter_add(1, &idx.rem(3).unwrap(), &src).unwrap().to_f64_vec().unwrap();
+            let g = base
+                .to_device(dev)
+                .unwrap()
+                .scatter_add(1, &idx.rem(3).unwrap().to_device(dev).unwrap(), &src.to_device(dev).unwrap())
+                .unwrap()
+                .to_f64_vec()
+                .unwrap();
+            // Small multiples of 1/4 add exactly in either order while they stay small.
+            for (a, b) in c.iter().zip(&g) {
+                assert!((a - b).abs() <= 0.02 * a.abs().max(1.0), "{dt} scatter_add [{rows}, {len}]: cpu {a} gpu {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn autocast_runs_products_low_and_norms_softmax_losses_in_f32() {
+    for dev in devices() {
+        for low in [DType::F16, DType::BF16] {
+            voltaic::manual_seed(4);
+            let lin = Linear::new(12, 5, true, dev).unwrap();
+            let conv = Conv2d::new(3, 4, [3, 3], Conv2dOpts::default(), true, dev).unwrap();
+            let norm = LayerNorm::new(&[5], 1e-5, dev).unwrap();
+            let x = Tensor::randn(&[6, 12], DType::F32, dev).unwrap();
+            let img = Tensor::randn(&[2, 3, 7, 7], DType::F32, dev).unwrap();
+            let y = Tensor::from_vec(vec![0i32, 4, 2, 1, 3, 0], &[6], dev).unwrap();
+            let (h, c, n, p, loss) = autocast(low, || -> voltaic::Result<_> {
+                let h = lin.forward(&x)?;
+                let c = conv.forward(&img)?;
+                let n = norm.forward(&h)?;
+                let p = h.softmax(-1)?;
+                let loss = h.cross_entropy(&y, 0.0, Reduction::Mean)?;
+                Ok((h, c, n, p, loss))
+            })
+            .unwrap();
+            assert_eq!([h.dtype(), c.dtype()], [low, low], "{dev}: products under autocast({low})");
+            assert_eq!([n.dtype(), p.dtype(), loss.dtype()], [DType::F32; 3], "{dev}: f32 ops under autocast({low})");
+            assert_eq!(lin.forward(&x).unwrap().dtype(), DType::F32, "outside the scope nothing changes");
+            assert_eq!(voltaic::autocast_dtype(), None);
+            // The gradient reaches the f32 weights as f32 and matches the
+            // f32 computation within the low type's rounding.
+            lin.zero_grad();
+            loss.backward().unwrap();
+            let g_low = lin.weight.grad().unwrap();
+            assert_eq!(g_low.dtype(), DType::F32);
+            lin.zero_grad();
+            lin.forward(&x).unwrap().cross_entropy(&y, 0.0, Reduction::Mean).unwrap().backward().unwrap();
+            let g32 = lin.weight.grad().unwrap().to_f64_vec().unwrap();
+            let g_low = g_low.to_f64_vec().unwrap();
+            let scale = g32.iter().fold(0f64, |m, v| m.max(v.abs()));
+            let tol = if low == DType::BF16 { 3e-2 } else { 4e-3 } * scale;
+            for (a, b) in g_low.iter().zip(&g32) {
+                assert!((a - b).abs() <= tol, "{dev} {low}: weight gradient {a} against f32's {b} (tolerance {tol:e})");
+            }
+            // Conv weights get gradients too, in f32.
+            conv.zero_grad();
+            c.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+            assert_eq!(conv.weight.grad().unwrap().dtype(), DType::F32);
+        }
+    }
+}
+
+#[test]
+fn autocast_rejects_non_half_types_and_restores_the_previous_scope() {
+    assert!(voltaic::ops::autocast::check_autocast_dtype(DType::F32).is_err());
+    autocast(DType::F16, || {
+        assert_eq!(voltaic::autocast_dtype(), Some(DType::F16));
+        autocast(DType::BF16, || assert_eq!(voltaic::autocast_dtype(), Some(DType::BF16)));
+        assert_eq!(voltaic::autocast_dtype(), Some(DType::F16));
+        autocast(DType::F32, || assert_eq!(voltaic::autocast_dtype(), None));
+    });
+    assert_eq!(voltaic::autocast_dtype(), None);
+}
+
+/// Bits of every parameter.
+fn snapshot(m: &dyn Module) -> Vec<Vec<f64>> {
+    m.parameters().iter().map(|p| p.value().to_f64_vec().unwrap()).collect()
+}
+
+#[test]
+fn grad_scaler_skips_exactly_the_overflowing_step() {
+    for dev in devices() {
+        voltaic::manual_seed(9);
+        let lin = Linear::new(8, 3, true, dev).unwrap();
+        let mut opt = Adam::new(lin.parameters(), 1e-2);
+        let mut scaler = GradScaler::with_scale(1024.0);
+        scaler.growth_interval = 2;
+        let y = Tensor::from_vec(vec![0i32, 1, 2, 1], &[4], dev).unwrap();
+        let mut scales = vec![];
+        for step in 0..6 {
+            let mut x = Tensor::randn(&[4, 8], DType::F32, dev).unwrap();
+            if step == 3 {
+                // 1e6 is beyond f16's range: the product overflows to inf.
+                x = x.mul(1e6).unwrap();
+            }
+            let before = snapshot(&lin);
+            let loss = autocast(DType::F16, || lin.forward(&x)?.cross_entropy(&y, 0.0, Reduction::Mean)).unwrap();
+            opt.zero_grad();
+            scaler.scale(&loss).unwrap().backward().unwrap();
+            let stepped = scaler.step(&mut opt).unwrap();
+            scaler.update();
+            scales.push(scaler.get_scale());
+            let after = snapshot(&lin);
+            if step == 3 {
+                assert!(!stepped, "{dev}: the overflowing step was taken");
+                assert_eq!(before, after, "{dev}: a skipped step changed the weights");
+            } else {
+                assert!(stepped, "{dev}: clean step {step} was skipped");
+                assert_ne!(before, after, "{dev}: step {step} left the weights unchanged");
+                assert!(after.iter().flatten().all(|v| v.is_finite()));
+            }
+        }
+        // Grows after two clean steps, halves on the overflow, grows again.
+        assert_eq!(scales, vec![1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0], "{dev}");
+        // Adam counted only the steps it took.
+        let step = opt.state().into_iter().find(|(n, _)| n == "step").unwrap().1.to_f64_vec().unwrap();
+        assert_eq!(step, vec![5.0], "{dev}");
+    }
+}
+
+#[test]
+fn grad_scaler_unscales_to_the_plain_gradients() {
+    voltaic::manual_seed(2);
+    let lin = Linear::new(5, 2, false, Device::Cpu).unwrap();
+    let opt = Adam::new(lin.parameters(), 1e-3);
+    let x = Tensor::randn(&[3, 5], DType::F32, Device::Cpu).unwrap();
+    lin.forward(&x).unwrap().sum_all().unwrap().backward().unwrap();
+    let plain = lin.weight.grad().unwrap().to_f64_vec().unwrap();
+    lin.zero_grad();
+    let mut scaler = GradScaler::with_scale(4096.0);
+    scaler.scale(&lin.forward(&x).unwrap().sum_all().unwrap()).unwrap().backward().unwrap();
+    assert!(!scaler.unscale(&opt).unwrap());
+    // A second unscale in the same step does nothing.
+    assert!(!scaler.unscale(&opt).unwrap());
+    let got = lin.weight.grad().unwrap().to_f64_vec().unwrap();
+    for (a, b) in got.iter().zip(&plain) {
+        assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "unscaled {a}, plain {b}");
+    }
+}
