@@ -44,6 +44,7 @@ pub fn run(json: bool) -> anyhow::Result<()> {
             "device": "cpu", "name": model, "backend": "native", "device_type": "Cpu",
             "threads": threads, "features": features, "matmul": "gemm",
             "dtypes": ["f32", "f64", "f16", "bf16", "i32", "u32", "bool"], "best": best == voltaic::Device::Cpu,
+            "precision": {"f32": "gemm", "f16": "2 bytes, computed in f32", "bf16": "2 bytes, computed in f32"},
         });
         println!("{cpu}");
         for a in &gpus {
@@ -54,6 +55,7 @@ pub fn run(json: bool) -> anyhow::Result<()> {
                     "device": format!("gpu:{}", a.index), "name": a.name, "backend": a.backend,
                     "device_type": a.device_type, "driver": a.driver, "features": a.features, "limits": limits,
                     "software": a.is_software(), "best": best == voltaic::Device::Gpu(a.index), "notes": a.notes,
+                    "precision": a.precision.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
                 })
             );
         }
@@ -79,6 +81,9 @@ pub fn run(json: bool) -> anyhow::Result<()> {
         println!("{:<33} features: {}", "", if a.features.is_empty() { "none".into() } else { a.features.join(" ") });
         let lim: Vec<String> = a.limits.iter().map(|(k, v)| format!("{k}={v}")).collect();
         println!("{:<33} limits: {}", "", lim.join(" "));
+        for (dt, how) in &a.precision {
+            println!("{:<33} {dt}: {how}", "");
+        }
         for n in &a.notes {
             println!("{:<33} note: {n}", "");
         }

@@ -20,6 +20,10 @@ pub struct EmbedArgs {
     /// One JSON object per sentence (`{"sentence", "embedding"}`) instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Arithmetic: f32, or f16/bf16 mixed precision (autocast: the matmuls in
+    /// the 16-bit type, layer norms, softmax and pooling in f32).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    pub precision: String,
     /// Sentences to embed; with none, read one per line from stdin.
     pub sentences: Vec<String>,
 }
@@ -96,7 +100,10 @@ pub fn run(args: EmbedArgs) -> anyhow::Result<()> {
     let e = load(args.model, args.device.as_deref())?;
     let refs: Vec<&str> = sentences.iter().map(|s| s.as_str()).collect();
     warn_truncated(&e, &refs)?;
-    let v = e.embed(&refs)?;
+    let v = {
+        let _a = voltaic::AutocastGuard::new(crate::train::autocast_type(&args.precision));
+        e.embed(&refs)?.to_dtype(voltaic::DType::F32)?
+    };
     let dim = v.dims()[1];
     let vals = v.to_vec::<f32>()?;
     for (i, s) in sentences.iter().enumerate() {

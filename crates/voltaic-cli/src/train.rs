@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 use voltaic::data::{fashion_mnist, DataLoader, Dataset, DeviceDataset, LoaderOpts, FASHION_MNIST_DIR};
 use voltaic::nn::{Forward, Module, Sequential};
-use voltaic::optim::{Adam, CosineLr, LrSchedule, Optimizer, Sgd};
-use voltaic::{Device, Reduction, Tensor};
+use voltaic::optim::{Adam, CosineLr, GradScaler, LrSchedule, Optimizer, Sgd};
+use voltaic::{DType, Device, Reduction, Tensor};
 
 /// Arguments of `voltaic train`.
 #[derive(clap::Args, Clone)]
@@ -56,13 +56,18 @@ pub struct TrainArgs {
     pub limit: Option<usize>,
     /// Continue the run whose checkpoint is in DIR (after a kill or a crash),
     /// with its settings; reaches the same weights as an uninterrupted run.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "epochs", "batch_size", "lr", "optimizer", "schedule", "seed", "limit", "out"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "epochs", "batch_size", "lr", "optimizer", "schedule", "seed", "limit", "out", "precision"])]
     pub resume: Option<PathBuf>,
     /// Keep the dataset on the device and gather each batch there: auto (on
     /// a GPU when both splits fit in 2 GiB), yes, or no (batches are made on
     /// the host, one step ahead, and uploaded).
     #[arg(long, default_value = "auto", value_parser = ["auto", "yes", "no"])]
     pub data_on_device: String,
+    /// Arithmetic: f32, or f16/bf16 mixed precision (autocast: products
+    /// and convolutions in the 16-bit type, norms, softmax and the loss in
+    /// f32, f32 master weights; f16 adds dynamic loss scaling).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    pub precision: String,
     /// End with one JSON line of results.
     #[arg(long)]
     pub json: bool,
@@ -200,9 +205,10 @@ impl Split {
 }
 
 /// Loss sum and correct count over a test set, without gradients.
-pub fn evaluate(model: &Sequential, data: &Split, device: Device) -> anyhow::Result<(f64, f64)> {
+pub fn evaluate(model: &Sequential, data: &Split, device: Device, precision: &str) -> anyhow::Result<(f64, f64)> {
     model.eval();
     let _g = voltaic::NoGradGuard::new();
+    let _a = voltaic::AutocastGuard::new(autocast_type(precision));
     let opts = LoaderOpts { batch_size: 1000, shuffle: false, seed: 0, mean: MEAN, std: STD, drop_last: false, device };
     let mut loss_sum = Tensor::from_vec(vec![0f32], &[], device)?;
     let mut correct = Tensor::from_vec(vec![0i32], &[], device)?;
@@ -231,6 +237,12 @@ pub struct Progress {
     pub history: Vec<EpochStats>,
     /// The logged step losses so far.
     pub step_losses: Vec<StepLoss>,
+    /// The f16 loss scaler's (scale, clean steps in a row), to resume it.
+    #[serde(default)]
+    pub loss_scale: Option<(f64, usize)>,
+    /// Steps the loss scaler skipped (inf or NaN gradients).
+    #[serde(default)]
+    pub skipped_steps: usize,
 }
 
 /// Train from `progress` up to `args.epochs`, calling `on_epoch` after each
@@ -252,6 +264,15 @@ pub fn train_loop(
     let schedule = CosineLr { t_max: total_steps, min_lr: 0.0 };
     let base_lr = args_lr(args);
     let log_every = 50;
+    let low = autocast_type(&args.precision);
+    // f16's range needs the loss scaled; bf16 has f32's.
+    let mut scaler = (low == Some(DType::F16)).then(|| {
+        let mut s = GradScaler::new();
+        if let Some((scale, clean)) = progress.loss_scale {
+            s.load_state(scale, clean);
+        }
+        s
+    });
     for epoch in progress.epoch + 1..=args.epochs {
         model.train();
         let pb = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(steps_per_epoch as u64) };
@@ -274,11 +295,26 @@ pub fn train_loop(
             if args.schedule == "cosine" {
                 opt.set_lr(schedule.lr(base_lr, progress.step));
             }
-            let logits = model.forward(&b.x)?;
-            let loss = logits.cross_entropy(&b.y, 0.0, Reduction::Mean)?;
+            let (logits, loss) = {
+                let _a = voltaic::AutocastGuard::new(low);
+                let logits = model.forward(&b.x)?;
+                let loss = logits.cross_entropy(&b.y, 0.0, Reduction::Mean)?;
+                (logits, loss)
+            };
             opt.zero_grad();
-            loss.backward()?;
-            opt.step()?;
+            match &mut scaler {
+                Some(s) => {
+                    s.scale(&loss)?.backward()?;
+                    if !s.step(opt)? {
+                        progress.skipped_steps += 1;
+                    }
+                    s.update();
+                }
+                None => {
+                    loss.backward()?;
+                    opt.step()?;
+                }
+            }
             model.realize_state()?;
             let l = loss.detach().mul(bs as f64)?;
             loss_sum = loss_sum.add(&l)?;
@@ -310,14 +346,24 @@ pub fn train_loop(
             bail!("the training loss became {train_loss} in epoch {epoch}: lower --lr");
         }
         let (test_loss, test_acc) = match test {
-            Some(t) => evaluate(model, t, device)?,
+            Some(t) => evaluate(model, t, device, &args.precision)?,
             None => (f64::NAN, f64::NAN),
         };
         progress.epoch = epoch;
+        progress.loss_scale = scaler.as_ref().map(|s| s.state());
         progress.history.push(EpochStats { epoch, train_loss, train_acc, test_loss, test_acc, train_seconds: secs, samples_per_second: seen as f64 / secs });
         on_epoch(&progress, &*opt)?;
     }
     Ok(progress)
+}
+
+/// The autocast type of a `--precision` value (None for f32).
+pub fn autocast_type(precision: &str) -> Option<DType> {
+    match precision {
+        "f16" => Some(DType::F16),
+        "bf16" => Some(DType::BF16),
+        _ => None,
+    }
 }
 
 /// The learning rate a run starts from.
@@ -361,6 +407,13 @@ struct SavedArgs {
     schedule: String,
     seed: u64,
     limit: Option<usize>,
+    #[serde(default = "f32_name")]
+    precision: String,
+}
+
+/// Checkpoints written before `--precision` existed trained in f32.
+fn f32_name() -> String {
+    "f32".into()
 }
 
 impl SavedArgs {
@@ -374,6 +427,7 @@ impl SavedArgs {
             schedule: a.schedule.clone(),
             seed: a.seed,
             limit: a.limit,
+            precision: a.precision.clone(),
         }
     }
 
@@ -386,6 +440,7 @@ impl SavedArgs {
         a.schedule = self.schedule.clone();
         a.seed = self.seed;
         a.limit = self.limit;
+        a.precision = self.precision.clone();
     }
 }
 
@@ -481,13 +536,17 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
         let params: usize = model.parameters().iter().map(|p| p.value().numel()).sum();
         let from = if progress.epoch > 0 { format!(", resuming after epoch {}", progress.epoch) } else { String::new() };
         eprintln!(
-            "Training {} ({params} parameters) on {} Fashion-MNIST images on {device}, {}, batch {}, {} lr {}{from}",
+            "Training {} ({params} parameters) on {} Fashion-MNIST images on {device}, {}, batch {}, {} lr {}, {}{from}",
             args.model,
             train.len(),
             plural(args.epochs, "epoch"),
             args.batch_size,
             args.optimizer,
-            opt.lr()
+            opt.lr(),
+            match args.precision.as_str() {
+                "f32" => "f32".to_string(),
+                p => format!("{p} mixed precision"),
+            }
         );
     }
     let quiet = args.quiet;
@@ -548,6 +607,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
             "{}",
             json!({
                 "dataset": args.dataset, "model": args.model, "device": device.to_string(), "epochs": args.epochs,
+                "precision": args.precision, "skipped_steps": progress.skipped_steps,
                 "test_accuracy": (last.test_acc * 1e4).round() / 1e4,
                 "train_seconds": (train_seconds * 100.0).round() / 100.0,
                 "samples_per_second": (samples / train_seconds).round(),
@@ -596,7 +656,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let model = build_model(&state.args.model, device)?;
     load_model(&file, &model, device)?;
     let n_images = test.len();
-    let (loss, acc) = evaluate(&model, &Split::new(test, device, false)?, device)?;
+    let (loss, acc) = evaluate(&model, &Split::new(test, device, false)?, device, "f32")?;
     let epoch = state.progress.epoch;
     if args.json {
         println!("{}", json!({ "dir": args.dir.display().to_string(), "model": state.args.model, "epoch": epoch, "images": n_images, "test_loss": loss, "test_accuracy": acc }));

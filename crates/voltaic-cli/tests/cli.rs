@@ -53,6 +53,37 @@ fn train_writes_checkpoint_metrics_curves_and_json() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The CNN trained with `--precision f16` and `bf16` ends within half an
+/// accuracy point of its f32 run with the same seed, on the CPU and on the
+/// test GPU (lavapipe in CI).
+#[test]
+fn mixed_precision_training_matches_f32_within_half_a_point() {
+    let gpu = format!("gpu:{}", std::env::var("VOLTAIC_TEST_GPU").unwrap_or_else(|_| "0".into()));
+    for (device, limit) in [("cpu", "6000"), (gpu.as_str(), "2000")] {
+        let mut acc = vec![];
+        for precision in ["f32", "f16", "bf16"] {
+            let dir = std::env::temp_dir().join(format!("voltaic-cli-amp-{precision}-{}", std::process::id()));
+            let out = voltaic()
+                .args(["train", "--model", "cnn", "--epochs", "1", "--limit", limit, "--seed", "3", "--json", "--quiet"])
+                .args(["--device", device, "--precision", precision, "--out"])
+                .arg(&dir)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{device} {precision}: {}", String::from_utf8_lossy(&out.stderr));
+            let json: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+            assert_eq!(json["precision"], precision);
+            assert_eq!(json["device"], device);
+            acc.push(json["test_accuracy"].as_f64().unwrap());
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+        eprintln!("{device}: test accuracy f32 {:.4}, f16 {:.4}, bf16 {:.4}", acc[0], acc[1], acc[2]);
+        assert!(acc[0] > 0.6, "{device}: the f32 run reached only {}", acc[0]);
+        for (p, a) in ["f16", "bf16"].iter().zip(&acc[1..]) {
+            assert!((a - acc[0]).abs() <= 0.005, "{device}: {p} reached {a}, f32 {}", acc[0]);
+        }
+    }
+}
+
 #[test]
 fn bad_arguments_are_clear_errors() {
     let out = voltaic().args(["train", "--model", "resnet"]).output().unwrap();

@@ -25,6 +25,7 @@ pub const CASES: &[&str] = &[
     "gemv_f32_4096",
     "matmul_f16_4096",
     "layernorm_rows_8192",
+    "matmul_bf16_4096",
 ];
 
 const TORCH_PEER: &str = include_str!("torch_peer.py");
@@ -114,6 +115,26 @@ fn matmul_case(dev: Device, runs: usize, batch: &[usize], m: usize, k: usize, n:
     Ok((ms, format!("{tflops:.2} TFLOP/s")))
 }
 
+/// bf16 `[n, n] @ [n, n]` with f32 accumulation, on inputs whose rows of A
+/// and columns of B span 2^-50..2^50 (far outside f16's range, as bf16
+/// values may be): checked against f64 within bf16 rounding.
+fn matmul_bf16_case(dev: Device, runs: usize, n: usize) -> anyhow::Result<(f64, String)> {
+    let exps = |len: usize| Tensor::from_vec((0..len).map(|i| 2f32.powi((i * 101 / len) as i32 - 50)).collect::<Vec<_>>(), &[len], Device::Cpu);
+    let a = Tensor::randn(&[n, n], DType::F32, Device::Cpu)?.mul(&exps(n)?.reshape(&[n as isize, 1])?)?.to_dtype(DType::BF16)?.to_device(dev)?;
+    let b = Tensor::randn(&[n, n], DType::F32, Device::Cpu)?.mul(&exps(n)?.reshape(&[1, n as isize])?)?.to_dtype(DType::BF16)?.to_device(dev)?;
+    poison(dev, n * n)?;
+    let c = a.matmul(&b)?;
+    ensure!(c.dtype() == DType::BF16, "bf16 matmul gave {}", c.dtype());
+    // Each check point is relative to its own row and column scale.
+    check::matmul(&as_f32(&a)?, &as_f32(&b)?, &as_f32(&c)?, 1, n, n, n, 1e-2)?;
+    let ms = gpu_median_ms(dev, runs, false, || {
+        a.matmul(&b)?.realize()?;
+        Ok(())
+    })?;
+    let tflops = 2.0 * (n * n * n) as f64 / (ms * 1e9);
+    Ok((ms, format!("{tflops:.2} TFLOP/s, inputs over 2^-50..2^50")))
+}
+
 /// Check then time one case on `dev`; returns (median ms, note).
 pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, String)> {
     voltaic::manual_seed(7);
@@ -124,6 +145,7 @@ pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, St
         "linear_f32_b128" => matmul_case(dev, runs, &[], 128, 784, 256, DType::F32),
         "gemv_f32_4096" => matmul_case(dev, runs, &[], 1, 4096, 4096, DType::F32),
         "matmul_f16_4096" => matmul_case(dev, runs, &[], 4096, 4096, 4096, DType::F16),
+        "matmul_bf16_4096" => matmul_bf16_case(dev, runs, 4096),
         "add_f32_256m" => {
             let n = 1 << 28;
             let a = Tensor::randn(&[n], DType::F32, dev)?;

@@ -67,7 +67,7 @@ def mm_case(m, k, n, dtype=torch.float32, batch=None):
     b = torch.randn(shape_b, device=dev, dtype=dtype)
     c = a @ b
     ref = (a[..., :8, :].double() @ b.double())
-    check(c[..., :8, :], ref, 1e-2 if dtype == torch.float16 else 1e-4, "matmul")
+    check(c[..., :8, :], ref, 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4, "matmul")
     return median_ms(lambda: a @ b)
 
 
@@ -85,6 +85,8 @@ for c in cases:
         ms = mm_case(1, 4096, 4096)
     elif c == "matmul_f16_4096":
         ms = mm_case(4096, 4096, 4096, dtype=torch.float16)
+    elif c == "matmul_bf16_4096":
+        ms = mm_case(4096, 4096, 4096, dtype=torch.bfloat16)
     elif c == "add_f32_256m":
         a = torch.randn(1 << 28, device=dev)
         b = torch.randn(1 << 28, device=dev)

@@ -23,6 +23,9 @@ pub const CASES: &[&str] = &[
     "epoch_cnn_b256",
     "cold_epoch_cnn_b64",
     "cold_epoch_cnn_b256",
+    "encoder_f32",
+    "encoder_f16",
+    "encoder_bf16",
 ];
 
 const TORCH_PEER: &str = include_str!("train_peer.py");
@@ -87,6 +90,9 @@ pub fn run_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64,
     }
     if name.starts_with("cold_epoch_") {
         return super::cold::epoch(name, device);
+    }
+    if let Some(precision) = name.strip_prefix("encoder_") {
+        return encoder_case(precision, device, runs);
     }
     step_case(name, device, runs)
 }
@@ -163,4 +169,69 @@ fn step_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, St
         host.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.0}", us / steps as f64)).collect();
     let per = host.realizations as f64 / steps as f64;
     Ok((ms, format!("{:.0} samples/s; host us/step ({per:.0} realizations): {}", batch as f64 / (ms / 1e3), phases.join(", "))))
+}
+
+/// One AdamW step of a MiniLM-sized encoder (6 layers, width 384, 12 heads,
+/// feed-forward 1536, BERT's vocabulary) on 32 sequences of 128 random
+/// tokens, classifying each by its first token, in f32 or under autocast to
+/// f16 (with a GradScaler, whose per-step check reads one value back, as
+/// PyTorch's does) or bf16.
+fn encoder_case(precision: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
+    use voltaic::models::bert::{BertConfig, BertModel};
+    use voltaic::nn::Linear;
+    use voltaic::optim::GradScaler;
+    let low = crate::train::autocast_type(precision);
+    voltaic::manual_seed(0);
+    let config = BertConfig {
+        vocab_size: 30522,
+        hidden_size: 384,
+        num_hidden_layers: 6,
+        num_attention_heads: 12,
+        intermediate_size: 1536,
+        max_position_embeddings: 512,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        hidden_act: "gelu".into(),
+    };
+    let (batch, seq) = (32usize, 128usize);
+    let model = BertModel::new(config, device)?;
+    let head = Linear::new(384, 10, true, device)?;
+    let mut params = model.parameters();
+    params.extend(head.parameters());
+    let mut opt = Adam::adamw(params, 1e-4);
+    let mut scaler = (low == Some(DType::F16)).then(GradScaler::new);
+    let ids = Tensor::rand(&[batch, seq], DType::F32, device)?.mul(30522.0)?.floor()?.to_dtype(DType::I32)?;
+    let mask = Tensor::ones(&[batch, seq], DType::I32, device)?;
+    let y = Tensor::arange(0.0, batch as f64, 1.0, DType::I32, device)?.rem(10)?;
+    let loss_of = || -> voltaic::Result<Tensor> {
+        let _a = voltaic::AutocastGuard::new(low);
+        let h = model.forward(&ids, &mask)?;
+        head.forward(&h.narrow(1, 0, 1)?.squeeze(1)?)?.cross_entropy(&y, 0.0, Reduction::Mean)
+    };
+    let mut step = || -> anyhow::Result<()> {
+        let loss = loss_of()?;
+        opt.zero_grad();
+        match &mut scaler {
+            Some(s) => {
+                s.scale(&loss)?.backward()?;
+                s.step(&mut opt)?;
+                s.update();
+            }
+            None => {
+                loss.backward()?;
+                opt.step()?;
+            }
+        }
+        model.realize_state()?;
+        Ok(())
+    };
+    // The loss must go down on a fixed batch: the step really trains.
+    let first = loss_of()?.to_dtype(DType::F32)?.item::<f32>()?;
+    for _ in 0..5 {
+        step()?;
+    }
+    let later = loss_of()?.to_dtype(DType::F32)?.item::<f32>()?;
+    anyhow::ensure!(later < first, "encoder_{precision}: the loss did not decrease ({first} -> {later})");
+    let ms = gpu_median_ms(device, runs, false, &mut step)?;
+    Ok((ms, format!("{:.0} sequences/s, loss {first:.3} -> {later:.3} in 5 steps", batch as f64 / (ms / 1e3))))
 }

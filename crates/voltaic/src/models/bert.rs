@@ -60,22 +60,34 @@ impl BertConfig {
     }
 }
 
-/// Tensors of a checkpoint, taken by name with their shapes checked.
+/// Tensors of a checkpoint, taken by name with their shapes checked; or,
+/// with no checkpoint, BERT's initialisation (normal with std 0.02, biases
+/// zero, LayerNorm weights one).
 struct Weights<'a> {
-    file: &'a SafetensorsFile,
+    file: Option<&'a SafetensorsFile>,
     path: &'a Path,
     device: Device,
 }
 
 impl Weights<'_> {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Parameter> {
-        let Ok((dims, _)) = self.file.info(name) else {
+        let Some(file) = self.file else {
+            let t = if name.ends_with("LayerNorm.weight") {
+                Tensor::ones(shape, DType::F32, self.device)?
+            } else if name.ends_with("bias") {
+                Tensor::zeros(shape, DType::F32, self.device)?
+            } else {
+                Tensor::randn(shape, DType::F32, self.device)?.mul(0.02)?
+            };
+            return Parameter::new(t);
+        };
+        let Ok((dims, _)) = file.info(name) else {
             bail!(Value, "bert", "{}: tensor {name:?} is missing (expected shape {shape:?})", self.path.display());
         };
         if dims != shape {
             bail!(Shape, "bert", "{}: tensor {name:?} has shape {dims:?}, expected {shape:?}", self.path.display());
         }
-        Parameter::new(self.file.tensor(name, self.device)?.to_dtype(DType::F32)?)
+        Parameter::new(file.tensor(name, self.device)?.to_dtype(DType::F32)?)
     }
 
     fn linear(&self, prefix: &str, inp: usize, out: usize) -> Result<Linear> {
@@ -144,7 +156,16 @@ impl BertModel {
     /// the checks of [`BertModel::load`].
     pub fn from_weights(config: BertConfig, file: &SafetensorsFile, device: Device) -> Result<BertModel> {
         let path = file.path();
-        let w = Weights { file, path, device };
+        BertModel::build(config, &Weights { file: Some(file), path, device })?.check_unused(file, path)
+    }
+
+    /// A freshly initialised encoder (BERT's initialisation, trainable), to
+    /// train from scratch: the same forward pass as a loaded one.
+    pub fn new(config: BertConfig, device: Device) -> Result<BertModel> {
+        BertModel::build(config, &Weights { file: None, path: Path::new("(initialised)"), device })
+    }
+
+    fn build(config: BertConfig, w: &Weights) -> Result<BertModel> {
         let (h, eps) = (config.hidden_size, config.layer_norm_eps);
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
@@ -160,14 +181,19 @@ impl BertModel {
                 out_norm: w.layer_norm(&format!("{p}.output.LayerNorm"), h, eps)?,
             });
         }
-        let model = BertModel {
+        Ok(BertModel {
             word: w.get("embeddings.word_embeddings.weight", &[config.vocab_size, h])?,
             position: w.get("embeddings.position_embeddings.weight", &[config.max_position_embeddings, h])?,
             token_type: w.get("embeddings.token_type_embeddings.weight", &[config.type_vocab_size, h])?,
             emb_norm: w.layer_norm("embeddings.LayerNorm", h, eps)?,
             layers,
             config,
-        };
+        })
+    }
+
+    /// Fail when the checkpoint holds tensors the model left unused (see [`BertModel::load`]).
+    fn check_unused(self, file: &SafetensorsFile, path: &Path) -> Result<BertModel> {
+        let model = self;
         let used: std::collections::HashSet<String> = model.named_tensors().into_iter().map(|(n, _)| n).collect();
         let unused: Vec<String> = file
             .names()?

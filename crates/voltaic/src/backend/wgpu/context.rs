@@ -140,24 +140,28 @@ pub(crate) struct GpuContext {
     pub dispatches: AtomicU64,
 }
 
+/// Whether Voltaic runs f16 products on the adapter's tensor cores: through
+/// cooperative matrices, where it offers 16x16x16 f16 with f32
+/// accumulation on subgroups of 32 (the layout the kernel assumes).
+/// VOLTAIC_COOP=0 turns them off.
+pub(crate) fn tensor_cores(adapter: &wgpu::Adapter) -> bool {
+    let info = adapter.get_info();
+    adapter.features().contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+        && std::env::var("VOLTAIC_COOP").map(|v| v != "0").unwrap_or(true)
+        && info.subgroup_min_size == 32
+        && info.subgroup_max_size == 32
+        && adapter.cooperative_matrix_properties().iter().any(|p| {
+            (p.m_size, p.n_size, p.k_size) == (16, 16, 16) && p.ab_type == wgpu::CooperativeScalarType::F16 && p.cr_type == wgpu::CooperativeScalarType::F32
+        })
+}
+
 impl GpuContext {
     /// Open a device on `adapter`, asking for every limit it offers and the
     /// features Voltaic can use.
     pub(crate) async fn open(index: usize, adapter: &wgpu::Adapter) -> Result<GpuContext> {
         let info = adapter.get_info();
         let have = adapter.features();
-        // Tensor cores through cooperative matrices, where the adapter offers
-        // 16x16x16 f16 with f32 accumulation on subgroups of 32 (the layout the
-        // kernel assumes). VOLTAIC_COOP=0 turns them off.
-        let coop = have.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-            && std::env::var("VOLTAIC_COOP").map(|v| v != "0").unwrap_or(true)
-            && info.subgroup_min_size == 32
-            && info.subgroup_max_size == 32
-            && adapter.cooperative_matrix_properties().iter().any(|p| {
-                (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
-                    && p.ab_type == wgpu::CooperativeScalarType::F16
-                    && p.cr_type == wgpu::CooperativeScalarType::F32
-            });
+        let coop = tensor_cores(adapter);
         let wanted = wgpu::Features::SHADER_F16
             | wgpu::Features::SUBGROUP
             | wgpu::Features::TIMESTAMP_QUERY

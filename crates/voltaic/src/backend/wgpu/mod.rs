@@ -49,6 +49,9 @@ pub struct AdapterReport {
     /// What the executor does differently on this adapter, where it lacks
     /// something a kernel or a part of the executor would use.
     pub notes: Vec<String>,
+    /// How each float type is held and computed here, by name (`f32`,
+    /// `f16`, `bf16`), and whether products run on tensor cores.
+    pub precision: Vec<(&'static str, String)>,
 }
 
 impl AdapterReport {
@@ -202,9 +205,20 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
                 (wgpu::Features::SHADER_F64, "shader-f64"),
             ];
             let mut notes = Vec::new();
-            if !f.contains(wgpu::Features::SHADER_F16) {
-                notes.push("no SHADER_F16: f16 tensors are held in 32-bit words (4 bytes each) and computed in f32, rounded to f16 on every store".to_string());
+            let f16 = f.contains(wgpu::Features::SHADER_F16);
+            let tc = context::tensor_cores(a);
+            if !f16 {
+                notes.push("no SHADER_F16: f16 tensors are packed two to a 32-bit word and computed in f32, rounded to f16 on every store".to_string());
             }
+            let products = |dt: &str| match (tc, dt) {
+                (true, "f16") => "products on tensor cores (cooperative matrices, f32 accumulation)",
+                _ => "products on the shader cores, f32 accumulation",
+            };
+            let precision = vec![
+                ("f32", "4 bytes; products on the shader cores".to_string()),
+                ("f16", format!("2 bytes, {}; {}", if f16 { "native (SHADER_F16)" } else { "packed in 32-bit words" }, products("f16"))),
+                ("bf16", format!("2 bytes, packed in 32-bit words, computed in f32; {}", products("bf16"))),
+            ];
             if i.backend == wgpu::Backend::Gl {
                 notes.push("autotune off: GL serialises the device on one context lock".to_string());
             } else if i.backend == wgpu::Backend::BrowserWebGpu {
@@ -217,6 +231,7 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
             }
             AdapterReport {
                 notes,
+                precision,
                 index,
                 name: i.name.clone(),
                 backend: format!("{:?}", i.backend),
