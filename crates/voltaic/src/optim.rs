@@ -432,6 +432,7 @@ impl GradScaler {
         // is NaN exactly when some gradient is not finite, and cannot
         // overflow on its way there.
         let mut poison: Option<Tensor> = None;
+        let mut unscaled = vec![];
         for p in opt.params() {
             let Some(g) = p.grad() else { continue };
             let g = g.mul(inv)?;
@@ -440,12 +441,23 @@ impl GradScaler {
                 Some(s) => s.add(&z)?,
                 None => z,
             });
-            p.value().set_grad(Some(g))?;
+            unscaled.push((p.value(), g));
         }
         let found = match poison {
-            Some(s) => s.item::<f32>()?.is_nan(),
+            Some(s) => {
+                // One realization computes the gradients and the check, so
+                // the optimizer's step reads the gradients instead of
+                // computing the backward pass again.
+                let mut all = vec![&s];
+                all.extend(unscaled.iter().map(|(_, g)| g));
+                Tensor::realize_all(&all)?;
+                s.item::<f32>()?.is_nan()
+            }
             None => false,
         };
+        for (w, g) in unscaled {
+            w.set_grad(Some(g))?;
+        }
         self.found_inf = Some(found);
         self.unscaled = true;
         Ok(found)

@@ -9,6 +9,14 @@ use voltaic::nn::{Conv2d, Forward, LayerNorm, Linear, Module};
 use voltaic::optim::{Adam, GradScaler, Optimizer};
 use voltaic::{autocast, Conv2dOpts, DType, Device, Reduction, Tensor};
 
+/// The memory test reads the device's pool counters, which other tests'
+/// buffers would move: the tests of this file run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn gpu() -> Device {
     assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)");
     Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0))
@@ -25,6 +33,7 @@ fn same(a: f64, b: f64) -> bool {
 
 #[test]
 fn half_types_take_two_bytes_per_element_on_the_gpu() {
+    let _serial = serial();
     let dev = gpu();
     let n = 1 << 20;
     let in_use = || dev.memory_stats().unwrap().in_use;
@@ -97,6 +106,7 @@ fn edge_values() -> Vec<f32> {
 
 #[test]
 fn conversions_round_to_nearest_even_on_edge_values() {
+    let _serial = serial();
     let vals = edge_values();
     assert!(vals.len() % 2 == 1);
     for dev in devices() {
@@ -111,8 +121,13 @@ fn conversions_round_to_nearest_even_on_edge_values() {
             // Back to f32 exactly, and through a computation (x * 1 + 0 rounds again: no change).
             let back = h.to_dtype(DType::F32).unwrap().to_f64_vec().unwrap();
             assert!(back.iter().zip(&got).all(|(a, b)| same(*a, *b)), "{dev} {dt} -> f32 is not exact");
+            // Arithmetic may flush f32 subnormals to zero (WGSL allows it;
+            // NVIDIA's Vulkan driver does), conversions never do.
             let again = h.mul(1.0).unwrap().to_f64_vec().unwrap();
-            assert!(again.iter().zip(&got).all(|(a, b)| same(*a, *b) || (*a == 0.0 && *b == 0.0)), "{dev} {dt}: x * 1 changed values");
+            let flushed = |a: f64, b: f64| a == 0.0 && b.abs() < f32::MIN_POSITIVE as f64;
+            for (a, b) in again.iter().zip(&got) {
+                assert!(same(*a, *b) || (*a == 0.0 && *b == 0.0) || flushed(*a, *b), "{dev} {dt}: x * 1 gave {a:e} for {b:e}");
+            }
         }
     }
 }
@@ -122,6 +137,7 @@ fn conversions_round_to_nearest_even_on_edge_values() {
 /// half-word stores land, whatever the word's other half is doing.
 #[test]
 fn packed_halves_compute_like_the_cpu() {
+    let _serial = serial();
     let dev = gpu();
     let mut rng = Rng::new(3);
     for dt in [DType::BF16, DType::F16] {
@@ -170,6 +186,7 @@ fn packed_halves_compute_like_the_cpu() {
 
 #[test]
 fn autocast_runs_products_low_and_norms_softmax_losses_in_f32() {
+    let _serial = serial();
     for dev in devices() {
         for low in [DType::F16, DType::BF16] {
             voltaic::manual_seed(4);
@@ -217,6 +234,7 @@ fn autocast_runs_products_low_and_norms_softmax_losses_in_f32() {
 
 #[test]
 fn autocast_rejects_non_half_types_and_restores_the_previous_scope() {
+    let _serial = serial();
     assert!(voltaic::ops::autocast::check_autocast_dtype(DType::F32).is_err());
     autocast(DType::F16, || {
         assert_eq!(voltaic::autocast_dtype(), Some(DType::F16));
@@ -234,6 +252,7 @@ fn snapshot(m: &dyn Module) -> Vec<Vec<f64>> {
 
 #[test]
 fn grad_scaler_skips_exactly_the_overflowing_step() {
+    let _serial = serial();
     for dev in devices() {
         voltaic::manual_seed(9);
         let lin = Linear::new(8, 3, true, dev).unwrap();
@@ -275,6 +294,7 @@ fn grad_scaler_skips_exactly_the_overflowing_step() {
 
 #[test]
 fn grad_scaler_unscales_to_the_plain_gradients() {
+    let _serial = serial();
     voltaic::manual_seed(2);
     let lin = Linear::new(5, 2, false, Device::Cpu).unwrap();
     let opt = Adam::new(lin.parameters(), 1e-3);

@@ -237,7 +237,8 @@ pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)
     if let Some(p) = ctx.tuner.plans.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(Some(*p));
     }
-    let coop = key.dtype == DType::F16 && ctx.caps.coop_f16 && key.m >= 64 && key.n >= 64;
+    // bf16 too: scaled to f16 for the tensor cores (matmul.rs, matmul_bf16_coop).
+    let coop = matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16 && key.m >= 64 && key.n >= 64;
     let default = if coop { Variant::CoopWide } else { default_variant(key.batch, key.m, key.k, key.n, key.b_nfast) };
     let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
     let mode = ctx.tuner.mode();
@@ -400,7 +401,7 @@ fn enqueue(ctx: &GpuContext, job: Job) {
 
 fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
     let mut c = vec![default];
-    if key.dtype == DType::F16 && ctx.caps.coop_f16 {
+    if matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16 {
         c.push(Variant::Coop);
         c.push(Variant::CoopWide);
     }

@@ -72,6 +72,13 @@ pub(crate) const TILES: &[Tile] = &[
     Tile::warps(128, 64, 16, 8, 4),
 ];
 
+/// The power of two that brings a largest magnitude (f32 bits) into
+/// [2^14, 2^15), where f16 holds bf16's 8 significant bits exactly.
+const BF16_SHIFT: &str = "fn bf16_shift(bits: u32) -> i32 {
+    if (bits == 0u) { return 0; }
+    return clamp(14 - (i32((bits >> 23u) & 0xffu) - 127), -126, 126);
+}";
+
 /// Which kernel a matmul uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Variant {
@@ -105,6 +112,15 @@ pub(crate) fn default_variant(batch: usize, m: usize, k: usize, n: usize, b_nfas
             return Variant::Tiled(t);
         }
     }
+    // Too few tiles to fill the GPU and a long inner dim (a weight gradient,
+    // the batch folded into k): split k. Unsplit, the CNN's 64x50176x288
+    // weight gradient took 4.5 ms of a 1.6 ms step on the H100 (in f16,
+    // which has no shipped plan; the tuned f32 plan splits it 16 ways).
+    let few = tiles(&TILES[6]);
+    if few < 132 && k >= 2048 {
+        let splits = 264usize.div_ceil(few).clamp(2, k / 1024);
+        return Variant::SplitK { tile: TILES[6], splits };
+    }
     Variant::Tiled(TILES[6])
 }
 
@@ -125,8 +141,19 @@ impl Gen<'_> {
             Variant::Tiled(t) => self.matmul_tiled(p, a, b, m, k, n, t, 1, epi)?,
             Variant::SplitK { tile, splits } => self.matmul_tiled(p, a, b, m, k, n, tile, splits, epi)?,
             Variant::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
-            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false)?),
-            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true)?),
+            Variant::Coop | Variant::CoopWide if self.inputs[a.input].0 == DType::BF16 || self.inputs[b.input].0 == DType::BF16 => {
+                if self.bf16_on_tensor_cores(a, b, epi) {
+                    self.matmul_bf16_coop(p, a, b, m, k, n, epi, plan == Variant::CoopWide)?
+                } else {
+                    // A plain conversion to f16 would lose bf16's range: the shader cores.
+                    let r = b.layout.dims().len();
+                    let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
+                    let batch = b.layout.dims()[..r - 2].iter().product();
+                    self.matmul(p, a, b, m, k, n, default_variant(batch, m, k, n, sbn == 1 || sbk != 1), epi)?
+                }
+            }
+            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None)?),
+            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, None)?),
         }
         Ok(())
     }
@@ -138,7 +165,12 @@ impl Gen<'_> {
     /// of a 256x128 tile; results leave through a per-subgroup 16x16 f32
     /// staging tile so the epilogue sees single values.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, wide: bool) -> Result<Dispatch> {
+    ///
+    /// `scales`: scratch buffers of the largest magnitudes of A's rows and
+    /// B's columns (see [`Gen::matmul_bf16_coop`]); each product is scaled
+    /// back by their shifts before the epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, wide: bool, scales: Option<(usize, usize)>) -> Result<Dispatch> {
         // Subgroups and the 16x16 matrices of C each owns (fm x fn_).
         let (warps, fm, fn_) = if wide { (8usize, 4usize, 4usize) } else { (8, 4, 2) };
         let threads = warps * 32;
@@ -180,7 +212,7 @@ impl Gen<'_> {
         sh.enable("wgpu_cooperative_matrix");
         if wide && !fast {
             // Not whole 256-row tiles: 128x128 tiles.
-            return self.matmul_coop(a, bv, m, k, n, epi, false);
+            return self.matmul_coop(a, bv, m, k, n, epi, false, scales);
         }
         // Whole tiles: shared tiles of vec4<f16> (cooperative loads read them
         // with strides in vec4s: the pointer may be to a vector of the
@@ -291,6 +323,16 @@ impl Gen<'_> {
         let _ = writeln!(s, "    workgroupBarrier();\n    }}");
         // Each subgroup stages one 16x16 result at a time and its 32 threads store it.
         let _ = writeln!(s, "    let lane = lid % 32u;\n    let cbase = warp * 256u;");
+        let product = match scales {
+            None => "Cs[cbase + e]".to_string(),
+            Some((sa, sb)) => {
+                sh.array(Src::Scratch(sa), "max_a", DType::U32, batch * m, false);
+                sh.array(Src::Scratch(sb), "max_b", DType::U32, batch * n, false);
+                sh.decl(BF16_SHIFT);
+                // Two steps: each shift is within ldexp's range, their sum may not be.
+                format!("ldexp(ldexp(Cs[cbase + e], -bf16_shift(ld_max_a(z * {m}u + gi))), -bf16_shift(ld_max_b(z * {n}u + gj)))")
+            }
+        };
         for i in 0..fm {
             for j in 0..fn_ {
                 let _ = writeln!(
@@ -301,7 +343,7 @@ impl Gen<'_> {
         let e = lane + q * 32u;
         let gi = row0 + wr + {}u + e / 16u;
         let gj = col0 + wc + {}u + e % 16u;
-        if (gi < {m}u && gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, Cs[cbase + e])); }}
+        if (gi < {m}u && gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {product})); }}
     }}
     workgroupBarrier();",
                     i * 16,
@@ -311,6 +353,121 @@ impl Gen<'_> {
             }
         }
         Ok(sh.finish(format!("matmul_coop{} {batch}x{m}x{k}x{n}", if wide { " wide" } else { "" }), threads as u32, total as u64, &s))
+    }
+
+    /// Whether a bf16 product runs on the f16 tensor cores: both operands
+    /// bf16, distinct buffers that the epilogue does not read (the scaled
+    /// copies replace them in the product's bindings).
+    fn bf16_on_tensor_cores(&self, a: &View, b: &View, epi: Option<&Epilogue>) -> bool {
+        let reads = |i: usize| epi.is_some_and(|e| e.expr.loads.iter().enumerate().any(|(j, l)| j != e.acc && l.input == i));
+        self.caps.coop_f16 && self.inputs[a.input].0 == DType::BF16 && self.inputs[b.input].0 == DType::BF16 && a.input != b.input && !reads(a.input) && !reads(b.input)
+    }
+
+    /// bf16 on the tensor cores, which take f16 only (through Vulkan's
+    /// cooperative matrices): every row of A and column of B is scaled by a
+    /// power of two that brings its largest magnitude into [2^14, 2^15) and
+    /// written as f16 (exact: bf16's 8-bit significand fits f16's 11 bits
+    /// wherever the scaled value is an f16 normal, so only values 2^28 times
+    /// smaller than their row's or column's largest lose bits); the f16
+    /// product, accumulated in f32, is scaled back before the epilogue. Any
+    /// bf16 range works, where a plain conversion to f16 would overflow
+    /// beyond 65504 and flush below 2^-24.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_bf16_coop(&self, p: &mut WgslProgram, a: &View, b: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, wide: bool) -> Result<()> {
+        let r = a.layout.dims().len();
+        let bdims = a.layout.dims()[..r - 2].to_vec();
+        let batch: usize = bdims.iter().product();
+        let scratch = |p: &mut WgslProgram, dt: DType, len: usize| {
+            p.scratch.push((dt, len));
+            p.scratch.len() - 1
+        };
+        let (a16, b16) = (scratch(p, DType::F16, batch * m * k), scratch(p, DType::F16, batch * k * n));
+        let (sa, sb) = (scratch(p, DType::U32, batch * m), scratch(p, DType::U32, batch * n));
+        let (la, lb) = (&a.layout, &b.layout);
+        // A's lines are its rows (along k), B's its columns (along k).
+        self.scale_to_f16(p, a, (m, la.strides()[r - 2]), (k, la.strides()[r - 1]), (a16, sa), (k, 1), "rows of A");
+        self.scale_to_f16(p, b, (n, lb.strides()[r - 1]), (k, lb.strides()[r - 2]), (b16, sb), (1, n), "columns of B");
+        let mut inputs = self.inputs.to_vec();
+        inputs[a.input] = (DType::F16, batch * m * k);
+        inputs[b.input] = (DType::F16, batch * k * n);
+        let g = Gen { caps: self.caps, inputs: &inputs, out: self.out };
+        let dims = |x: usize, y: usize| bdims.iter().copied().chain([x, y]).collect::<Vec<_>>();
+        let a2 = View { input: a.input, layout: Layout::contiguous(&dims(m, k)) };
+        let b2 = View { input: b.input, layout: Layout::contiguous(&dims(k, n)) };
+        let mut d = g.matmul_coop(&a2, &b2, m, k, n, epi, wide, Some((sa, sb)))?;
+        for bind in &mut d.binds {
+            if bind.src == Src::Input(a.input) {
+                bind.src = Src::Scratch(a16);
+            } else if bind.src == Src::Input(b.input) {
+                bind.src = Src::Scratch(b16);
+            }
+        }
+        d.label = format!("bf16 {}", d.label);
+        p.dispatches.push(d);
+        Ok(())
+    }
+
+    /// Scale `lines` (count, stride) of `len` (count, stride) elements of
+    /// bf16 input `v`, per batch, into f16 scratch `dst` at `line *
+    /// dst_strides.0 + position * dst_strides.1` (plus the batch's `lines *
+    /// len`), and leave each line's largest magnitude (as f32 bits) in
+    /// scratch `maxes`. Three passes: clear the maxima; an atomic max per
+    /// line from each tile of 16 lines x 256 positions; the conversion, tile
+    /// by tile. The 16 threads of a line read it side by side where it is
+    /// contiguous, else 16 neighbouring lines are read side by side, so loads
+    /// stay coalesced either way.
+    #[allow(clippy::too_many_arguments)]
+    fn scale_to_f16(&self, p: &mut WgslProgram, v: &View, lines: (usize, usize), len: (usize, usize), (dst, maxes): (usize, usize), dst_strides: (usize, usize), what: &str) {
+        let r = v.layout.dims().len();
+        let bdims = &v.layout.dims()[..r - 2];
+        let batch: usize = bdims.iter().product();
+        let total = batch * lines.0;
+        let npos = len.0.div_ceil(256);
+        let groups = (total.div_ceil(16) * npos) as u64;
+        let mut sh = Shader::new(self.caps);
+        sh.array(Src::Scratch(maxes), "mx", DType::U32, total, true);
+        p.dispatches.push(sh.finish(format!("bf16 maxima, {what}"), 256, total.div_ceil(256) as u64, &format!("    let i = group * 256u + lid;\n    if (i < {total}u) {{ st_mx(i, 0u); }}\n")));
+        // Where each thread is: its line, and positions `pb * 256 + lj + 16 * r`.
+        let (li, lj) = if len.1 == 1 { ("lid / 16u", "lid % 16u") } else { ("lid % 16u", "lid / 16u") };
+        let head = |sh: &mut Shader| {
+            let mut s = format!("    let li = {li};\n    let lj = {lj};\n    let line = (group / {npos}u) * 16u + li;\n    let pb = group % {npos}u;\n    let live = line < {total}u;\n");
+            let _ = writeln!(s, "    let z = min(line, {}u) / {}u;\n    let w = line % {}u;", total - 1, lines.0, lines.0);
+            let zd = unravel(&mut s, sh, "z", bdims);
+            let in_ix = format!("{} + w * {}u + q * {}u", batch_offset(&zd, &v.layout), lines.1, len.1);
+            (s, in_ix)
+        };
+        let each = |body: &str| format!("    for (var r = 0u; r < 16u; r = r + 1u) {{\n        let q = pb * 256u + lj + r * 16u;\n        if (q < {}u) {{ {body} }}\n    }}", len.0);
+        let mut sh = Shader::new(self.caps);
+        self.bind_inputs(&mut sh, &[v.input]);
+        sh.bind_raw(Src::Scratch(maxes), "mxa", "array<atomic<u32>>", true);
+        sh.decl("var<workgroup> part: array<f32, 256>;");
+        let (mut s, in_ix) = head(&mut sh);
+        let _ = writeln!(
+            s,
+            "    var m = 0.0;\n    if (live) {{\n{}\n    }}
+    part[li * 16u + lj] = m;
+    workgroupBarrier();
+    if (lj == 0u && live) {{
+        var top = 0.0;
+        for (var t = 0u; t < 16u; t = t + 1u) {{ top = max(top, part[li * 16u + t]); }}
+        atomicMax(&mxa[line], bitcast<u32>(top));
+    }}",
+            each(&format!("m = max(m, abs(ld_in{}({in_ix})));", v.input))
+        );
+        p.dispatches.push(sh.finish(format!("bf16 maxima, {what} {batch}x{}x{}", lines.0, len.0), 256, groups, &s));
+        let mut sh = Shader::new(self.caps);
+        self.bind_inputs(&mut sh, &[v.input]);
+        sh.array(Src::Scratch(dst), "dst", DType::F16, total * len.0, true);
+        sh.array(Src::Scratch(maxes), "mx", DType::U32, total, false);
+        sh.decl(BF16_SHIFT);
+        let (mut s, in_ix) = head(&mut sh);
+        let out_ix = format!("z * {}u + w * {}u + q * {}u", lines.0 * len.0, dst_strides.0, dst_strides.1);
+        let _ = writeln!(
+            s,
+            "    if (live) {{\n    let sft = bf16_shift(ld_mx(line));\n{}\n    }}",
+            each(&format!("st_dst({out_ix}, ldexp(ld_in{}({in_ix}), sft));", v.input))
+        );
+        p.dispatches.push(sh.finish(format!("bf16 to scaled f16, {what} {batch}x{}x{}", lines.0, len.0), 256, groups, &s));
     }
 
     /// Bind what the epilogue reads and define `fn epi(lin, acc)`, which gives
@@ -804,6 +961,36 @@ mod tests {
             for (da, db) in [(&[128usize, 64][..], &[64usize, 256][..]), (&[2, 256, 96], &[2, 96, 128]), (&[130, 40], &[40, 129]), (&[512, 64], &[64, 128])] {
                 check(Variant::CoopWide, da, db, false, false, DType::F16);
             }
+            // bf16, scaled into f16 for the tensor cores: exact on small integers...
+            for &(da, db) in shapes {
+                for (ta, tb) in [(false, false), (true, true), (false, true)] {
+                    check(Variant::Coop, da, db, ta, tb, DType::BF16);
+                }
+            }
+            check(Variant::CoopWide, &[2, 256, 96], &[2, 96, 128], false, false, DType::BF16);
+            check(Variant::Coop, &[256, 96], &[96, 128], true, false, DType::BF16);
+            // ...and within bf16's rounding on rows and columns far outside f16's range.
+            for plan in [Variant::Coop, Variant::CoopWide] {
+                bf16_wide_range(plan, 130, 70, 129);
+                bf16_wide_range(plan, 256, 128, 256);
+            }
+        }
+    }
+
+    fn bf16_wide_range(plan: Variant, m: usize, k: usize, n: usize) {
+        let pow = |i: usize, len: usize| 2f32.powi((i * 81 / len) as i32 - 40);
+        let rows = Tensor::from_vec((0..m).map(|i| pow(i, m)).collect::<Vec<_>>(), &[m, 1], Device::Cpu).unwrap();
+        let cols = Tensor::from_vec((0..n).map(|j| pow(n - 1 - j, n)).collect::<Vec<_>>(), &[1, n], Device::Cpu).unwrap();
+        let a = Tensor::randn(&[m, k], DType::F32, Device::Cpu).unwrap().mul(&rows).unwrap().to_dtype(DType::BF16).unwrap();
+        let b = Tensor::randn(&[k, n], DType::F32, Device::Cpu).unwrap().mul(&cols).unwrap().to_dtype(DType::BF16).unwrap();
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let want = f32_of(&a).matmul(&f32_of(&b)).unwrap().to_f64_vec().unwrap();
+        let size = f32_of(&a).abs().unwrap().matmul(&f32_of(&b).abs().unwrap()).unwrap().to_f64_vec().unwrap();
+        FORCE.with(|f| f.set(Some(plan)));
+        let got = a.to_device(Device::Gpu(0)).unwrap().matmul(&b.to_device(Device::Gpu(0)).unwrap()).and_then(|c| c.to_f64_vec());
+        FORCE.with(|f| f.set(None));
+        for (i, ((g, w), s)) in got.unwrap().iter().zip(&want).zip(&size).enumerate() {
+            assert!((g - w).abs() <= (2f64.powi(-8) * w.abs()).max(1e-4 * s), "{plan:?} bf16 [{m}, {k}] @ [{k}, {n}] at {i}: {g:e} vs {w:e} (terms {s:e})");
         }
     }
 }

@@ -86,7 +86,7 @@ fn check(t: &Tensor, caps: &Caps, seen: &mut Vec<&'static str>) -> usize {
                 variants.push(Some(Variant::Columns { splits: 1 }));
                 variants.push(Some(Variant::Columns { splits: (*kk / 64).max(2) }));
             }
-            if k.dtype == DType::F16 && caps.coop_f16 {
+            if matches!(k.dtype, DType::F16 | DType::BF16) && caps.coop_f16 {
                 variants.push(Some(Variant::Coop));
                 variants.push(Some(Variant::CoopWide));
             }
