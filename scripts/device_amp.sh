@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Mixed precision (issue 19) on the lent GPU, everything logged under $OUT.
 # Build and pack here first:
-#   bash scripts/device_pack.sh && bash scripts/device_amp_pack.sh
+#   strip -o .bin/voltaic target/release/voltaic, and the `lib` and
+#   `mixed_precision` test binaries (cargo test --release --no-run), gzipped,
+#   with the Fashion-MNIST files in .bin/data (see scripts/device_pack.sh)
 # then call with carry [".gl", ".bin"] (and the MiniLM parts, see
 # scripts/device_run.sh, for "embed"):
 #   bash scripts/device_amp.sh tests,bench,train,embed
@@ -17,9 +19,9 @@ if [[ "$what" == *embed* ]] && [ -z "${VOLTAIC_MINILM_DIR:-}" ]; then
     export VOLTAIC_MINILM_DIR=$PWD/.m2/model
 fi
 if [[ "$what" == *tests* ]]; then
-    for t in mixed_precision matmul; do
-        [ -x ".bin/$t" ] && ".bin/$t" --test-threads=2 >> "$OUT/tests.txt" 2>&1
-    done
+    [ -x .bin/mixed_precision ] && .bin/mixed_precision >> "$OUT/tests.txt" 2>&1
+    # The tensor-core plans, bf16 included, against the CPU.
+    [ -x .bin/lib ] && .bin/lib every_plan_matches_the_cpu >> "$OUT/tests.txt" 2>&1
     grep -E "test result|panicked|FAILED" "$OUT/tests.txt"
 fi
 if [[ "$what" == *bench* ]]; then

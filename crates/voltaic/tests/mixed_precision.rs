@@ -85,9 +85,9 @@ fn edge_values() -> Vec<f32> {
         2.980_232_2e-8,       // 2^-25: a tie between 0 and 2^-24, to even (0)
         8.940_697e-8,         // 3 * 2^-25: a tie, to even (2^-22)
         6.097_555e-5,         // f16's largest subnormal
-        3.389_531_4e38,       // bf16's largest finite
-        3.396_170_6e38,       // rounds to inf in bf16
-        9.183_549_6e-41,      // a bf16 subnormal
+        f32::from_bits(0x7f7f_0000), // bf16's largest finite
+        f32::from_bits(0x7f7f_8000), // halfway from it to inf: to even, inf
+        f32::from_bits(0x0001_0000), // a bf16 subnormal
         -3.0e-39,             // an f32 subnormal that bf16 rounds
     ];
     // Ties and near-ties around 1 for both mantissa widths.

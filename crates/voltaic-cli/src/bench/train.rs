@@ -158,12 +158,15 @@ fn step_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, St
     }
     let later = model.forward(&x)?.cross_entropy(&y, 0.0, Reduction::Mean)?.item::<f32>()?;
     anyhow::ensure!(later < first, "{name}: the loss did not decrease ({first} -> {later})");
-    let mut steps = 0usize;
+    let ms = gpu_median_ms(device, runs, false, &mut step)?;
+    // Host time per phase over a few more steps (the timing above also
+    // waited for the autotuner, which these counters would include).
+    let steps = 3;
     let before = voltaic::host_profile();
-    let ms = gpu_median_ms(device, runs, false, || {
-        steps += 1;
-        step()
-    })?;
+    for _ in 0..steps {
+        step()?;
+    }
+    device.synchronize()?;
     let host = voltaic::host_profile().since(&before);
     let phases: Vec<String> =
         host.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.0}", us / steps as f64)).collect();
@@ -233,5 +236,16 @@ fn encoder_case(precision: &str, device: Device, runs: usize) -> anyhow::Result<
     let later = loss_of()?.to_dtype(DType::F32)?.item::<f32>()?;
     anyhow::ensure!(later < first, "encoder_{precision}: the loss did not decrease ({first} -> {later})");
     let ms = gpu_median_ms(device, runs, false, &mut step)?;
-    Ok((ms, format!("{:.0} sequences/s, loss {first:.3} -> {later:.3} in 5 steps", batch as f64 / (ms / 1e3))))
+    // Host time per phase over a few more steps (the timing above also
+    // waited for the autotuner, which these counters would include).
+    let steps = 3;
+    let before = voltaic::host_profile();
+    for _ in 0..steps {
+        step()?;
+    }
+    device.synchronize()?;
+    let host = voltaic::host_profile().since(&before);
+    let phases: Vec<String> =
+        host.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.0}", us / steps as f64)).collect();
+    Ok((ms, format!("{:.0} sequences/s, loss {first:.3} -> {later:.3} in 5 steps; host us/step: {}", batch as f64 / (ms / 1e3), phases.join(", "))))
 }

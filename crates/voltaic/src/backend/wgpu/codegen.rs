@@ -131,6 +131,15 @@ fn to_storage(caps: &Caps, dt: DType, e: &str) -> String {
     }
 }
 
+/// The 16 bits of f32 value `v` rounded to packed half type `dt`.
+fn half_bits(dt: DType, v: &str) -> String {
+    if dt == DType::BF16 {
+        format!("(bitcast<u32>(bf16r_({v})) >> 16u)")
+    } else {
+        format!("f2h_(f16r_({v}))")
+    }
+}
+
 /// Round an f32 compute value to what `dt` can hold (a no-op but for half types).
 pub(crate) fn round_to(dt: DType, e: &str) -> String {
     match dt {
@@ -260,14 +269,22 @@ impl<'c> Shader<'c> {
                 if !packed {
                     let _ = write!(d, "    {name}_{c}[j] = {}; return;", to_storage(caps, dt, "v"));
                 } else {
-                    let bits = if dt == DType::BF16 { "(bitcast<u32>(bf16r_(v)) >> 16u)" } else { "f2h_(f16r_(v))" };
                     let _ = write!(
                         d,
-                        "    let s = (j & 1u) * 16u; atomicAnd(&{name}_{c}[j >> 1u], ~(0xffffu << s)); atomicOr(&{name}_{c}[j >> 1u], {bits} << s); return;"
+                        "    let s = (j & 1u) * 16u; atomicAnd(&{name}_{c}[j >> 1u], ~(0xffffu << s)); atomicOr(&{name}_{c}[j >> 1u], {} << s); return;",
+                        half_bits(dt, "v")
                     );
                 }
             });
             let _ = writeln!(d, "\n}}");
+            if packed {
+                // `st2_x(i, a, b)`: elements i and i + 1 (i even) as one word.
+                let _ = writeln!(d, "fn st2_{name}(i: u32, a: {ct}, b: {ct}) {{");
+                pick(d, &|d, c| {
+                    let _ = write!(d, "    atomicStore(&{name}_{c}[j >> 1u], {} | ({} << 16u)); return;", half_bits(dt, "a"), half_bits(dt, "b"));
+                });
+                let _ = writeln!(d, "\n}}");
+            }
         }
     }
 

@@ -2,7 +2,7 @@
 //! shape (or by the autotuner), and a split-K column kernel for products with
 //! very few rows (gemv), which the tiled kernel would leave mostly idle.
 
-use super::codegen::{cast, compute_ty, emit_expr_with, literal, round_to, strided, unravel, Dispatch, Indexer, Shader, Src, WgslProgram};
+use super::codegen::{cast, compute_ty, emit_expr_with, literal, packed16, round_to, strided, unravel, Dispatch, Indexer, Shader, Src, WgslProgram};
 use super::kernels::Gen;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -323,33 +323,54 @@ impl Gen<'_> {
         let _ = writeln!(s, "    workgroupBarrier();\n    }}");
         // Each subgroup stages one 16x16 result at a time and its 32 threads store it.
         let _ = writeln!(s, "    let lane = lid % 32u;\n    let cbase = warp * 256u;");
-        let product = match scales {
-            None => "Cs[cbase + e]".to_string(),
-            Some((sa, sb)) => {
-                sh.array(Src::Scratch(sa), "max_a", DType::U32, batch * m, false);
-                sh.array(Src::Scratch(sb), "max_b", DType::U32, batch * n, false);
-                sh.decl(BF16_SHIFT);
-                // Two steps: each shift is within ldexp's range, their sum may not be.
-                format!("ldexp(ldexp(Cs[cbase + e], -bf16_shift(ld_max_a(z * {m}u + gi))), -bf16_shift(ld_max_b(z * {n}u + gj)))")
-            }
+        // The product at staged element `e` of column `gj`.
+        let product = |e: &str, gj: &str| match scales {
+            None => format!("Cs[cbase + {e}]"),
+            // Two steps: each shift is within ldexp's range, their sum may not be.
+            Some(_) => format!("ldexp(ldexp(Cs[cbase + {e}], -bf16_shift(ld_max_a(z * {m}u + gi))), -bf16_shift(ld_max_b(z * {n}u + {gj})))"),
         };
+        if let Some((sa, sb)) = scales {
+            sh.array(Src::Scratch(sa), "max_a", DType::U32, batch * m, false);
+            sh.array(Src::Scratch(sb), "max_b", DType::U32, batch * n, false);
+            sh.decl(BF16_SHIFT);
+        }
+        // Packed 16-bit outputs (bf16) store two neighbours per thread as one
+        // word: one plain store where single elements take two atomics.
+        let pairs = packed16(self.caps, self.out.0) && n.is_multiple_of(2);
         for i in 0..fm {
             for j in 0..fn_ {
-                let _ = writeln!(
-                    s,
-                    "    coopStoreT(c{i}{j}, &Cs[cbase], 16u);
-    workgroupBarrier();
-    for (var q = 0u; q < 8u; q = q + 1u) {{
+                let _ = writeln!(s, "    coopStoreT(c{i}{j}, &Cs[cbase], 16u);\n    workgroupBarrier();");
+                if pairs {
+                    let _ = writeln!(
+                        s,
+                        "    for (var q = 0u; q < 4u; q = q + 1u) {{
+        let e = (lane + q * 32u) * 2u;
+        let gi = row0 + wr + {}u + e / 16u;
+        let gj = col0 + wc + {}u + e % 16u;
+        if (gi < {m}u && gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st2_out(o, epi(o, {}), epi(o + 1u, {})); }}
+    }}",
+                        i * 16,
+                        j * 16,
+                        m * n,
+                        product("e", "gj"),
+                        product("e + 1u", "gj + 1u")
+                    );
+                } else {
+                    let _ = writeln!(
+                        s,
+                        "    for (var q = 0u; q < 8u; q = q + 1u) {{
         let e = lane + q * 32u;
         let gi = row0 + wr + {}u + e / 16u;
         let gj = col0 + wc + {}u + e % 16u;
-        if (gi < {m}u && gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {product})); }}
-    }}
-    workgroupBarrier();",
-                    i * 16,
-                    j * 16,
-                    m * n
-                );
+        if (gi < {m}u && gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {})); }}
+    }}",
+                        i * 16,
+                        j * 16,
+                        m * n,
+                        product("e", "gj")
+                    );
+                }
+                let _ = writeln!(s, "    workgroupBarrier();");
             }
         }
         Ok(sh.finish(format!("matmul_coop{} {batch}x{m}x{k}x{n}", if wide { " wide" } else { "" }), threads as u32, total as u64, &s))

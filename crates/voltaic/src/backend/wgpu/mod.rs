@@ -212,6 +212,7 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
             }
             let products = |dt: &str| match (tc, dt) {
                 (true, "f16") => "products on tensor cores (cooperative matrices, f32 accumulation)",
+                (true, _) => "products on tensor cores, rows and columns scaled into f16's range (cooperative matrices, f32 accumulation)",
                 _ => "products on the shader cores, f32 accumulation",
             };
             let precision = vec![
