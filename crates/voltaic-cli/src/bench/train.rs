@@ -131,6 +131,23 @@ fn epoch_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, S
     Ok((ms, format!("{:.0} samples/s, first epoch {:.2} s, {place}", n / (ms / 1e3), secs[0])))
 }
 
+/// Median ms of `step`, then the realizations and host microseconds per
+/// phase of one step, counted over a few more steps (the timing itself also
+/// waits for the autotuner, which the counters would include).
+fn time_steps(device: Device, runs: usize, step: &mut dyn FnMut() -> anyhow::Result<()>) -> anyhow::Result<(f64, f64, String)> {
+    let ms = gpu_median_ms(device, runs, false, &mut *step)?;
+    let steps = 3;
+    let before = voltaic::host_profile();
+    for _ in 0..steps {
+        step()?;
+    }
+    device.synchronize()?;
+    let host = voltaic::host_profile().since(&before);
+    let phases: Vec<String> =
+        host.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.0}", us / steps as f64)).collect();
+    Ok((ms, host.realizations as f64 / steps as f64, phases.join(", ")))
+}
+
 /// Time Adam steps on a fixed batch: median ms per step, and the host's
 /// microseconds per phase of one step.
 fn step_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
@@ -158,20 +175,8 @@ fn step_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, St
     }
     let later = model.forward(&x)?.cross_entropy(&y, 0.0, Reduction::Mean)?.item::<f32>()?;
     anyhow::ensure!(later < first, "{name}: the loss did not decrease ({first} -> {later})");
-    let ms = gpu_median_ms(device, runs, false, &mut step)?;
-    // Host time per phase over a few more steps (the timing above also
-    // waited for the autotuner, which these counters would include).
-    let steps = 3;
-    let before = voltaic::host_profile();
-    for _ in 0..steps {
-        step()?;
-    }
-    device.synchronize()?;
-    let host = voltaic::host_profile().since(&before);
-    let phases: Vec<String> =
-        host.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.0}", us / steps as f64)).collect();
-    let per = host.realizations as f64 / steps as f64;
-    Ok((ms, format!("{:.0} samples/s; host us/step ({per:.0} realizations): {}", batch as f64 / (ms / 1e3), phases.join(", "))))
+    let (ms, per, phases) = time_steps(device, runs, &mut step)?;
+    Ok((ms, format!("{:.0} samples/s; host us/step ({per:.0} realizations): {phases}", batch as f64 / (ms / 1e3))))
 }
 
 /// One AdamW step of a MiniLM-sized encoder (6 layers, width 384, 12 heads,
@@ -235,17 +240,6 @@ fn encoder_case(precision: &str, device: Device, runs: usize) -> anyhow::Result<
     }
     let later = loss_of()?.to_dtype(DType::F32)?.item::<f32>()?;
     anyhow::ensure!(later < first, "encoder_{precision}: the loss did not decrease ({first} -> {later})");
-    let ms = gpu_median_ms(device, runs, false, &mut step)?;
-    // Host time per phase over a few more steps (the timing above also
-    // waited for the autotuner, which these counters would include).
-    let steps = 3;
-    let before = voltaic::host_profile();
-    for _ in 0..steps {
-        step()?;
-    }
-    device.synchronize()?;
-    let host = voltaic::host_profile().since(&before);
-    let phases: Vec<String> =
-        host.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.0}", us / steps as f64)).collect();
-    Ok((ms, format!("{:.0} sequences/s, loss {first:.3} -> {later:.3} in 5 steps; host us/step: {}", batch as f64 / (ms / 1e3), phases.join(", "))))
+    let (ms, per, phases) = time_steps(device, runs, &mut step)?;
+    Ok((ms, format!("{:.0} sequences/s, loss {first:.3} -> {later:.3} in 5 steps; host us/step ({per:.0} realizations): {phases}", batch as f64 / (ms / 1e3))))
 }

@@ -20,7 +20,7 @@
 //! autocast off: the gradient of each op is computed in the types its
 //! forward pass used (the backward products of an f16 matmul are f16
 //! products on the same tensor cores). With f16, scale the loss with
-//! [`GradScaler`](crate::optim::GradScaler) so that small gradients do not
+//! `optim::GradScaler` (a layer above this one) so that small gradients do not
 //! flush to zero.
 //!
 //! ```
