@@ -413,9 +413,10 @@ impl GradScaler {
         }
     }
 
-    /// `loss * scale`, to call `backward` on.
+    /// `loss * scale` in f32 (65536 times an f16 loss would overflow f16),
+    /// to call `backward` on.
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
-        loss.mul(self.scale)
+        loss.to_dtype(crate::DType::F32)?.mul(self.scale)
     }
 
     /// Divide the gradients of `opt`'s parameters by the scale (in place,

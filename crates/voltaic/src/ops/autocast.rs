@@ -18,8 +18,10 @@
 //! them in f32, and the cast to the low type is part of each step's graph,
 //! so its gradient flows back to the f32 weight. `backward` runs with
 //! autocast off: the gradient of each op is computed in the types its
-//! forward pass used (the backward products of an f16 matmul are f16
-//! products on the same tensor cores). With f16, scale the loss with
+//! forward pass used (the input gradient of an f16 matmul is an f16
+//! product; a weight gradient whose cast back to the f32 master weight is
+//! fused into it runs as an f32-output product, off the tensor cores).
+//! With f16, scale the loss with
 //! `optim::GradScaler` (a layer above this one) so that small gradients do not
 //! flush to zero.
 //!

@@ -117,7 +117,7 @@ pub(crate) fn default_variant(batch: usize, m: usize, k: usize, n: usize, b_nfas
     // weight gradient took 4.5 ms of a 1.6 ms step on the H100 (in f16,
     // which has no shipped plan; the tuned f32 plan splits it 16 ways).
     let few = tiles(&TILES[6]);
-    if few < 132 && k >= 2048 {
+    if few > 0 && few < 132 && k >= 2048 {
         let splits = 264usize.div_ceil(few).clamp(2, k / 1024);
         return Variant::SplitK { tile: TILES[6], splits };
     }
@@ -141,11 +141,14 @@ impl Gen<'_> {
             Variant::Tiled(t) => self.matmul_tiled(p, a, b, m, k, n, t, 1, epi)?,
             Variant::SplitK { tile, splits } => self.matmul_tiled(p, a, b, m, k, n, tile, splits, epi)?,
             Variant::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
-            Variant::Coop | Variant::CoopWide if self.inputs[a.input].0 == DType::BF16 || self.inputs[b.input].0 == DType::BF16 => {
+            // The plan follows the output's dtype; the tensor cores need f16
+            // operands, or bf16 ones scaled into f16 (a fused cast can make
+            // an f32 product's output 16-bit).
+            Variant::Coop | Variant::CoopWide if !(self.inputs[a.input].0 == DType::F16 && self.inputs[b.input].0 == DType::F16) => {
                 if self.bf16_on_tensor_cores(a, b, epi) {
                     self.matmul_bf16_coop(p, a, b, m, k, n, epi, plan == Variant::CoopWide)?
                 } else {
-                    // A plain conversion to f16 would lose bf16's range: the shader cores.
+                    // A plain conversion to f16 would lose range: the shader cores.
                     let r = b.layout.dims().len();
                     let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
                     let batch = b.layout.dims()[..r - 2].iter().product();
