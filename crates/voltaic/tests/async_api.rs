@@ -35,6 +35,16 @@ fn run<F: Future>(fut: F) -> (F::Output, usize) {
     }
 }
 
+/// An index error is reported to the next read from its device, from
+/// whichever thread reads first (as a CUDA device-side assert reaches the
+/// next CUDA call): the test that provokes one must not share the GPU with
+/// the others, so the GPU tests take turns.
+static GPU_TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    GPU_TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn gpu() -> Device {
     assert!(
         !voltaic::backend::adapters().is_empty(),
@@ -102,11 +112,13 @@ fn async_reads_match_blocking_reads_and_f64_on_the_cpu() {
 
 #[test]
 fn async_reads_match_blocking_reads_and_f64_on_the_gpu() {
+    let _turn = turn();
     check_reads(gpu());
 }
 
 #[test]
 fn gpu_async_opens_the_device_the_blocking_path_finds() {
+    let _turn = turn();
     let g = gpu();
     let Device::Gpu(i) = g else { panic!("gpu_async gave {g:?}") };
     assert!(i < voltaic::backend::adapters().len());
@@ -121,6 +133,7 @@ fn gpu_async_opens_the_device_the_blocking_path_finds() {
 
 #[test]
 fn an_index_error_reaches_the_async_reader() {
+    let _turn = turn();
     for device in [Device::Cpu, gpu()] {
         let x = Tensor::randn(&[4, 3], DType::F32, device).unwrap();
         let idx = idx_tensor(&[0, 9], &[2]).to_device(device).unwrap();
@@ -137,6 +150,7 @@ fn an_index_error_reaches_the_async_reader() {
 fn a_pending_gpu_read_wakes_its_task() {
     // Work big enough (on lavapipe) that the first poll finds it unfinished:
     // the future must then arrange its own wake-up.
+    let _turn = turn();
     let g = gpu();
     let a = Tensor::randn(&[192, 192], DType::F32, g).unwrap();
     let mut y = a.clone();
