@@ -5,6 +5,7 @@ mod demo;
 mod devices;
 mod embed;
 mod generate;
+mod parallel;
 mod plot;
 mod train;
 

@@ -56,7 +56,7 @@ pub struct TrainArgs {
     pub limit: Option<usize>,
     /// Continue the run whose checkpoint is in DIR (after a kill or a crash),
     /// with its settings; reaches the same weights as an uninterrupted run.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "epochs", "batch_size", "lr", "optimizer", "schedule", "seed", "limit", "out", "precision"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "epochs", "batch_size", "lr", "optimizer", "schedule", "seed", "limit", "out", "precision", "devices", "distributed"])]
     pub resume: Option<PathBuf>,
     /// Keep the dataset on the device and gather each batch there: auto (on
     /// a GPU when both splits fit in 2 GiB), yes, or no (batches are made on
@@ -68,6 +68,22 @@ pub struct TrainArgs {
     /// f32, f32 master weights; f16 adds dynamic loss scaling).
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
     pub precision: String,
+    /// Data-parallel training over several devices in this process, one
+    /// thread each, e.g. `gpu:0,gpu:1`, or `gpu:0,gpu:0` (a GPU named twice
+    /// gets a second device on its adapter), or `cpu,cpu`. --batch-size is
+    /// the global batch, split over the devices.
+    #[arg(long, value_delimiter = ',', value_name = "LIST", conflicts_with_all = ["device", "distributed"])]
+    pub devices: Option<Vec<String>>,
+    /// Be one rank of an MPI job (`mpirun -np N voltaic train --distributed`):
+    /// each rank takes one device (the GPU of its local rank, or --device),
+    /// rank 0 writes the checkpoint and the logs. Needs a voltaic built
+    /// with `--features mpi`.
+    #[arg(long)]
+    pub distributed: bool,
+    /// Write every step's training loss (of the whole batch) to FILE, as
+    /// CSV lines `step,loss`.
+    #[arg(long, value_name = "FILE")]
+    pub loss_log: Option<PathBuf>,
     /// End with one JSON line of results.
     #[arg(long)]
     pub json: bool,
@@ -155,7 +171,7 @@ pub fn build_model(name: &str, device: Device) -> anyhow::Result<Sequential> {
     })
 }
 
-pub fn build_optimizer(args: &TrainArgs, model: &Sequential) -> Box<dyn Optimizer> {
+pub fn build_optimizer(args: &TrainArgs, model: &Sequential) -> Box<dyn Optimizer + Send> {
     match args.optimizer.as_str() {
         "sgd" => Box::new(Sgd::new(model.parameters(), args.lr.unwrap_or(0.05)).with_momentum(0.9, true)),
         "adamw" => Box::new(Adam::adamw(model.parameters(), args.lr.unwrap_or(1e-3))),
@@ -243,6 +259,18 @@ pub struct Progress {
     /// Steps the loss scaler skipped (inf or NaN gradients).
     #[serde(default)]
     pub skipped_steps: usize,
+    /// Every step's loss, kept with --loss-log (not checkpointed).
+    #[serde(skip)]
+    pub every_step: Vec<f64>,
+}
+
+/// Write `--loss-log`: one `step,loss` line per step (full precision).
+pub(crate) fn write_loss_log(path: &Path, losses: &[f64]) -> anyhow::Result<()> {
+    let mut csv = String::from("step,loss\n");
+    for (i, l) in losses.iter().enumerate() {
+        csv.push_str(&format!("{},{l:e}\n", i + 1));
+    }
+    voltaic::io::write_atomic(path, csv.as_bytes()).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Train from `progress` up to `args.epochs`, calling `on_epoch` after each
@@ -289,6 +317,8 @@ pub fn train_loop(
         let mut correct = Tensor::from_vec(vec![0i32], &[], device)?;
         let (mut seen, mut window_seen) = (0usize, 0usize);
         let mut window = Tensor::from_vec(vec![0f32], &[], device)?;
+        // With --loss-log, every step's loss, read once the epoch is over.
+        let mut step_losses: Vec<Tensor> = Vec::new();
         for b in train.loader(&opts, epoch as u64)? {
             let b = b?;
             let bs = b.y.numel();
@@ -320,7 +350,12 @@ pub fn train_loop(
             loss_sum = loss_sum.add(&l)?;
             window = window.add(&l)?;
             correct = correct.add(&logits.detach().argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
-            Tensor::realize_all(&[&loss_sum, &correct, &window])?;
+            if args.loss_log.is_some() {
+                step_losses.push(loss.detach().to_dtype(DType::F32)?);
+                Tensor::realize_all(&[&loss_sum, &correct, &window, step_losses.last().expect("just pushed")])?;
+            } else {
+                Tensor::realize_all(&[&loss_sum, &correct, &window])?;
+            }
             seen += bs;
             window_seen += bs;
             progress.step += 1;
@@ -337,6 +372,9 @@ pub fn train_loop(
                 window = Tensor::from_vec(vec![0f32], &[], device)?;
                 window_seen = 0;
             }
+        }
+        for l in &step_losses {
+            progress.every_step.push(l.item::<f32>()? as f64);
         }
         let train_loss = loss_sum.item::<f32>()? as f64 / seen as f64;
         let train_acc = correct.item::<i32>()? as f64 / seen as f64;
@@ -367,12 +405,12 @@ pub fn autocast_type(precision: &str) -> Option<DType> {
 }
 
 /// The learning rate a run starts from.
-fn args_lr(args: &TrainArgs) -> f64 {
+pub(crate) fn args_lr(args: &TrainArgs) -> f64 {
     args.lr.unwrap_or(if args.optimizer == "sgd" { 0.05 } else { 1e-3 })
 }
 
 /// "1 epoch", "5 epochs".
-fn plural(n: usize, word: &str) -> String {
+pub(crate) fn plural(n: usize, word: &str) -> String {
     if n == 1 {
         format!("{n} {word}")
     } else {
@@ -444,7 +482,7 @@ impl SavedArgs {
     }
 }
 
-fn write_checkpoint(dir: &Path, args: &TrainArgs, model: &Sequential, opt: &dyn Optimizer, progress: &Progress) -> anyhow::Result<()> {
+pub(crate) fn write_checkpoint(dir: &Path, args: &TrainArgs, model: &Sequential, opt: &dyn Optimizer, progress: &Progress) -> anyhow::Result<()> {
     let g = voltaic::rng_state();
     let state = RunState { args: SavedArgs::of(args), progress: progress.clone(), rng: (g.seed(), g.offset()) };
     let mut tensors: Vec<(String, Tensor)> = model.named_tensors().into_iter().map(|(n, p)| (format!("model.{n}"), p.value())).collect();
@@ -490,6 +528,9 @@ fn load_model(file: &voltaic::io::safetensors::SafetensorsFile, model: &Sequenti
 }
 
 pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
+    if args.devices.is_some() || args.distributed {
+        return crate::parallel::run(args);
+    }
     // Everything is checked before anything is written.
     let device = crate::parse_device(args.device.as_deref())?;
     let resumed = match args.resume.clone() {
@@ -566,6 +607,15 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
         }
         write_checkpoint(&args.out, &args, &model, opt, p)
     })?;
+    finish(&args, &progress, &device.to_string(), device)
+}
+
+/// The end of a run: the loss log, the curves, the summary line and the
+/// JSON results (`where_` names the device or devices).
+pub(crate) fn finish(args: &TrainArgs, progress: &Progress, where_: &str, device: Device) -> anyhow::Result<()> {
+    if let Some(p) = &args.loss_log {
+        write_loss_log(p, &progress.every_step)?;
+    }
     let history = &progress.history;
     let epochs: Vec<f64> = history.iter().map(|s| s.epoch as f64).collect();
     let pts = |f: &dyn Fn(&EpochStats) -> f64| epochs.iter().copied().zip(history.iter().map(f)).collect::<Vec<_>>();
@@ -606,7 +656,7 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
         println!(
             "{}",
             json!({
-                "dataset": args.dataset, "model": args.model, "device": device.to_string(), "epochs": args.epochs,
+                "dataset": args.dataset, "model": args.model, "device": where_, "epochs": args.epochs,
                 "precision": args.precision, "skipped_steps": progress.skipped_steps,
                 "test_accuracy": (last.test_acc * 1e4).round() / 1e4,
                 "train_seconds": (train_seconds * 100.0).round() / 100.0,

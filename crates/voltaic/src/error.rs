@@ -55,6 +55,15 @@ pub enum Error {
         /// What was wrong, with the devices.
         msg: String,
     },
+    /// A collective operation of data-parallel training failed: another
+    /// replica or rank failed, ranks disagree, or a peer stopped answering.
+    #[error("{op}: {msg}")]
+    Distributed {
+        /// The collective or step that failed.
+        op: &'static str,
+        /// What happened, naming the rank or replica.
+        msg: String,
+    },
     /// An allocation could not be satisfied.
     #[error("out of memory: {0}")]
     OutOfMemory(String),

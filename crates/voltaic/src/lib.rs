@@ -63,6 +63,7 @@ pub mod ops;
 mod tensor;
 
 pub mod data;
+pub mod distributed;
 pub mod io;
 pub mod models;
 pub mod nn;

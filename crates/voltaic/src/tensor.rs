@@ -373,7 +373,7 @@ impl Tensor {
 
     /// Realize and start reading the values back: the part of a read that
     /// the blocking and the async forms share.
-    fn read_start(&self) -> Result<crate::backend::PendingRead> {
+    pub(crate) fn read_start(&self) -> Result<crate::backend::PendingRead> {
         let exec = executor(self.device())?;
         let t = if exec.capabilities().strided_reads || self.is_contiguous() { self.clone() } else { self.contiguous()? };
         crate::backend::read_follows(|| t.realize())?;

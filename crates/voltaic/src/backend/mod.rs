@@ -254,6 +254,16 @@ pub(crate) fn profiling() -> bool {
     crate::profile::enabled()
 }
 
+/// Open another device like `device`: a second wgpu device on the same
+/// adapter (its own queue and memory), numbered from `gpu:1000` up; the
+/// CPU is shared and is returned as it is.
+pub(crate) fn open_replica(device: Device) -> Result<Device> {
+    match device {
+        Device::Cpu => Ok(Device::Cpu),
+        Device::Gpu(i) => Ok(Device::Gpu(self::wgpu::open_replica(i)?)),
+    }
+}
+
 /// Write the on-disk caches of every open device now (they are also written
 /// every few seconds while kernels compile). Call before a short program exits.
 pub fn save_caches() {

@@ -67,7 +67,14 @@ struct Registry {
     /// had none; numbered after `adapters`.
     gl: OnceLock<Vec<wgpu::Adapter>>,
     contexts: Mutex<HashMap<usize, Arc<GpuContext>>>,
+    /// The adapter index of each extra device opened on an adapter
+    /// ([`open_replica`]); replica `k` is `gpu:{REPLICA_BASE + k}`.
+    replicas: Mutex<Vec<usize>>,
 }
+
+/// The first `gpu:N` of the extra devices opened on an adapter (more than
+/// any machine has adapters, so the two never meet).
+pub(crate) const REPLICA_BASE: usize = 1000;
 
 /// The backends asked for by `VOLTAIC_BACKEND` or, as in every wgpu
 /// program, `WGPU_BACKEND` (e.g. `gl`, `vulkan`, `vulkan,gl`).
@@ -116,7 +123,7 @@ static REGISTRY: OnceLock<Registry> = OnceLock::new();
 
 impl Registry {
     fn new(adapters: Vec<wgpu::Adapter>) -> Registry {
-        Registry { adapters, gl: OnceLock::new(), contexts: Mutex::new(HashMap::new()) }
+        Registry { adapters, gl: OnceLock::new(), contexts: Mutex::new(HashMap::new()), replicas: Mutex::new(Vec::new()) }
     }
 
     /// Every adapter known so far, in `gpu:N` order.
@@ -268,12 +275,45 @@ pub(crate) fn context(index: usize) -> Result<Arc<GpuContext>> {
     pollster::block_on(context_async(index))
 }
 
+/// Open another wgpu device on the adapter of `gpu:index` (its own queue,
+/// memory and pipelines), as `gpu:N` for a new N from [`REPLICA_BASE`] up.
+#[cfg(not(target_arch = "wasm32"))]
+pub(crate) fn open_replica(index: usize) -> Result<usize> {
+    let reg = registry();
+    let adapter_index = if index >= REPLICA_BASE {
+        let r = reg.replicas.lock().unwrap_or_else(|e| e.into_inner());
+        *r.get(index - REPLICA_BASE).ok_or_else(|| Error::Device { op: "device", msg: format!("gpu:{index} is not open") })?
+    } else {
+        context(index)?;
+        index
+    };
+    let adapter = reg.all().nth(adapter_index).expect("an opened adapter is listed");
+    let mut replicas = reg.replicas.lock().unwrap_or_else(|e| e.into_inner());
+    let new = REPLICA_BASE + replicas.len();
+    let ctx = Arc::new(pollster::block_on(GpuContext::open(new, adapter))?);
+    replicas.push(adapter_index);
+    reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).insert(new, ctx);
+    Ok(new)
+}
+
+/// The web opens one device per adapter.
+#[cfg(target_arch = "wasm32")]
+pub(crate) fn open_replica(index: usize) -> Result<usize> {
+    Err(Error::Device { op: "device", msg: format!("a second device on the adapter of gpu:{index} cannot be opened in a browser") })
+}
+
 /// The open device `gpu:index`, opened without blocking the thread.
 pub(crate) async fn context_async(index: usize) -> Result<Arc<GpuContext>> {
     let reg = registry_async().await;
     if let Some(c) = reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).get(&index) {
         c.check_alive()?;
         return Ok(c.clone());
+    }
+    if index >= REPLICA_BASE {
+        return Err(Error::Device {
+            op: "device",
+            msg: format!("gpu:{index} is not available: numbers from gpu:{REPLICA_BASE} up are extra devices opened on an adapter (DeviceGroup), and this one was not"),
+        });
     }
     if index >= reg.adapters.len() {
         // Numbered after the others: the GL adapters `voltaic devices` lists.

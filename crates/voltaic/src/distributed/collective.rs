@@ -1,0 +1,264 @@
+//! Collectives: how replicas of a data-parallel run agree on numbers. One
+//! trait, two engines: threads of one process ([`LocalGroup`]) and MPI
+//! ranks (`MpiCollective`, behind the `mpi` feature).
+
+use crate::error::{Error, Result};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// The operations data-parallel training needs from its peers. Every rank
+/// calls each operation in the same order (they are collective); the data
+/// lives in host memory.
+pub trait Collective: Send + Sync {
+    /// This participant's rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// How many participants there are.
+    fn world_size(&self) -> usize;
+    /// Sum `data` element-wise over every rank, in place; every rank gets
+    /// the same bits (the sum runs in rank order).
+    fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()>;
+    /// Replace `data` on every rank by rank `root`'s.
+    fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()>;
+    /// Every rank's `values` (all of the same length), in rank order.
+    fn all_gather(&self, values: &[u64]) -> Result<Vec<Vec<u64>>>;
+    /// Tell the peers that this rank failed with `why`, so that none of
+    /// them waits for it (an in-process group wakes them with an error;
+    /// MPI aborts the job).
+    fn abort(&self, why: &str);
+}
+
+/// How long an in-process collective waits for a peer that neither arrives
+/// nor fails (`VOLTAIC_COLLECTIVE_TIMEOUT`, seconds; default 300).
+fn timeout() -> Duration {
+    let s = std::env::var("VOLTAIC_COLLECTIVE_TIMEOUT").ok().and_then(|v| v.parse::<f64>().ok()).filter(|v| *v > 0.0).unwrap_or(300.0);
+    Duration::from_secs_f64(s)
+}
+
+/// One round of a rendezvous: what each rank brought.
+#[derive(Default)]
+struct Round {
+    generation: u64,
+    arrived: usize,
+    slots: Vec<Option<Vec<f32>>>,
+    /// The previous round's contributions, in rank order.
+    published: Option<Arc<Vec<Vec<f32>>>>,
+    failed: Option<String>,
+}
+
+struct Shared {
+    n: usize,
+    round: Mutex<Round>,
+    turn: Condvar,
+}
+
+/// Threads of one process exchanging through shared memory: one handle per
+/// replica, each used by that replica's thread.
+///
+/// ```
+/// use voltaic::distributed::{Collective, LocalGroup};
+/// let handles = LocalGroup::new(3);
+/// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+///     let jobs: Vec<_> = handles.iter().map(|h| s.spawn(move || {
+///         let mut v = vec![h.rank() as f32; 4];
+///         h.all_reduce_sum(&mut v).map(|_| v)
+///     })).collect();
+///     jobs.into_iter().map(|j| j.join().unwrap().unwrap()).collect()
+/// });
+/// assert!(sums.iter().all(|v| v == &vec![3.0; 4]));
+/// ```
+pub struct LocalGroup {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl LocalGroup {
+    /// `n` connected handles, ranks `0..n`.
+    pub fn new(n: usize) -> Vec<Arc<dyn Collective>> {
+        let shared = Arc::new(Shared { n, round: Mutex::new(Round { slots: vec![None; n], ..Default::default() }), turn: Condvar::new() });
+        (0..n).map(|rank| Arc::new(LocalGroup { rank, shared: shared.clone() }) as Arc<dyn Collective>).collect()
+    }
+
+    /// Give `data` to the round and wait for every rank's contribution.
+    fn exchange(&self, op: &'static str, data: Vec<f32>) -> Result<Arc<Vec<Vec<f32>>>> {
+        let sh = &self.shared;
+        let mut r = sh.round.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(why) = &r.failed {
+            return Err(Error::Distributed { op, msg: why.clone() });
+        }
+        let generation = r.generation;
+        r.slots[self.rank] = Some(data);
+        r.arrived += 1;
+        if r.arrived == sh.n {
+            let all: Vec<Vec<f32>> = r.slots.iter_mut().map(|s| s.take().unwrap_or_default()).collect();
+            r.published = Some(Arc::new(all));
+            r.arrived = 0;
+            r.generation += 1;
+            sh.turn.notify_all();
+        }
+        let limit = timeout();
+        let start = Instant::now();
+        while r.generation == generation && r.failed.is_none() {
+            let left = limit.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                let missing: Vec<usize> = (0..sh.n).filter(|&i| r.slots[i].is_none()).collect();
+                let why = format!("replica(s) {missing:?} did not arrive within {:.0} s (VOLTAIC_COLLECTIVE_TIMEOUT)", limit.as_secs_f64());
+                r.failed = Some(why.clone());
+                sh.turn.notify_all();
+                return Err(Error::Distributed { op, msg: why });
+            }
+            r = sh.turn.wait_timeout(r, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        if r.generation == generation {
+            let why = r.failed.clone().unwrap_or_default();
+            return Err(Error::Distributed { op, msg: why });
+        }
+        Ok(r.published.clone().expect("a finished round is published"))
+    }
+}
+
+impl Collective for LocalGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.n
+    }
+
+    fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()> {
+        let n = self.shared.n;
+        let all = self.exchange("all_reduce", data.to_vec())?;
+        if let Some(bad) = all.iter().position(|v| v.len() != data.len()) {
+            let why = format!("replica {bad} gave {} values, replica {} gave {}", all[bad].len(), self.rank, data.len());
+            self.abort(&why);
+            return Err(Error::Distributed { op: "all_reduce", msg: why });
+        }
+        // Each replica sums its own share of the elements (in rank order),
+        // then the shares are exchanged: the work is spread over the threads
+        // and every replica ends with the same bits.
+        let len = data.len();
+        let (lo, hi) = (len * self.rank / n, len * (self.rank + 1) / n);
+        let mut part = all[0][lo..hi].to_vec();
+        for v in &all[1..] {
+            for (p, x) in part.iter_mut().zip(&v[lo..hi]) {
+                *p += x;
+            }
+        }
+        drop(all);
+        let parts = self.exchange("all_reduce", part)?;
+        let mut at = 0;
+        for p in parts.iter() {
+            data[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()> {
+        if root >= self.shared.n {
+            return Err(Error::Distributed { op: "broadcast", msg: format!("root {root} is not a rank of a group of {}", self.shared.n) });
+        }
+        let mine = if self.rank == root { data.to_vec() } else { Vec::new() };
+        let all = self.exchange("broadcast", mine)?;
+        if all[root].len() != data.len() {
+            return Err(Error::Distributed {
+                op: "broadcast",
+                msg: format!("rank {root} sent {} values, rank {} expected {}", all[root].len(), self.rank, data.len()),
+            });
+        }
+        data.copy_from_slice(&all[root]);
+        Ok(())
+    }
+
+    fn all_gather(&self, values: &[u64]) -> Result<Vec<Vec<u64>>> {
+        // u64s travel as pairs of f32 bit patterns (copied, never computed on).
+        let bits: Vec<f32> = values.iter().flat_map(|&v| [f32::from_bits(v as u32), f32::from_bits((v >> 32) as u32)]).collect();
+        let all = self.exchange("all_gather", bits)?;
+        Ok(all.iter().map(|v| v.chunks_exact(2).map(|c| c[0].to_bits() as u64 | (c[1].to_bits() as u64) << 32).collect()).collect())
+    }
+
+    fn abort(&self, why: &str) {
+        let mut r = self.shared.round.lock().unwrap_or_else(|e| e.into_inner());
+        if r.failed.is_none() {
+            r.failed = Some(format!("replica {} failed: {why}", self.rank));
+        }
+        self.shared.turn.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on_threads<T: Send>(handles: &[Arc<dyn Collective>], f: impl Fn(&dyn Collective) -> T + Sync) -> Vec<T> {
+        std::thread::scope(|s| {
+            let jobs: Vec<_> = handles.iter().map(|h| s.spawn(|| f(&**h))).collect();
+            jobs.into_iter().map(|j| j.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn all_reduce_sums_in_rank_order_and_every_rank_gets_the_same_bits() {
+        for n in [1, 2, 3, 5] {
+            let h = LocalGroup::new(n);
+            let out = on_threads(&h, |c| {
+                let mut v: Vec<f32> = (0..37).map(|i| ((i * 7 + c.rank() * 13) % 11) as f32 * 0.1 + 1e-7 * c.rank() as f32).collect();
+                c.all_reduce_sum(&mut v).unwrap();
+                v
+            });
+            let want: Vec<f32> = (0..37)
+                .map(|i| {
+                    let mut s = 0f32;
+                    for r in 0..n {
+                        s += ((i * 7 + r * 13) % 11) as f32 * 0.1 + 1e-7 * r as f32;
+                    }
+                    s
+                })
+                .collect();
+            for v in &out {
+                assert_eq!(v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn rounds_follow_each_other_and_broadcast_and_gather_work() {
+        let h = LocalGroup::new(4);
+        let out = on_threads(&h, |c| {
+            let mut last = vec![];
+            for round in 0..50 {
+                let mut v = vec![(c.rank() * 100 + round) as f32; 3];
+                c.broadcast(&mut v, round % 4).unwrap();
+                assert_eq!(v, vec![((round % 4) * 100 + round) as f32; 3]);
+                last = c.all_gather(&[c.rank() as u64, u64::MAX - round as u64]).unwrap();
+            }
+            last
+        });
+        for g in out {
+            assert_eq!(g, (0..4).map(|r| vec![r as u64, u64::MAX - 49]).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn a_failed_rank_wakes_the_others_with_its_reason() {
+        let h = LocalGroup::new(3);
+        let out = on_threads(&h, |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(50));
+                c.abort("out of memory on gpu:7");
+                return Err(Error::OutOfMemory("gpu:7".into()));
+            }
+            let mut v = vec![1.0; 8];
+            c.all_reduce_sum(&mut v)
+        });
+        for (r, e) in out.into_iter().enumerate() {
+            let msg = e.unwrap_err().to_string();
+            if r != 1 {
+                assert!(msg.contains("replica 1 failed") && msg.contains("out of memory on gpu:7"), "{msg}");
+            }
+        }
+        // The group stays failed.
+        let mut v = vec![0.0];
+        assert!(h[0].all_reduce_sum(&mut v).is_err());
+    }
+}

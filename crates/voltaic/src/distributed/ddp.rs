@@ -1,0 +1,309 @@
+//! One replica of data-parallel training: its module, and the bucketed
+//! all-reduce that turns its gradients into the whole batch's.
+
+use super::collective::Collective;
+use crate::backend::PendingRead;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::{Module, Parameter};
+use crate::storage::StorageElem;
+use crate::tensor::Tensor;
+use std::sync::{Arc, Mutex};
+use web_time::Instant;
+
+/// PyTorch DDP's bucket sizes: a small first bucket, so that the reduction
+/// starts early, then 25 MiB ones.
+const FIRST_BUCKET_BYTES: usize = 1 << 20;
+const BUCKET_BYTES: usize = 25 << 20;
+
+/// What the last gradient synchronisation cost, in seconds of host time.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SyncStats {
+    /// Buckets reduced.
+    pub buckets: usize,
+    /// Bytes of gradient reduced (f32).
+    pub bytes: usize,
+    /// From the start of the synchronisation to its end (realising the
+    /// gradients, reading them back, reducing, uploading).
+    pub total_seconds: f64,
+    /// Inside the collective (waiting for the peers and adding).
+    pub reduce_seconds: f64,
+    /// Waiting for the device to compute and return a bucket.
+    pub read_seconds: f64,
+}
+
+/// One replica of data-parallel training, as PyTorch's
+/// `DistributedDataParallel`: it holds the module, makes every rank start
+/// from rank 0's parameters (and refuses a rank whose model differs), and
+/// replaces the gradients of a backward pass by their sum over the ranks,
+/// reduced in buckets while later gradients are still being computed.
+///
+/// ```
+/// use voltaic::distributed::{DistributedDataParallel, LocalGroup};
+/// use voltaic::nn::{Forward, Linear, Module};
+/// use voltaic::{DType, Device, Tensor};
+/// let comm = LocalGroup::new(1).remove(0);
+/// let ddp = DistributedDataParallel::new(Linear::new(3, 2, true, Device::Cpu)?, comm)?;
+/// let x = Tensor::randn(&[4, 3], DType::F32, Device::Cpu)?;
+/// let loss = ddp.module().forward(&x)?.sqr()?.mean(&[], false)?;
+/// let global = ddp.backward(&loss, 1.0)?; // this rank holds the whole batch
+/// assert!((global - loss.item::<f32>()? as f64).abs() < 1e-6);
+/// assert!(ddp.module().parameters()[0].grad().is_some());
+/// # Ok::<(), voltaic::Error>(())
+/// ```
+pub struct DistributedDataParallel<M> {
+    module: M,
+    comm: Arc<dyn Collective>,
+    params: Vec<Parameter>,
+    first_bucket_bytes: usize,
+    bucket_bytes: usize,
+    stats: Mutex<SyncStats>,
+}
+
+/// A stable digest of a model's layout: names, shapes, dtypes, roles.
+fn signature(named: &[(String, Parameter)]) -> (u64, u64) {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    let mut numel = 0u64;
+    for (name, p) in named {
+        let v = p.value();
+        eat(name.as_bytes());
+        for d in v.dims() {
+            eat(&(*d as u64).to_le_bytes());
+        }
+        eat(v.dtype().to_string().as_bytes());
+        eat(&[p.is_trainable() as u8, 0xff]);
+        numel += v.numel() as u64;
+    }
+    (h, numel)
+}
+
+/// Read a flat f32 tensor's values once its pending read arrives.
+fn finish_f32(read: PendingRead) -> Result<Vec<f32>> {
+    let host = read.wait()?;
+    Ok(host.layout.gather(f32::slice(host.storage()).expect("an f32 bucket")))
+}
+
+impl<M: Module> DistributedDataParallel<M> {
+    /// Wrap `module` for the rank `comm` speaks for. Collective: every rank
+    /// calls it. Checks that every rank built the same model (names,
+    /// shapes, dtypes) and copies rank 0's parameters and buffers to all.
+    pub fn new(module: M, comm: Arc<dyn Collective>) -> Result<Self> {
+        let named = module.named_tensors();
+        let (sig, numel) = signature(&named);
+        let all = comm.all_gather(&[named.len() as u64, numel, sig])?;
+        if let Some(bad) = all.iter().position(|v| v != &all[0]) {
+            let why = format!(
+                "ranks disagree on the model: rank 0 has {} tensors ({} values, layout digest {:016x}), rank {bad} has {} tensors ({} values, digest {:016x})",
+                all[0][0], all[0][1], all[0][2], all[bad][0], all[bad][1], all[bad][2]
+            );
+            return Err(Error::Distributed { op: "DistributedDataParallel::new", msg: why });
+        }
+        let ddp = DistributedDataParallel {
+            params: module.parameters(),
+            module,
+            comm,
+            first_bucket_bytes: FIRST_BUCKET_BYTES,
+            bucket_bytes: BUCKET_BYTES,
+            stats: Mutex::new(SyncStats::default()),
+        };
+        ddp.broadcast_state(&named)?;
+        Ok(ddp)
+    }
+
+    /// Reduce gradients in buckets of about `bytes` (f32) after a first
+    /// bucket of `first` bytes; PyTorch's defaults are 1 MiB and 25 MiB.
+    pub fn with_bucket_bytes(mut self, first: usize, bytes: usize) -> Self {
+        self.first_bucket_bytes = first.max(4);
+        self.bucket_bytes = bytes.max(4);
+        self
+    }
+
+    /// The wrapped module.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// Give the module back.
+    pub fn into_inner(self) -> M {
+        self.module
+    }
+
+    /// The collective this replica reduces through.
+    pub fn comm(&self) -> &Arc<dyn Collective> {
+        &self.comm
+    }
+
+    /// What the last [`backward`](Self::backward) spent on synchronising.
+    pub fn last_sync(&self) -> SyncStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Copy rank 0's parameters and buffers to every rank, bucket by bucket.
+    fn broadcast_state(&self, named: &[(String, Parameter)]) -> Result<()> {
+        let _g = crate::NoGradGuard::new();
+        for chunk in buckets(named.iter().map(|(_, p)| p.value().numel() * 4), self.bucket_bytes, self.bucket_bytes) {
+            let vals: Vec<Tensor> = chunk.iter().map(|&i| named[i].1.value()).collect();
+            let flat = flat_f32(&vals)?;
+            let mut host = finish_f32(flat.read_start()?)?;
+            self.comm.broadcast(&mut host, 0)?;
+            let device = vals[0].device();
+            let flat = Tensor::from_vec(host, &[flat.numel()], device)?;
+            let mut at = 0;
+            for (&i, v) in chunk.iter().zip(&vals) {
+                let part = flat.narrow(0, at, v.numel())?.reshape_dims(v.dims())?.to_dtype(v.dtype())?.contiguous()?;
+                at += v.numel();
+                named[i].1.set(part.realize()?.clone())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Backpropagate `loss` (this replica's part of the batch, as a mean
+    /// over its examples) weighted by `share`, this replica's fraction of
+    /// the global batch, then replace every parameter's gradient by the sum
+    /// over the ranks: the gradient of the whole batch's mean loss, as one
+    /// device computing it would have. Returns the whole batch's loss (the
+    /// weighted sum over the ranks). Collective: every rank calls it once
+    /// per step, also a rank with an empty part (`share` 0).
+    ///
+    /// Buckets are formed from the last parameters backwards (their
+    /// gradients are ready first); each is realised, read back and reduced
+    /// while the device computes the next.
+    pub fn backward(&self, loss: &Tensor, share: f64) -> Result<f64> {
+        if !share.is_finite() || !(0.0..=1.0).contains(&share) {
+            return Err(Error::Value { op: "DistributedDataParallel::backward", msg: format!("share must be in [0, 1], got {share}") });
+        }
+        if loss.numel() != 1 {
+            return Err(Error::Shape { op: "DistributedDataParallel::backward", msg: format!("expected a one-element loss, got shape {:?}", loss.dims()) });
+        }
+        let start = Instant::now();
+        // An empty part's mean is NaN: it contributes zero, not NaN.
+        let weighted = if share > 0.0 { loss.mul(share)? } else { Tensor::zeros(loss.dims(), DType::F32, loss.device())? };
+        if share > 0.0 {
+            weighted.backward()?;
+        }
+        let _g = crate::NoGradGuard::new();
+        let mut stats = SyncStats::default();
+        // Last parameters first: backward reaches them first.
+        let order: Vec<usize> = (0..self.params.len()).rev().collect();
+        let sizes = order.iter().map(|&i| self.params[i].value().numel() * 4);
+        let plan = buckets(sizes, self.first_bucket_bytes, self.bucket_bytes);
+        let n_buckets = plan.len().max(1);
+        let mut in_flight: Option<(Vec<usize>, Tensor, PendingRead)> = None;
+        let mut global_loss = 0.0;
+        for b in 0..n_buckets {
+            let members: Vec<usize> = plan.get(b).map(|c| c.iter().map(|&j| order[j]).collect()).unwrap_or_default();
+            let mut grads: Vec<Tensor> = Vec::with_capacity(members.len() + 1);
+            for &i in &members {
+                let v = self.params[i].value();
+                grads.push(match self.params[i].grad() {
+                    Some(g) => g,
+                    // A parameter the loss did not reach: zeros, so that every
+                    // rank's buckets have the same layout.
+                    None => Tensor::zeros(v.dims(), v.dtype(), v.device())?,
+                });
+            }
+            if b + 1 == n_buckets {
+                // The loss travels with the last bucket: no collective of its own.
+                grads.push(weighted.detach());
+            }
+            let flat = flat_f32(&grads)?;
+            let read = flat.read_start()?;
+            if let Some((prev, pflat, pread)) = in_flight.take() {
+                self.reduce(prev, pflat, pread, &mut stats, None)?;
+            }
+            in_flight = Some((members, flat, read));
+        }
+        if let Some((prev, pflat, pread)) = in_flight.take() {
+            self.reduce(prev, pflat, pread, &mut stats, Some(&mut global_loss))?;
+        }
+        stats.buckets = n_buckets;
+        stats.total_seconds = start.elapsed().as_secs_f64();
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+        Ok(global_loss)
+    }
+
+    /// Wait for one bucket, sum it over the ranks and hand each parameter
+    /// its part (a view of one uploaded buffer).
+    fn reduce(&self, members: Vec<usize>, flat: Tensor, read: PendingRead, stats: &mut SyncStats, loss: Option<&mut f64>) -> Result<()> {
+        let t = Instant::now();
+        let mut host = finish_f32(read)?;
+        stats.read_seconds += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        self.comm.all_reduce_sum(&mut host)?;
+        stats.reduce_seconds += t.elapsed().as_secs_f64();
+        stats.bytes += host.len() * 4;
+        if let Some(l) = loss {
+            *l = host.pop().map(f64::from).unwrap_or(0.0);
+        }
+        if members.is_empty() {
+            return Ok(());
+        }
+        let device = flat.device();
+        let summed = Tensor::from_vec(host, &[flat.numel() - loss_slot(flat.numel(), &members, &self.params)], device)?;
+        let mut at = 0;
+        for &i in &members {
+            let v = self.params[i].value();
+            let g = summed.narrow(0, at, v.numel())?.reshape_dims(v.dims())?;
+            at += v.numel();
+            v.set_grad(Some(if g.dtype() == v.dtype() { g } else { g.to_dtype(v.dtype())? }))?;
+        }
+        Ok(())
+    }
+}
+
+/// 1 when the flat bucket also carries the loss (it is longer than its
+/// parameters), else 0.
+fn loss_slot(flat_len: usize, members: &[usize], params: &[Parameter]) -> usize {
+    let n: usize = members.iter().map(|&i| params[i].value().numel()).sum();
+    flat_len - n
+}
+
+/// The tensors as one flat f32 vector (lazy: fused into one kernel).
+fn flat_f32(ts: &[Tensor]) -> Result<Tensor> {
+    let parts: Vec<Tensor> = ts.iter().map(|t| t.to_dtype(DType::F32)?.flatten_all()).collect::<Result<_>>()?;
+    let refs: Vec<&Tensor> = parts.iter().collect();
+    if refs.len() == 1 {
+        return refs[0].contiguous();
+    }
+    Tensor::cat(&refs, 0)
+}
+
+/// Group consecutive items of `sizes` (bytes) into buckets: the first of
+/// at least `first` bytes, the rest of at least `rest` (an item is never
+/// split). Indices into `sizes`.
+fn buckets(sizes: impl Iterator<Item = usize>, first: usize, rest: usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut cur = Vec::new();
+    let mut bytes = 0;
+    for (i, s) in sizes.enumerate() {
+        cur.push(i);
+        bytes += s;
+        let cap = if out.is_empty() { first } else { rest };
+        if bytes >= cap {
+            out.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::buckets;
+
+    #[test]
+    fn buckets_start_small_and_never_split_a_tensor() {
+        let b = buckets([10, 10, 10, 50, 5, 5, 5].into_iter(), 15, 40);
+        assert_eq!(b, vec![vec![0, 1], vec![2, 3], vec![4, 5, 6]]);
+        assert!(buckets(std::iter::empty(), 1, 1).is_empty());
+    }
+}

@@ -1,0 +1,126 @@
+//! The ranks of an MPI job as a [`Collective`] (the `mpi` feature: rsmpi
+//! over the system's MPI, e.g. Debian's Open MPI).
+
+use super::collective::Collective;
+use crate::error::{Error, Result};
+use mpi::collective::SystemOperation;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use mpi::Threading;
+use std::sync::Mutex;
+
+/// This process's rank of an MPI job (`mpirun -np N ...`): gradients are
+/// summed with `MPI_Allreduce` over host memory. MPI is initialised by
+/// [`MpiCollective::world`] and finalised when the value is dropped; calls
+/// go through a lock, so any one thread may make them at a time.
+///
+/// When this rank fails, [`Collective::abort`] prints the reason and calls
+/// `MPI_Abort`, which ends every rank of the job; when another rank dies,
+/// the MPI launcher ends this one and names the rank that died.
+pub struct MpiCollective {
+    world: Mutex<SimpleCommunicator>,
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    // Dropped last: finalises MPI.
+    _universe: Universe,
+}
+
+// SAFETY: MPI is initialised with at least MPI_THREAD_SERIALIZED (checked
+// in `world`), and every call on the communicator holds the mutex, so calls
+// from different threads never overlap.
+unsafe impl Send for MpiCollective {}
+unsafe impl Sync for MpiCollective {}
+
+fn mpi_err(op: &'static str, msg: impl Into<String>) -> Error {
+    Error::Distributed { op, msg: msg.into() }
+}
+
+impl MpiCollective {
+    /// Initialise MPI and join its world communicator. An error when MPI
+    /// was already initialised or cannot serve calls from several threads.
+    pub fn world() -> Result<MpiCollective> {
+        let (universe, level) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| mpi_err("MpiCollective::world", "MPI is already initialised in this process"))?;
+        if level < Threading::Serialized {
+            return Err(mpi_err("MpiCollective::world", format!("the MPI library offers thread level {level:?}; Voltaic needs Serialized or Multiple")));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let local_rank = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok()?.parse().ok())
+            .unwrap_or(rank);
+        Ok(MpiCollective { world: Mutex::new(world), rank, size, local_rank, _universe: universe })
+    }
+
+    /// This rank's index among the ranks on its machine (from the
+    /// launcher's environment): which GPU of the machine it should take.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    fn comm(&self) -> std::sync::MutexGuard<'_, SimpleCommunicator> {
+        self.world.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Collective for MpiCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()> {
+        // Every rank must bring the same length: MPI cannot check it, and a
+        // mismatch would corrupt memory, so the lengths are compared first.
+        let lens = self.all_gather(&[data.len() as u64])?;
+        if let Some(bad) = lens.iter().position(|l| l[0] != data.len() as u64) {
+            return Err(mpi_err("all_reduce", format!("rank {bad} reduces {} values, rank {} reduces {}", lens[bad][0], self.rank, data.len())));
+        }
+        let send = data.to_vec();
+        self.comm().all_reduce_into(&send[..], data, SystemOperation::sum());
+        Ok(())
+    }
+
+    fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(mpi_err("broadcast", format!("root {root} is not a rank of a job of {}", self.size)));
+        }
+        let lens = self.all_gather(&[data.len() as u64])?;
+        if let Some(bad) = lens.iter().position(|l| l[0] != data.len() as u64) {
+            return Err(mpi_err("broadcast", format!("rank {bad} expects {} values, rank {} expects {}", lens[bad][0], self.rank, data.len())));
+        }
+        let world = self.comm();
+        world.process_at_rank(root as i32).broadcast_into(data);
+        Ok(())
+    }
+
+    fn all_gather(&self, values: &[u64]) -> Result<Vec<Vec<u64>>> {
+        let world = self.comm();
+        // The lengths first, so that ranks bringing different counts get an
+        // error rather than a buffer overrun.
+        let mut lens = vec![0u64; self.size];
+        world.all_gather_into(&(values.len() as u64), &mut lens[..]);
+        if let Some(bad) = lens.iter().position(|&l| l != values.len() as u64) {
+            return Err(mpi_err("all_gather", format!("rank {bad} sent {} values, rank {} sent {}", lens[bad], self.rank, values.len())));
+        }
+        let mut all = vec![0u64; self.size * values.len()];
+        world.all_gather_into(values, &mut all[..]);
+        Ok(all.chunks(values.len().max(1)).map(|c| c.to_vec()).take(self.size).collect())
+    }
+
+    fn abort(&self, why: &str) {
+        eprintln!("voltaic: rank {} of {} failed: {why}; ending the MPI job", self.rank, self.size);
+        // Not through the lock: the failing thread may hold it.
+        // SAFETY: MPI_Abort on the world communicator is allowed from any
+        // thread at any time and does not return.
+        unsafe {
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 3);
+        }
+    }
+}
