@@ -230,3 +230,15 @@ fn an_out_of_range_u32_index_is_reported_as_unsigned() {
     let e = x.index_select(0, &idx).unwrap().to_vec::<f32>().unwrap_err().to_string();
     assert!(e.contains("index -3 "), "{e}");
 }
+
+#[test]
+fn work_past_32_bit_indices_is_refused_with_a_clear_error() {
+    // 2^36 elements summed (the zeros are fused, so no buffer is that
+    // large): the kernel could not index them, and says so.
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (g, _) = gpu();
+    let e = Tensor::zeros(&[1 << 20, 1 << 16], DType::F32, g).unwrap().sum_all().unwrap().item::<f32>().unwrap_err().to_string();
+    assert!(e.contains("reduce") && e.contains("68719476736") && e.contains("32-bit"), "{e}");
+    // The device keeps working.
+    assert_eq!(Tensor::ones(&[5], DType::F32, g).unwrap().sum_all().unwrap().item::<f32>().unwrap(), 5.0);
+}

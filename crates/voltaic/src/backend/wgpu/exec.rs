@@ -285,9 +285,12 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
     let generation = ctx.tuner.generation();
     let forced = super::matmul::FORCE.with(|f| f.get()).is_some();
     let mut cell = plan.prepared.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = cell.as_ref().and_then(|p| p.clone().downcast::<Prepared>().ok()) {
-        if p.device == ctx.index && p.generation == generation && !forced {
-            return Ok(p);
+    // One prepared state per device: replicas of a data-parallel run share
+    // their cached plans and must not undo each other's preparation.
+    let per_device: Arc<Vec<Arc<Prepared>>> = cell.as_ref().and_then(|p| p.clone().downcast::<Vec<Arc<Prepared>>>().ok()).unwrap_or_default();
+    if let Some(p) = per_device.iter().find(|p| p.device == ctx.index) {
+        if p.generation == generation && !forced {
+            return Ok(p.clone());
         }
     }
     let mut work = Vec::with_capacity(plan.kernels.len());
@@ -295,6 +298,18 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
         check_dtype(&ctx.caps, k.dtype, k.kind.name())?;
         // A buffer too large for the device is out of memory, before any compile error it would cause.
         super::pool::fits(ctx, k.dtype, k.numel, k.numel as u64 * elem_bytes(&ctx.caps, k.dtype))?;
+        // Kernels index with u32: a larger iteration space is refused here,
+        // not by the shader compiler.
+        let space = match &k.kind {
+            crate::ir::KernelKind::Reduce { outer, inner, .. } | crate::ir::KernelKind::Rows { outer, inner, .. } => outer.saturating_mul(*inner),
+            _ => k.numel,
+        };
+        if space > u32::MAX as usize {
+            return Err(crate::error::Error::Value {
+                op: k.kind.name(),
+                msg: format!("{space} elements exceed what a kernel on gpu:{} can index (2^32 - 1, 32-bit indices); split the work", ctx.index),
+            });
+        }
         let inputs: Vec<_> = k.inputs.iter().map(|&s| (plan.slots[s].dtype, plan.slots[s].numel)).collect();
         for &(dt, _) in &inputs {
             check_dtype(&ctx.caps, dt, k.kind.name())?;
@@ -317,7 +332,9 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
     let bound = kernels.iter().map(|_| Mutex::new(None)).collect();
     let p = Arc::new(Prepared { device: ctx.index, generation, kernels, bound });
     if !forced {
-        *cell = Some(p.clone());
+        let mut all: Vec<Arc<Prepared>> = per_device.iter().filter(|q| q.device != ctx.index).cloned().collect();
+        all.push(p.clone());
+        *cell = Some(Arc::new(all));
     }
     Ok(p)
 }
