@@ -6,10 +6,11 @@ cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 say() { echo "scripts/lint.sh: $*" >&2; }
 
-say "cargo clippy --workspace --all-targets -- -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
+# With the MPI feature too (scripts/test.sh installed Open MPI): its code is linted and documented.
+say "cargo clippy --workspace --all-targets --features voltaic-cli/mpi -- -D warnings"
+cargo clippy --workspace --all-targets --features voltaic-cli/mpi -- -D warnings
 say "cargo doc --workspace --no-deps (warnings are errors)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features voltaic-cli/mpi
 # The library for the other platforms wgpu serves (a build check: nothing
 # runs; the standard library for each comes from rustup): aarch64 Linux,
 # macOS (Metal), Windows (DX12), and the browser (wasm32 + WebGPU, where

@@ -22,6 +22,10 @@ ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 || need+=(libvulkan1 me
 # The GL run of the GPU tests: EGL with Mesa's llvmpipe, headless.
 ls /usr/share/glvnd/egl_vendor.d/*mesa*.json >/dev/null 2>&1 || need+=(libegl1 libegl-mesa0 libgl1-mesa-dri)
 [ -d /usr/share/datasets/fashion-mnist ] || need+=(dataset-fashion-mnist)
+# Data-parallel training across processes: Open MPI (mpirun, and the
+# library rsmpi binds to, which needs clang to generate its bindings).
+command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev openmpi-bin)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(clang libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
@@ -44,12 +48,15 @@ python3 -c "import gguf" >/dev/null 2>&1 || pip_install --no-deps gguf
 
 # One profile for everything: the tests build in release mode, so they reuse
 # every dependency the main job (`cargo run --release`) already compiled.
-say "cargo test --workspace --release"
-cargo test --workspace --release
+# The MPI feature is on, so `mpirun -np 2 voltaic train --distributed` is
+# tested (the default build needs no MPI).
+features=(--features voltaic-cli/mpi)
+say "cargo test --workspace --release ${features[*]}"
+cargo test --workspace --release "${features[@]}"
 # The examples were built by cargo test; run the short ones as a user would,
 # from those binaries (`cargo run --example` would build them again without
 # the test build's features).
-examples=$(cargo test --workspace --release --no-run --message-format=json 2>/dev/null | python3 -c '
+examples=$(cargo test --workspace --release "${features[@]}" --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     j = json.loads(line)
@@ -66,9 +73,9 @@ done
 # The GPU tests again on wgpu's GL backend (Mesa's llvmpipe over EGL): every
 # kernel kind, and every dtype (llvmpipe's GL has no SHADER_F16: f16 is
 # packed two to a word there, as bf16 is everywhere). They fail, never skip, without a GL adapter.
-VOLTAIC_BACKEND=gl cargo run -q --release -p voltaic-cli -- devices --json | grep -q '"backend":"Gl"' || { say "error: VOLTAIC_BACKEND=gl finds no GL adapter"; exit 1; }
+VOLTAIC_BACKEND=gl cargo run -q --release -p voltaic-cli --features mpi -- devices --json | grep -q '"backend":"Gl"' || { say "error: VOLTAIC_BACKEND=gl finds no GL adapter"; exit 1; }
 say "VOLTAIC_BACKEND=gl cargo test --release -p voltaic (the GPU test binaries, on GL)"
-VOLTAIC_BACKEND=gl cargo test --release -p voltaic --test gpu --test gpu_runtime --test async_api --test plan_cache --test opinfo \
+VOLTAIC_BACKEND=gl cargo test --release -p voltaic --features mpi --test gpu --test gpu_runtime --test async_api --test plan_cache --test opinfo \
     --test grad --test api --test train --test memory --test index --test nn --test qtensor --test mixed_precision
 
 # The browser: wasm32 + WebGPU in headless chromium.

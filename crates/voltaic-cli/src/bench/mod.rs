@@ -4,6 +4,7 @@
 mod check;
 mod cold;
 mod cpu;
+mod dist;
 mod embed;
 mod gpu;
 mod llm;
@@ -20,27 +21,29 @@ pub struct BenchArgs {
     /// Which suite to run: cpu (against numpy), gpu (against PyTorch on the same GPU),
     /// train (training steps) or embed (MiniLM sentence embeddings), both against
     /// PyTorch on the same device, or llm (SmolLM2-135M prefill and decode, against
-    /// llama.cpp on the CPU and PyTorch on a GPU).
+    /// llama.cpp on the CPU and PyTorch on a GPU), or dist (data-parallel
+    /// training's pieces: staging copies, host all-reduce, encoder steps over
+    /// two devices of one adapter and, under mpirun, over MPI ranks).
     #[arg(long, default_value = "cpu")]
-    suite: String,
+    pub(crate) suite: String,
     /// Device: for the gpu suite the best hardware GPU by default (`gpu:N` picks
     /// one, a software adapter included); for train the best device.
     #[arg(long)]
-    device: Option<String>,
+    pub(crate) device: Option<String>,
     /// Print one JSON object per row instead of a table.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// Timed runs per row (the median is reported).
     #[arg(long, default_value_t = 7)]
-    runs: usize,
+    pub(crate) runs: usize,
     /// Only run rows whose name contains this. The cold-start rows
     /// (`cold_*`, each a fresh process with empty caches) run only when the
     /// filter names them: `--filter cold`.
     #[arg(long)]
-    filter: Option<String>,
+    pub(crate) filter: Option<String>,
     /// Skip the peer (report Voltaic alone).
     #[arg(long)]
-    no_peer: bool,
+    pub(crate) no_peer: bool,
     /// Also draw the speedups as a PNG bar chart (red bars miss their target).
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
@@ -104,13 +107,16 @@ impl Peer {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.suite == "dist" {
+        return dist::run(&args);
+    }
     let embed_suite = args.suite == "embed";
     let llm_suite = args.suite == "llm";
     let (gpu_suite, train_suite) = match args.suite.as_str() {
         "cpu" => (false, false),
         "gpu" => (true, false),
         "train" | "embed" | "llm" => (false, true),
-        s => bail!("unknown suite {s:?}: expected cpu, gpu, train, embed or llm"),
+        s => bail!("unknown suite {s:?}: expected cpu, gpu, train, embed, llm or dist"),
     };
     let all = if llm_suite {
         llm::CASES

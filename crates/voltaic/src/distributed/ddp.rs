@@ -118,9 +118,14 @@ impl<M: Module> DistributedDataParallel<M> {
     /// Reduce gradients in buckets of about `bytes` (f32) after a first
     /// bucket of `first` bytes; PyTorch's defaults are 1 MiB and 25 MiB.
     pub fn with_bucket_bytes(mut self, first: usize, bytes: usize) -> Self {
+        self.set_bucket_bytes(first, bytes);
+        self
+    }
+
+    /// As [`with_bucket_bytes`](Self::with_bucket_bytes), in place.
+    pub fn set_bucket_bytes(&mut self, first: usize, bytes: usize) {
         self.first_bucket_bytes = first.max(4);
         self.bucket_bytes = bytes.max(4);
-        self
     }
 
     /// The wrapped module.

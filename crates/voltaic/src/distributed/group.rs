@@ -182,6 +182,14 @@ impl<M: Module> DataParallel<M> {
         }
     }
 
+    /// Reduce gradients in buckets of about `bytes` after a first one of
+    /// `first` bytes (PyTorch's defaults, 1 MiB and 25 MiB, otherwise).
+    pub fn set_bucket_bytes(&mut self, first: usize, bytes: usize) {
+        for r in &mut self.replicas {
+            r.set_bucket_bytes(first, bytes);
+        }
+    }
+
     /// What each replica's last gradient synchronisation cost.
     pub fn last_sync(&self) -> Vec<SyncStats> {
         self.replicas.iter().map(|r| r.last_sync()).collect()

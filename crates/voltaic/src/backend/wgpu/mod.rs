@@ -288,6 +288,15 @@ pub(crate) fn open_replica(index: usize) -> Result<usize> {
         index
     };
     let adapter = reg.all().nth(adapter_index).expect("an opened adapter is listed");
+    if adapter.get_info().backend == wgpu::Backend::Gl {
+        // wgpu's GL backend runs every device of an adapter under one context
+        // lock: a second device would gain nothing and, busy, trips wgpu's
+        // deadlock detector.
+        return Err(Error::Device {
+            op: "DeviceGroup::new",
+            msg: format!("gpu:{index} is a GL adapter, which cannot run a second device beside the first (one GL context per adapter); use a Vulkan, Metal or DX12 adapter, or several adapters"),
+        });
+    }
     let mut replicas = reg.replicas.lock().unwrap_or_else(|e| e.into_inner());
     let new = REPLICA_BASE + replicas.len();
     let ctx = Arc::new(pollster::block_on(GpuContext::open(new, adapter))?);

@@ -1,0 +1,319 @@
+//! The data-parallel suite (`voltaic bench --suite dist`): the pieces that
+//! decide how training scales over GPUs that meet through the host.
+//!
+//! - `stage_h2d_256mb`, `stage_d2h_256mb`: host-to-device and
+//!   device-to-host copies through wgpu's mapped staging buffers, against
+//!   PyTorch's pinned-memory `.to()` on the same GPU.
+//! - `allreduce_encoder_local2` (two threads) and `allreduce_encoder_mpi`
+//!   (the ranks of `mpirun`, built with `--features mpi`): one host
+//!   all-reduce of the MiniLM-sized encoder's gradients.
+//! - `encoder_step_1`, `encoder_step_group2`, `encoder_step_group2_onebucket`,
+//!   `encoder_step_mpi`: AdamW steps of the encoder (6 layers, d 384, 32 x
+//!   128 tokens per device) on one device, on two devices opened on the
+//!   same adapter, with every gradient in one bucket (no overlap), and
+//!   over MPI ranks; each parallel row first checks 5 steps' losses against
+//!   one device on the same global batch.
+
+use super::gpu::gpu_median_ms;
+use super::median_ms;
+use anyhow::{bail, Context};
+use serde_json::json;
+use std::sync::Arc;
+use voltaic::distributed::{Collective, DataParallel, DeviceGroup, LocalGroup};
+use voltaic::models::bert::{BertConfig, BertModel};
+use voltaic::nn::{Forward, Linear, Module};
+use voltaic::optim::{Adam, Optimizer};
+use voltaic::{DType, Device, Reduction, Tensor};
+
+pub const CASES: &[&str] = &[
+    "stage_h2d_256mb",
+    "stage_d2h_256mb",
+    "allreduce_encoder_local2",
+    "encoder_step_1",
+    "encoder_step_group2",
+    "encoder_step_group2_onebucket",
+    "allreduce_encoder_mpi",
+    "encoder_step_mpi",
+];
+
+const PEER: &str = include_str!("dist_peer.py");
+
+/// The MiniLM-sized encoder with a 10-class head on its first token.
+#[derive(Module)]
+struct Encoder {
+    bert: BertModel,
+    head: Linear,
+}
+
+fn encoder(device: Device) -> voltaic::Result<Encoder> {
+    let config = BertConfig {
+        vocab_size: 30522,
+        hidden_size: 384,
+        num_hidden_layers: 6,
+        num_attention_heads: 12,
+        intermediate_size: 1536,
+        max_position_embeddings: 512,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        hidden_act: "gelu".into(),
+    };
+    Ok(Encoder { bert: BertModel::new(config, device)?, head: Linear::new(384, 10, true, device)? })
+}
+
+fn encoder_loss(m: &Encoder, rows: &[Tensor]) -> voltaic::Result<Tensor> {
+    let h = m.bert.forward(&rows[0], &rows[1])?;
+    m.head.forward(&h.narrow(1, 0, 1)?.squeeze(1)?)?.cross_entropy(&rows[2], 0.0, Reduction::Mean)
+}
+
+/// A fixed batch of `n` sequences of 128 random tokens, on the host.
+fn batch(n: usize) -> voltaic::Result<Vec<Tensor>> {
+    voltaic::manual_seed(7);
+    let ids = Tensor::rand(&[n, 128], DType::F32, Device::Cpu)?.mul(30522.0)?.floor()?.to_dtype(DType::I32)?;
+    let mask = Tensor::ones(&[n, 128], DType::I32, Device::Cpu)?;
+    let y = Tensor::arange(0.0, n as f64, 1.0, DType::I32, Device::Cpu)?.rem(10)?;
+    Ok(vec![ids, mask, y])
+}
+
+fn adamw(m: &Encoder) -> Box<dyn Optimizer + Send> {
+    Box::new(Adam::adamw(m.parameters(), 1e-4))
+}
+
+/// Losses of `steps` AdamW steps of one device on the whole `batch`.
+fn one_device_losses(device: Device, batch: &[Tensor], steps: usize) -> anyhow::Result<Vec<f64>> {
+    voltaic::manual_seed(0);
+    let m = encoder(device)?;
+    let mut opt = adamw(&m);
+    let rows: Vec<Tensor> = batch.iter().map(|t| t.to_device(device)).collect::<voltaic::Result<_>>()?;
+    let mut out = vec![];
+    for _ in 0..steps {
+        opt.zero_grad();
+        let l = encoder_loss(&m, &rows)?;
+        l.backward()?;
+        opt.step()?;
+        m.realize_state()?;
+        out.push(l.item::<f32>()? as f64);
+    }
+    Ok(out)
+}
+
+/// The largest relative difference between two loss curves.
+fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs()).fold(0.0, f64::max)
+}
+
+/// The gradient count of the encoder (what one all-reduce moves).
+fn encoder_numel() -> anyhow::Result<usize> {
+    let _g = voltaic::NoGradGuard::new();
+    Ok(encoder(Device::Cpu)?.parameters().iter().map(|p| p.value().numel()).sum())
+}
+
+/// Run the suite: rows as the other suites print them. Under `mpirun` (a
+/// build with `--features mpi`) only the `*_mpi` rows run, and rank 0 prints.
+pub fn run(args: &super::BenchArgs) -> anyhow::Result<()> {
+    let under_mpi = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some();
+    let cases: Vec<&str> = CASES
+        .iter()
+        .copied()
+        .filter(|c| c.ends_with("_mpi") == under_mpi)
+        .filter(|c| args.filter.as_deref().is_none_or(|f| c.contains(f)))
+        .collect();
+    let device = match &args.device {
+        Some(d) => Device::parse(d)?,
+        None => match Device::best() {
+            d @ Device::Gpu(_) => d,
+            Device::Cpu => bail!("no hardware GPU found for the dist suite; pass --device gpu:N to use a software adapter"),
+        },
+    };
+    let mpi = if under_mpi { Some(mpi_world()?) } else { None };
+    let lead = mpi.as_ref().is_none_or(|c| c.rank() == 0);
+    let device = match (&mpi, device) {
+        // One GPU per rank where there are several.
+        (Some(c), Device::Gpu(_)) if args.device.is_none() => {
+            let hw: Vec<usize> = voltaic::backend::adapters().iter().filter(|a| !a.is_software()).map(|a| a.index).collect();
+            Device::Gpu(hw[local_rank(c) % hw.len()])
+        }
+        (_, d) => d,
+    };
+    let peer = if args.no_peer || !cases.iter().any(|c| c.starts_with("stage_")) { None } else { Some(torch_peer(args.runs).context("running the PyTorch peer")?) };
+    for c in &cases {
+        let (ms, note) = run_case(c, device, args.runs, mpi.as_ref()).with_context(|| format!("benchmark {c}"))?;
+        if !lead {
+            continue;
+        }
+        let peer_ms = peer.as_ref().and_then(|p| p.get(*c)).and_then(|v| v.as_f64());
+        let speedup = peer_ms.map(|p| p / ms);
+        if args.json {
+            println!(
+                "{}",
+                json!({"name": c, "voltaic_ms": (ms * 1e3).round() / 1e3, "peer": if peer_ms.is_some() { "torch" } else { "none" },
+                       "peer_ms": peer_ms, "speedup": speedup, "note": note, "device": device.to_string(),
+                       "adapter": adapter_name(device)})
+            );
+        } else {
+            println!(
+                "{c:<30} voltaic {ms:>9.3} ms   torch {:>9} ms   speedup {:>6}   {note}",
+                peer_ms.map(|p| format!("{p:.3}")).unwrap_or("-".into()),
+                speedup.map(|s| format!("{s:.2}x")).unwrap_or("-".into())
+            );
+        }
+    }
+    Ok(())
+}
+
+fn adapter_name(device: Device) -> String {
+    match device {
+        Device::Gpu(i) => voltaic::backend::adapters().into_iter().find(|a| a.index == i).map(|a| a.name).unwrap_or_default(),
+        Device::Cpu => "cpu".into(),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_world() -> anyhow::Result<Arc<dyn Collective>> {
+    Ok(Arc::new(voltaic::distributed::MpiCollective::world()?))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_world() -> anyhow::Result<Arc<dyn Collective>> {
+    bail!("the *_mpi rows need a voltaic built with --features mpi")
+}
+
+fn local_rank(c: &Arc<dyn Collective>) -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"].iter().find_map(|v| std::env::var(v).ok()?.parse().ok()).unwrap_or(c.rank())
+}
+
+fn torch_peer(runs: usize) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
+    let Some(py) = super::train::python_with_torch() else {
+        bail!("no Python with PyTorch found, or pass --no-peer");
+    };
+    let out = std::process::Command::new(&py).arg("-c").arg(PEER).arg(runs.to_string()).output()?;
+    if !out.status.success() {
+        bail!("the PyTorch peer failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("the peer's output")?;
+    Ok(v.as_object().cloned().unwrap_or_default())
+}
+
+fn run_case(name: &str, device: Device, runs: usize, mpi: Option<&Arc<dyn Collective>>) -> anyhow::Result<(f64, String)> {
+    const MB256: usize = 256 << 20;
+    match name {
+        "stage_h2d_256mb" => {
+            let host: Vec<f32> = (0..MB256 / 4).map(|i| i as f32).collect();
+            let ms = median_ms(2, runs, || {
+                let t = Tensor::from_vec(host.clone(), &[MB256 / 4], device)?;
+                t.realize()?;
+                device.synchronize()?;
+                Ok(())
+            })?;
+            // The clone of the host vector is inside the timing: measure it alone.
+            let copy = median_ms(2, runs, || {
+                std::hint::black_box(host.clone());
+                Ok(())
+            })?;
+            let ms = (ms - copy).max(1e-6);
+            Ok((ms, format!("{:.1} GB/s (queue.write_buffer through wgpu's staging; a host copy of {copy:.1} ms subtracted)", MB256 as f64 / ms / 1e6)))
+        }
+        "stage_d2h_256mb" => {
+            let t = Tensor::rand(&[MB256 / 4], DType::F32, device)?;
+            t.realize()?;
+            device.synchronize()?;
+            let ms = median_ms(2, runs, || {
+                std::hint::black_box(t.to_vec::<f32>()?);
+                Ok(())
+            })?;
+            Ok((ms, format!("{:.1} GB/s (copy to a mapped buffer, map, copy out to a Vec)", MB256 as f64 / ms / 1e6)))
+        }
+        "allreduce_encoder_local2" => {
+            let n = encoder_numel()?;
+            let comms = LocalGroup::new(2);
+            let data: Vec<Vec<f32>> = (0..2).map(|r| (0..n).map(|i| (i % 97) as f32 * 1e-3 + r as f32).collect()).collect();
+            let ms = median_ms(1, runs, || {
+                std::thread::scope(|s| {
+                    let hs: Vec<_> = comms
+                        .iter()
+                        .zip(&data)
+                        .map(|(c, d)| {
+                            s.spawn(move || {
+                                let mut v = d.clone();
+                                c.all_reduce_sum(&mut v).map(|_| v.len())
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().expect("no panic")).collect::<voltaic::Result<Vec<_>>>()
+                })?;
+                Ok(())
+            })?;
+            Ok((ms, format!("{n} f32 ({:.1} MB) summed over 2 threads (includes one copy of the input per thread)", n as f64 * 4e-6)))
+        }
+        "allreduce_encoder_mpi" => {
+            let c = mpi.context("not under mpirun")?;
+            let n = encoder_numel()?;
+            let mut v: Vec<f32> = (0..n).map(|i| (i % 97) as f32 * 1e-3).collect();
+            let ms = median_ms(1, runs, || {
+                c.all_reduce_sum(&mut v)?;
+                Ok(())
+            })?;
+            Ok((ms, format!("{n} f32 ({:.1} MB) with MPI_Allreduce over {} ranks", n as f64 * 4e-6, c.world_size())))
+        }
+        "encoder_step_1" => {
+            voltaic::manual_seed(0);
+            let m = encoder(device)?;
+            let mut opt = adamw(&m);
+            let rows: Vec<Tensor> = batch(32)?.iter().map(|t| t.to_device(device)).collect::<voltaic::Result<_>>()?;
+            let ms = gpu_median_ms(device, runs, false, &mut || {
+                opt.zero_grad();
+                encoder_loss(&m, &rows)?.backward()?;
+                opt.step()?;
+                m.realize_state()?;
+                Ok(())
+            })?;
+            Ok((ms, format!("{:.0} sequences/s on one device (batch 32 x 128 tokens, AdamW)", 32.0 / (ms / 1e3))))
+        }
+        "encoder_step_group2" | "encoder_step_group2_onebucket" | "encoder_step_mpi" => {
+            let (devices, comms) = match mpi {
+                Some(c) => (vec![device], vec![c.clone()]),
+                None => {
+                    let g = DeviceGroup::replicas(device, 2)?;
+                    (g.devices().to_vec(), LocalGroup::new(2))
+                }
+            };
+            let world = comms[0].world_size();
+            let global = batch(32 * world)?;
+            // Five steps against one device on the same global batch (rank 0 computes it).
+            let want = if comms[0].rank() == 0 { one_device_losses(device, &global, 5)? } else { vec![] };
+            voltaic::manual_seed(0);
+            let mut dp = DataParallel::with_collectives(&devices, comms, encoder, adamw)?;
+            if name.ends_with("onebucket") {
+                dp.set_bucket_bytes(usize::MAX / 4, usize::MAX / 4);
+            }
+            let refs: Vec<&Tensor> = global.iter().collect();
+            let mut got = vec![];
+            for _ in 0..5 {
+                got.push(dp.step(&refs, encoder_loss)?);
+            }
+            let rel = if want.is_empty() { 0.0 } else { max_rel(&got, &want) };
+            let ms = median_ms(2, runs, || {
+                dp.step(&refs, encoder_loss)?;
+                Ok(())
+            })?;
+            let s = dp.last_sync()[0];
+            Ok((
+                ms,
+                format!(
+                    "{:.0} sequences/s over {world} replicas of batch 32 ({}); 5 losses vs one device on the global batch: max relative difference {rel:.1e} \
+                     ({:.4} -> {:.4}); last sync: {} buckets, {:.1} MB, {:.1} ms for backward and the gradient sum (recording, computing, reading back, reducing), \
+                     of which {:.1} ms in the all-reduce and {:.1} ms waiting for the device's gradients",
+                    (32 * world) as f64 / (ms / 1e3),
+                    devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","),
+                    got[0],
+                    got[4],
+                    s.buckets,
+                    s.bytes as f64 / 1e6,
+                    s.total_seconds * 1e3,
+                    s.reduce_seconds * 1e3,
+                    s.read_seconds * 1e3
+                ),
+            ))
+        }
+        c => bail!("unknown dist case {c}"),
+    }
+}
