@@ -311,7 +311,7 @@ impl Tensor {
     /// Blocks until they are read back; see [`Tensor::to_vec_async`].
     pub fn to_vec<T: StorageElem>(&self) -> Result<Vec<T>> {
         Self::check_elem::<T>(self.dtype(), "to_vec")?;
-        self.read_host(|s, l| l.gather(T::slice(s).expect("dtype checked")))
+        Ok(self.read_start()?.wait()?.into_vec().expect("dtype checked"))
     }
 
     /// The elements in row-major order, read back without blocking the

@@ -705,3 +705,24 @@ fn f16_rounds_like_the_cpu_with_or_without_shader_f16() {
     assert_eq!(doubled, x.mul(2.0).unwrap().to_f64_vec().unwrap());
     assert!(doubled[3].is_infinite() && doubled[4].is_infinite(), "65504 * 2 and 40000 * 2 overflow f16: {doubled:?}");
 }
+
+/// A product whose fused epilogue reads the same buffer as one of its
+/// operands: parameters that are slices of one flat buffer (as data-parallel
+/// training's broadcast leaves them). The buffer is bound once.
+#[test]
+fn a_matmul_and_its_epilogue_may_read_one_buffer() {
+    let mut rng = Rng::new(41);
+    for (m, k, n) in [(32, 384, 96), (7, 33, 5), (64, 128, 256)] {
+        let flat = randn(&mut rng, &[k * n + n + n * k], DType::F32);
+        let x = randn(&mut rng, &[m, k], DType::F32);
+        same(&format!("x @ w + b, w and b slices of one buffer ({m}x{k}x{n})"), &[x, flat], 1e-5, 1e-5, |t| {
+            let w = t[1].narrow(0, 0, k * n)?.reshape_dims(&[k, n])?;
+            let b = t[1].narrow(0, k * n, n)?;
+            // And a transposed weight from the same buffer (Linear's layout).
+            let wt = t[1].narrow(0, k * n + n, n * k)?.reshape_dims(&[n, k])?.t()?;
+            let y = t[0].matmul(&w)?.add(&b)?.relu()?;
+            let z = t[0].matmul(&wt)?.mul(&b)?.add(&t[1].narrow(0, 0, m * n)?.reshape_dims(&[m, n])?)?;
+            Tensor::cat(&[&y, &z], 0)
+        });
+    }
+}

@@ -26,6 +26,8 @@ use voltaic::optim::{Adam, Optimizer};
 use voltaic::{DType, Device, Reduction, Tensor};
 
 pub const CASES: &[&str] = &[
+    "stage_h2d_32mb",
+    "stage_d2h_32mb",
     "stage_h2d_256mb",
     "stage_d2h_256mb",
     "allreduce_encoder_local2",
@@ -194,12 +196,13 @@ fn torch_peer(runs: usize) -> anyhow::Result<serde_json::Map<String, serde_json:
 }
 
 fn run_case(name: &str, device: Device, runs: usize, mpi: Option<&Arc<dyn Collective>>) -> anyhow::Result<(f64, String)> {
-    const MB256: usize = 256 << 20;
+    let mb: usize = name.strip_prefix("stage_").and_then(|r| r[4..].strip_suffix("mb")).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let bytes = mb << 20;
     match name {
-        "stage_h2d_256mb" => {
-            let host: Vec<f32> = (0..MB256 / 4).map(|i| i as f32).collect();
+        n if n.starts_with("stage_h2d") => {
+            let host: Vec<f32> = (0..bytes / 4).map(|i| i as f32).collect();
             let ms = median_ms(2, runs, || {
-                let t = Tensor::from_vec(host.clone(), &[MB256 / 4], device)?;
+                let t = Tensor::from_vec(host.clone(), &[bytes / 4], device)?;
                 t.realize()?;
                 device.synchronize()?;
                 Ok(())
@@ -210,17 +213,17 @@ fn run_case(name: &str, device: Device, runs: usize, mpi: Option<&Arc<dyn Collec
                 Ok(())
             })?;
             let ms = (ms - copy).max(1e-6);
-            Ok((ms, format!("{:.1} GB/s (queue.write_buffer through wgpu's staging; a host copy of {copy:.1} ms subtracted)", MB256 as f64 / ms / 1e6)))
+            Ok((ms, format!("{:.1} GB/s (queue.write_buffer through wgpu's staging; a host copy of {copy:.1} ms subtracted)", bytes as f64 / ms / 1e6)))
         }
-        "stage_d2h_256mb" => {
-            let t = Tensor::rand(&[MB256 / 4], DType::F32, device)?;
+        n if n.starts_with("stage_d2h") => {
+            let t = Tensor::rand(&[bytes / 4], DType::F32, device)?;
             t.realize()?;
             device.synchronize()?;
             let ms = median_ms(2, runs, || {
                 std::hint::black_box(t.to_vec::<f32>()?);
                 Ok(())
             })?;
-            Ok((ms, format!("{:.1} GB/s (copy to a mapped buffer, map, copy out to a Vec)", MB256 as f64 / ms / 1e6)))
+            Ok((ms, format!("{:.1} GB/s (copy to a mapped buffer, map, copy out to a Vec)", bytes as f64 / ms / 1e6)))
         }
         "allreduce_encoder_local2" => {
             let n = encoder_numel()?;

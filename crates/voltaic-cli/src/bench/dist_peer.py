@@ -1,13 +1,9 @@
-# PyTorch side of `voltaic bench --suite dist`: 256 MB host<->device copies
+# PyTorch side of `voltaic bench --suite dist`: 32 and 256 MB host<->device copies
 # from and to pinned memory, median ms over `runs`, as JSON {name: ms}.
 import json, sys, time
 import torch
 
 runs = int(sys.argv[1])
-n = (256 << 20) // 4
-host = torch.arange(n, dtype=torch.float32).pin_memory()
-dev = torch.empty(n, dtype=torch.float32, device="cuda")
-back = torch.empty(n, dtype=torch.float32).pin_memory()
 
 def median_ms(f):
     for _ in range(2):
@@ -22,9 +18,12 @@ def median_ms(f):
     times.sort()
     return times[len(times) // 2]
 
-out = {
-    "stage_h2d_256mb": median_ms(lambda: dev.copy_(host, non_blocking=True)),
-    "stage_d2h_256mb": median_ms(lambda: back.copy_(dev, non_blocking=True)),
-    "torch": torch.__version__,
-}
+out = {"torch": torch.__version__}
+for mb in [32, 256]:
+    n = (mb << 20) // 4
+    host = torch.arange(n, dtype=torch.float32).pin_memory()
+    dev = torch.empty(n, dtype=torch.float32, device="cuda")
+    back = torch.empty(n, dtype=torch.float32).pin_memory()
+    out[f"stage_h2d_{mb}mb"] = median_ms(lambda: dev.copy_(host, non_blocking=True))
+    out[f"stage_d2h_{mb}mb"] = median_ms(lambda: back.copy_(dev, non_blocking=True))
 print(json.dumps(out))

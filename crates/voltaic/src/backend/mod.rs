@@ -114,6 +114,22 @@ impl HostView {
             HostData::Owned(s) => s,
         }
     }
+
+    /// The elements in row-major order as a `Vec<T>`: the copy read back
+    /// itself where it is exactly that (no second copy), else gathered.
+    pub fn into_vec<T: crate::storage::StorageElem>(self) -> Option<Vec<T>> {
+        let whole = self.layout.is_contiguous() && self.layout.offset() == 0 && self.layout.numel() == self.storage().len();
+        match self.data {
+            HostData::Owned(s) if whole => T::unwrap(s),
+            data => {
+                let s = match &data {
+                    HostData::Shared(b) => &**b,
+                    HostData::Owned(s) => s,
+                };
+                Some(self.layout.gather(T::slice(s)?))
+            }
+        }
+    }
 }
 
 /// Work handed to a device that finishes in the background. The blocking

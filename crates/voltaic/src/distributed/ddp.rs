@@ -6,7 +6,6 @@ use crate::backend::PendingRead;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Module, Parameter};
-use crate::storage::StorageElem;
 use crate::tensor::Tensor;
 use std::sync::{Arc, Mutex};
 use web_time::Instant;
@@ -84,8 +83,7 @@ fn signature(named: &[(String, Parameter)]) -> (u64, u64) {
 
 /// Read a flat f32 tensor's values once its pending read arrives.
 fn finish_f32(read: PendingRead) -> Result<Vec<f32>> {
-    let host = read.wait()?;
-    Ok(host.layout.gather(f32::slice(host.storage()).expect("an f32 bucket")))
+    Ok(read.wait()?.into_vec().expect("an f32 bucket"))
 }
 
 impl<M: Module> DistributedDataParallel<M> {
@@ -156,11 +154,11 @@ impl<M: Module> DistributedDataParallel<M> {
             let flat = flat_f32(&vals)?;
             let mut host = finish_f32(flat.read_start()?)?;
             self.comm.broadcast(&mut host, 0)?;
-            let device = vals[0].device();
-            let flat = Tensor::from_vec(host, &[flat.numel()], device)?;
+            // Each tensor gets a buffer of its own (a view of one flat
+            // buffer would keep all of it alive for any one of them).
             let mut at = 0;
             for (&i, v) in chunk.iter().zip(&vals) {
-                let part = flat.narrow(0, at, v.numel())?.reshape_dims(v.dims())?.to_dtype(v.dtype())?.contiguous()?;
+                let part = Tensor::from_vec(host[at..at + v.numel()].to_vec(), v.dims(), v.device())?.to_dtype(v.dtype())?;
                 at += v.numel();
                 named[i].1.set(part.realize()?.clone())?;
             }

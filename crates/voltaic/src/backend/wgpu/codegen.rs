@@ -197,11 +197,13 @@ pub(crate) struct Shader<'c> {
     /// Index in the kernel's constants of the next expression's first constant.
     const_base: usize,
     enables: Vec<&'static str>,
+    /// The arrays bound so far, by name.
+    arrays: Vec<String>,
 }
 
 impl<'c> Shader<'c> {
     pub(crate) fn new(caps: &'c Caps) -> Shader<'c> {
-        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0, consts: false, const_base: 0, enables: vec![] }
+        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0, consts: false, const_base: 0, enables: vec![], arrays: vec![] }
     }
 
     /// Where the constants of the expressions emitted next start among the
@@ -219,7 +221,14 @@ impl<'c> Shader<'c> {
 
     /// Bind an array of `numel` elements of `dt` as `name`, with accessor
     /// `ld_{name}(i)` and, when writable, `st_{name}(i, v)`.
+    /// Binding the same array again (one buffer read through two views,
+    /// e.g. a matmul operand and an epilogue operand that are slices of one
+    /// flat buffer) reuses the first binding.
     pub(crate) fn array(&mut self, src: Src, name: &str, dt: DType, numel: usize, writable: bool) {
+        if self.arrays.iter().any(|a| a == name) {
+            return;
+        }
+        self.arrays.push(name.to_string());
         let eb = elem_bytes(self.caps, dt);
         let chunk_bytes = self.caps.chunk_bytes();
         let per = (chunk_bytes / eb) as usize;

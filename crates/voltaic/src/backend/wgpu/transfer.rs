@@ -29,6 +29,14 @@ fn to_gpu_bytes(s: &CpuStorage) -> Vec<u8> {
 }
 
 fn from_gpu_bytes(dt: DType, b: &[u8], n: usize) -> CpuStorage {
+    // 4-byte types straight from an aligned mapping: one copy.
+    if let (DType::F32 | DType::I32 | DType::U32, Ok(w)) = (dt, bytemuck::try_cast_slice::<u8, u32>(&b[..(n * 4).min(b.len())])) {
+        return match dt {
+            DType::F32 => CpuStorage::F32(bytemuck::cast_slice::<u32, f32>(w).to_vec()),
+            DType::I32 => CpuStorage::I32(bytemuck::cast_slice::<u32, i32>(w).to_vec()),
+            _ => CpuStorage::U32(w.to_vec()),
+        };
+    }
     let halves = |b: &[u8]| b.chunks_exact(2).take(n).map(|c| u16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>().into_iter();
     let words = |b: &[u8]| -> Vec<u32> { b.chunks_exact(4).take(n).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
     match dt {
@@ -46,10 +54,25 @@ fn from_gpu_bytes(dt: DType, b: &[u8], n: usize) -> CpuStorage {
 pub(crate) fn upload(ctx: &GpuContext, s: &CpuStorage) -> Result<GpuBuf> {
     ctx.check_alive()?;
     check_dtype(&ctx.caps, s.dtype(), "to_device")?;
-    let bytes = to_gpu_bytes(s);
+    // Whole 4-byte words go from the caller's memory into the queue's
+    // staging as they are; other data is converted (and padded) first.
+    let direct: Option<&[u8]> = match s {
+        CpuStorage::F32(x) => Some(bytemuck::cast_slice(x)),
+        CpuStorage::I32(x) => Some(bytemuck::cast_slice(x)),
+        CpuStorage::U32(x) => Some(bytemuck::cast_slice(x)),
+        _ => None,
+    };
+    let converted;
+    let bytes: &[u8] = match direct {
+        Some(b) => b,
+        None => {
+            converted = to_gpu_bytes(s);
+            &converted
+        }
+    };
     let buf = alloc(ctx, s.dtype(), s.len(), bytes.len() as u64)?;
     if !bytes.is_empty() {
-        let ((), err) = ctx.scoped(|| ctx.queue.write_buffer(buf.raw(), 0, &bytes));
+        let ((), err) = ctx.scoped(|| ctx.queue.write_buffer(buf.raw(), 0, bytes));
         if let Some(e) = err {
             return Err(e);
         }
@@ -100,15 +123,18 @@ pub(crate) fn download_start(
         if let Some(e) = ctx.take_uncaptured() {
             return Err(e);
         }
-        let bytes = {
+        // The values are converted straight out of the mapping (one copy).
+        let (flags, values) = {
             let view = staging
                 .get_mapped_range(..size + 16)
                 .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?;
-            view.to_vec()
+            let flags: Vec<u32> = view[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let skip = (start as u64 * eb - lo) as usize;
+            let values = (flags[0] == 0).then(|| from_gpu_bytes(dtype, &view[skip..size as usize], len));
+            (flags, values)
         };
         staging.unmap();
         give_staging(&ctx, staging);
-        let flags: Vec<u32> = bytes[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         if flags[0] != 0 {
             ctx.queue.write_buffer(&ctx.index_error, 0, &[0u8; 16]);
             return Err(Error::Index {
@@ -121,8 +147,7 @@ pub(crate) fn download_start(
                 ),
             });
         }
-        let skip = (start as u64 * eb - lo) as usize;
-        Ok(from_gpu_bytes(dtype, &bytes[skip..size as usize], len))
+        Ok(values.expect("read when no index error was flagged"))
     };
     Ok((completion, collect))
 }
@@ -250,8 +275,10 @@ impl Completion for GpuCompletion {
     }
 }
 
-/// Staging buffers up to this size are kept for the next read.
-const KEPT_STAGING: u64 = 1 << 24;
+/// Staging buffers up to this size are kept for the next read (64 MiB:
+/// data-parallel training reads its 25 MiB gradient buckets every step, and
+/// a fresh mapping costs page faults on both sides).
+const KEPT_STAGING: u64 = 1 << 26;
 
 /// A mappable buffer of at least `size` bytes: a kept one when it fits.
 fn take_staging(ctx: &GpuContext, size: u64) -> wgpu::Buffer {
