@@ -7,7 +7,7 @@
 #   cp /usr/share/datasets/fashion-mnist/*.gz .bin/data/
 #   (cd .mpi && apt-get download openmpi-bin openmpi-common libopenmpi3 libhwloc15 \
 #      libevent-core-2.1-7 libevent-pthreads-2.1-7 libpmix2 libnuma1 libltdl7)
-# then call with carry [".gl", ".bin", ".mpi"]: bash scripts/device_dist.sh
+# then call with carry [".gl", ".bin", ".mpi"]: bash scripts/device_dist.sh [cnn,bench]
 set -uo pipefail
 source .gl/env.sh
 export RUST_BACKTRACE=1 VOLTAIC_FASHION_MNIST=$PWD/.bin/data
@@ -21,12 +21,15 @@ export LD_LIBRARY_PATH=$P/usr/lib/x86_64-linux-gnu:$P/usr/lib/x86_64-linux-gnu/o
 export OPAL_PREFIX=$P/usr OPAL_LIBDIR=$P/usr/lib/x86_64-linux-gnu/openmpi/lib OPAL_SYSCONFDIR=$P/etc/openmpi OPAL_DATADIR=$P/usr/share/openmpi OPAL_PKGDATADIR=$P/usr/share/openmpi
 export PMIX_PREFIX=$P/usr/lib/x86_64-linux-gnu/pmix2 PMIX_INSTALL_PREFIX=$P/usr/lib/x86_64-linux-gnu/pmix2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mca_base_component_show_load_errors=0
+export PMIX_MCA_pcompress_base_silence_warning=1
 MPIRUN="orterun --oversubscribe -np 2"
+what="${1:-cnn,bench}"
 V=.bin/voltaic
 $V devices > "$OUT/devices.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvidia.txt" 2>&1
 python3 -c "import torch; print(torch.__version__)" >> "$OUT/nvidia.txt" 2>&1
 
+if [[ "$what" == *cnn* ]]; then
 # (a) The CNN: 50 steps of batch 256 on one device, on two devices of the
 # adapter, and on two MPI ranks sharing it; per-step losses compared.
 common="train --model cnn --epochs 1 --limit 12800 --batch-size 256 --quiet --json"
@@ -52,10 +55,13 @@ $V train --model cnn --epochs 2 --batch-size 256 --quiet --json --device gpu:0 -
 $V train --model cnn --epochs 2 --batch-size 512 --quiet --json --devices gpu:0,gpu:0 --out /tmp/e2 >> "$OUT/cnn_epochs.jsonl" 2>> "$OUT/cnn.err"
 $MPIRUN $V train --model cnn --epochs 2 --batch-size 512 --quiet --json --distributed --device gpu --out /tmp/e3 >> "$OUT/cnn_epochs.jsonl" 2>> "$OUT/cnn.err"
 cat "$OUT/cnn_epochs.jsonl"
+fi
 
+if [[ "$what" == *bench* ]]; then
 # (a, b) The encoder, staging and the all-reduce.
 $V bench --suite dist --json --runs 7 > "$OUT/dist.jsonl" 2> "$OUT/dist.err"
 $MPIRUN $V bench --suite dist --json --runs 7 >> "$OUT/dist.jsonl" 2>> "$OUT/dist.err"
 cat "$OUT/dist.jsonl"
-tail -5 "$OUT/dist.err" "$OUT/cnn.err"
+tail -n 5 "$OUT/dist.err"
+fi
 (cd "$OUT" && tar czf /tmp/voltaic-out.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/voltaic-out.tgz "$OUT/all.tgz")
