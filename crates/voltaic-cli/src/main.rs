@@ -61,6 +61,17 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Large host buffers (read-back gradients, staged batches, all-reduce
+    // buffers of tens of MB every step) go back to the heap when freed and
+    // are reused, instead of being unmapped and faulted in again page by
+    // page on the next step (glibc's default above 32 MB, and its trimming):
+    // as a caching host allocator does.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only tunes the allocator; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 31);
+    }
     let cli = Cli::parse();
     let res = match cli.command {
         Command::Devices { json } => devices::run(json),
