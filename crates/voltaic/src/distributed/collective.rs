@@ -69,13 +69,16 @@ struct Shared {
 pub struct LocalGroup {
     rank: usize,
     shared: Arc<Shared>,
+    /// This rank's share of a sum, kept between calls (no allocation, no
+    /// page faults on the next step).
+    part: Mutex<Vec<f32>>,
 }
 
 impl LocalGroup {
     /// `n` connected handles, ranks `0..n`.
     pub fn new(n: usize) -> Vec<Arc<dyn Collective>> {
         let shared = Arc::new(Shared { n, round: Mutex::new(Round { slots: vec![None; n], ..Default::default() }), turn: Condvar::new() });
-        (0..n).map(|rank| Arc::new(LocalGroup { rank, shared: shared.clone() }) as Arc<dyn Collective>).collect()
+        (0..n).map(|rank| Arc::new(LocalGroup { rank, shared: shared.clone(), part: Mutex::new(Vec::new()) }) as Arc<dyn Collective>).collect()
     }
 
     /// Give `data` to the round and wait for every rank's contribution.
@@ -127,30 +130,47 @@ impl Collective for LocalGroup {
 
     fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()> {
         let n = self.shared.n;
-        let all = self.exchange("all_reduce", data.to_vec())?;
-        if let Some(bad) = all.iter().position(|v| v.len() != data.len()) {
-            let why = format!("replica {bad} gave {} values, replica {} gave {}", all[bad].len(), self.rank, data.len());
+        if n == 1 {
+            return Ok(());
+        }
+        // The ranks read each other's buffers in place: rank r sums
+        // elements of share r over every rank (in rank order, so every rank
+        // ends with the same bits), then every rank copies the shares.
+        let src = data.as_ptr() as u64;
+        let all = self.all_gather(&[src, data.len() as u64])?;
+        if let Some(bad) = all.iter().position(|v| v[1] != data.len() as u64) {
+            let why = format!("replica {bad} reduces {} values, replica {} reduces {}", all[bad][1], self.rank, data.len());
             self.abort(&why);
             return Err(Error::Distributed { op: "all_reduce", msg: why });
         }
-        // Each replica sums its own share of the elements (in rank order),
-        // then the shares are exchanged: the work is spread over the threads
-        // and every replica ends with the same bits.
         let len = data.len();
-        let (lo, hi) = (len * self.rank / n, len * (self.rank + 1) / n);
-        let mut part = all[0][lo..hi].to_vec();
-        for v in &all[1..] {
-            for (p, x) in part.iter_mut().zip(&v[lo..hi]) {
-                *p += x;
+        let share = |r: usize| (len * r / n, len * (r + 1) / n);
+        let (lo, hi) = share(self.rank);
+        let mut part = self.part.lock().unwrap_or_else(|e| e.into_inner());
+        part.clear();
+        for (q, v) in all.iter().enumerate() {
+            // SAFETY: rank q's `data` is alive and unchanged until rank q
+            // passes the next exchange, which needs this rank's arrival,
+            // that is, the end of these reads; its length was checked above.
+            let theirs = unsafe { std::slice::from_raw_parts(v[0] as *const f32, len) };
+            if q == 0 {
+                part.extend_from_slice(&theirs[lo..hi]);
+            } else {
+                for (p, x) in part.iter_mut().zip(&theirs[lo..hi]) {
+                    *p += x;
+                }
             }
         }
-        drop(all);
-        let parts = self.exchange("all_reduce", part)?;
-        let mut at = 0;
-        for p in parts.iter() {
-            data[at..at + p.len()].copy_from_slice(p);
-            at += p.len();
+        let parts = self.all_gather(&[part.as_ptr() as u64])?;
+        for (q, v) in parts.iter().enumerate() {
+            let (qlo, qhi) = share(q);
+            // SAFETY: rank q's share stays alive and unchanged until it
+            // passes the last exchange below, which needs this rank's
+            // arrival after this copy.
+            let theirs = unsafe { std::slice::from_raw_parts(v[0] as *const f32, qhi - qlo) };
+            data[qlo..qhi].copy_from_slice(theirs);
         }
+        self.exchange("all_reduce", Vec::new())?;
         Ok(())
     }
 

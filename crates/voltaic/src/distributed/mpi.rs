@@ -20,6 +20,9 @@ use std::sync::Mutex;
 /// the MPI launcher ends this one and names the rank that died.
 pub struct MpiCollective {
     world: Mutex<SimpleCommunicator>,
+    /// The send side of all-reduces, kept between calls (MPI wants two
+    /// buffers; a fresh one every step costs page faults).
+    send: Mutex<Vec<f32>>,
     rank: usize,
     size: usize,
     local_rank: usize,
@@ -52,7 +55,7 @@ impl MpiCollective {
             .iter()
             .find_map(|v| std::env::var(v).ok()?.parse().ok())
             .unwrap_or(rank);
-        Ok(MpiCollective { world: Mutex::new(world), rank, size, local_rank, _universe: universe })
+        Ok(MpiCollective { world: Mutex::new(world), send: Mutex::new(Vec::new()), rank, size, local_rank, _universe: universe })
     }
 
     /// This rank's index among the ranks on its machine (from the
@@ -82,7 +85,9 @@ impl Collective for MpiCollective {
         if let Some(bad) = lens.iter().position(|l| l[0] != data.len() as u64) {
             return Err(mpi_err("all_reduce", format!("rank {bad} reduces {} values, rank {} reduces {}", lens[bad][0], self.rank, data.len())));
         }
-        let send = data.to_vec();
+        let mut send = self.send.lock().unwrap_or_else(|e| e.into_inner());
+        send.clear();
+        send.extend_from_slice(data);
         self.comm().all_reduce_into(&send[..], data, SystemOperation::sum());
         Ok(())
     }
