@@ -34,7 +34,7 @@ enum Command {
         device: Option<String>,
     },
     /// Train a classifier on Fashion-MNIST (the main job).
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Report the test accuracy and loss of a `voltaic train` checkpoint.
     Eval(train::EvalArgs),
     /// Print sentence embeddings (all-MiniLM-L6-v2 by default).
@@ -76,7 +76,7 @@ fn main() {
     let res = match cli.command {
         Command::Devices { json } => devices::run(json),
         Command::Demo { device } => demo::run(device.as_deref()),
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(*args),
         Command::Eval(args) => train::eval(args),
         Command::Embed(args) => embed::run(args),
         Command::Similarity(args) => embed::similarity(args),

@@ -23,7 +23,7 @@ struct Replicas {
 fn local(list: &[String]) -> anyhow::Result<Replicas> {
     let named: Vec<Device> = list.iter().map(|s| Device::parse(s)).collect::<voltaic::Result<_>>()?;
     let group = DeviceGroup::new(&named)?;
-    Ok(Replicas { devices: group.devices().to_vec(), comms: LocalGroup::new(group.len()) })
+    Ok(Replicas { devices: group.devices().to_vec(), comms: LocalGroup::ranks(group.len()) })
 }
 
 /// `--distributed`: this MPI rank and its device (`--device`, else the

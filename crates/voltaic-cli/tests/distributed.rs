@@ -161,7 +161,7 @@ fn ranks_tagged(tag: &str, rank: Option<usize>) -> Vec<i32> {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
         let Ok(env) = std::fs::read(e.path().join("environ")) else { continue };
         let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-        let has = |v: &str| vars.iter().any(|x| *x == v.as_bytes());
+        let has = |v: &str| vars.contains(&v.as_bytes());
         let is_rank = rank.is_none_or(|r| has(&format!("OMPI_COMM_WORLD_RANK={r}")));
         let state = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
         let zombie = state.split_whitespace().nth(2) == Some("Z");

@@ -152,7 +152,7 @@ fn bucket_sizes_do_not_change_the_sums() {
     let b = batches(&train, 32, 6);
     let run = |first: usize, rest: usize| -> (Vec<f64>, Vec<usize>) {
         voltaic::manual_seed(3);
-        let comms = LocalGroup::new(2);
+        let comms = LocalGroup::ranks(2);
         let models: Vec<Sequential> = (0..2).map(|_| mlp(Device::Cpu).unwrap()).collect();
         let ddps: Vec<DistributedDataParallel<Sequential>> = std::thread::scope(|s| {
             let hs: Vec<_> = models.into_iter().zip(comms).map(|(m, c)| s.spawn(move || DistributedDataParallel::new(m, c).unwrap().with_bucket_bytes(first, rest))).collect();
@@ -328,7 +328,7 @@ fn a_panicking_replica_does_not_hang_the_others() {
 
 #[test]
 fn one_local_replica_is_plain_training() {
-    let comm: Arc<dyn Collective> = LocalGroup::new(1).remove(0);
+    let comm: Arc<dyn Collective> = LocalGroup::ranks(1).remove(0);
     assert_eq!((comm.rank(), comm.world_size()), (0, 1));
     let train = data(64 * 5);
     let b = batches(&train, 64, 5);

@@ -227,7 +227,7 @@ fn run_case(name: &str, device: Device, runs: usize, mpi: Option<&Arc<dyn Collec
         }
         "allreduce_encoder_local2" => {
             let n = encoder_numel()?;
-            let comms = LocalGroup::new(2);
+            let comms = LocalGroup::ranks(2);
             // The buffers live across runs, as the gradients of a training loop do.
             let data: Vec<std::sync::Mutex<Vec<f32>>> = (0..2).map(|r| std::sync::Mutex::new((0..n).map(|i| (i % 97) as f32 * 1e-6 + r as f32).collect())).collect();
             let ms = median_ms(1, runs, || {
@@ -277,7 +277,7 @@ fn run_case(name: &str, device: Device, runs: usize, mpi: Option<&Arc<dyn Collec
                 Some(c) => (vec![device], vec![c.clone()]),
                 None => {
                     let g = DeviceGroup::replicas(device, 2)?;
-                    (g.devices().to_vec(), LocalGroup::new(2))
+                    (g.devices().to_vec(), LocalGroup::ranks(2))
                 }
             };
             let world = comms[0].world_size();

@@ -56,7 +56,7 @@ struct Shared {
 ///
 /// ```
 /// use voltaic::distributed::{Collective, LocalGroup};
-/// let handles = LocalGroup::new(3);
+/// let handles = LocalGroup::ranks(3);
 /// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
 ///     let jobs: Vec<_> = handles.iter().map(|h| s.spawn(move || {
 ///         let mut v = vec![h.rank() as f32; 4];
@@ -76,7 +76,7 @@ pub struct LocalGroup {
 
 impl LocalGroup {
     /// `n` connected handles, ranks `0..n`.
-    pub fn new(n: usize) -> Vec<Arc<dyn Collective>> {
+    pub fn ranks(n: usize) -> Vec<Arc<dyn Collective>> {
         let shared = Arc::new(Shared { n, round: Mutex::new(Round { slots: vec![None; n], ..Default::default() }), turn: Condvar::new() });
         (0..n).map(|rank| Arc::new(LocalGroup { rank, shared: shared.clone(), part: Mutex::new(Vec::new()) }) as Arc<dyn Collective>).collect()
     }
@@ -220,7 +220,7 @@ mod tests {
     #[test]
     fn all_reduce_sums_in_rank_order_and_every_rank_gets_the_same_bits() {
         for n in [1, 2, 3, 5] {
-            let h = LocalGroup::new(n);
+            let h = LocalGroup::ranks(n);
             let out = on_threads(&h, |c| {
                 let mut v: Vec<f32> = (0..37).map(|i| ((i * 7 + c.rank() * 13) % 11) as f32 * 0.1 + 1e-7 * c.rank() as f32).collect();
                 c.all_reduce_sum(&mut v).unwrap();
@@ -243,7 +243,7 @@ mod tests {
 
     #[test]
     fn rounds_follow_each_other_and_broadcast_and_gather_work() {
-        let h = LocalGroup::new(4);
+        let h = LocalGroup::ranks(4);
         let out = on_threads(&h, |c| {
             let mut last = vec![];
             for round in 0..50 {
@@ -261,7 +261,7 @@ mod tests {
 
     #[test]
     fn a_failed_rank_wakes_the_others_with_its_reason() {
-        let h = LocalGroup::new(3);
+        let h = LocalGroup::ranks(3);
         let out = on_threads(&h, |c| {
             if c.rank() == 1 {
                 std::thread::sleep(Duration::from_millis(50));

@@ -41,7 +41,7 @@ pub struct SyncStats {
 /// use voltaic::distributed::{DistributedDataParallel, LocalGroup};
 /// use voltaic::nn::{Forward, Linear, Module};
 /// use voltaic::{DType, Device, Tensor};
-/// let comm = LocalGroup::new(1).remove(0);
+/// let comm = LocalGroup::ranks(1).remove(0);
 /// let ddp = DistributedDataParallel::new(Linear::new(3, 2, true, Device::Cpu)?, comm)?;
 /// let x = Tensor::randn(&[4, 3], DType::F32, Device::Cpu)?;
 /// let loss = ddp.module().forward(&x)?.sqr()?.mean(&[], false)?;

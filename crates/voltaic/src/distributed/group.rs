@@ -127,7 +127,7 @@ impl<M: Module> DataParallel<M> {
         build: impl Fn(Device) -> Result<M>,
         optimizer: impl Fn(&M) -> Box<dyn Optimizer + Send>,
     ) -> Result<DataParallel<M>> {
-        DataParallel::with_collectives(group.devices(), LocalGroup::new(group.len()), build, optimizer)
+        DataParallel::with_collectives(group.devices(), LocalGroup::ranks(group.len()), build, optimizer)
     }
 
     /// As [`DataParallel::new`], with the replicas of this process speaking

@@ -68,7 +68,9 @@ struct Registry {
     gl: OnceLock<Vec<wgpu::Adapter>>,
     contexts: Mutex<HashMap<usize, Arc<GpuContext>>>,
     /// The adapter index of each extra device opened on an adapter
-    /// ([`open_replica`]); replica `k` is `gpu:{REPLICA_BASE + k}`.
+    /// ([`open_replica`]); replica `k` is `gpu:{REPLICA_BASE + k}`. The
+    /// web opens none.
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code, reason = "a browser opens one device per adapter"))]
     replicas: Mutex<Vec<usize>>,
 }
 
