@@ -83,9 +83,16 @@ impl LocalGroup {
 
     /// Give `data` to the round and wait for every rank's contribution.
     fn exchange(&self, op: &'static str, data: Vec<f32>) -> Result<Arc<Vec<Vec<f32>>>> {
+        self.exchange_as(op, data, false)
+    }
+
+    /// With `strict`, wait for every rank whatever happens meanwhile (no
+    /// failure or timeout ends the wait): for a round that every rank is
+    /// known to reach, after which buffers the others read may be freed.
+    fn exchange_as(&self, op: &'static str, data: Vec<f32>, strict: bool) -> Result<Arc<Vec<Vec<f32>>>> {
         let sh = &self.shared;
         let mut r = sh.round.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(why) = &r.failed {
+        if let (Some(why), false) = (&r.failed, strict) {
             return Err(Error::Distributed { op, msg: why.clone() });
         }
         let generation = r.generation;
@@ -100,6 +107,9 @@ impl LocalGroup {
         }
         let limit = timeout();
         let start = Instant::now();
+        while strict && r.generation == generation {
+            r = sh.turn.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
         while r.generation == generation && r.failed.is_none() {
             let left = limit.saturating_sub(start.elapsed());
             if left.is_zero() {
@@ -161,16 +171,21 @@ impl Collective for LocalGroup {
                 }
             }
         }
-        let parts = self.all_gather(&[part.as_ptr() as u64])?;
+        // Every rank passed the first exchange, so every rank reaches this
+        // one: it waits for all of them even if the group fails meanwhile,
+        // because until they arrive they may be reading this rank's `data`.
+        let parts = self.exchange_as("all_reduce", vec![f32::from_bits(part.as_ptr() as u64 as u32), f32::from_bits((part.as_ptr() as u64 >> 32) as u32)], true)?;
+        let parts: Vec<[u64; 1]> = parts.iter().map(|v| [v[0].to_bits() as u64 | (v[1].to_bits() as u64) << 32]).collect();
         for (q, v) in parts.iter().enumerate() {
             let (qlo, qhi) = share(q);
             // SAFETY: rank q's share stays alive and unchanged until it
-            // passes the last exchange below, which needs this rank's
-            // arrival after this copy.
+            // passes the last (strict) exchange below, which needs this
+            // rank's arrival after this copy.
             let theirs = unsafe { std::slice::from_raw_parts(v[0] as *const f32, qhi - qlo) };
             data[qlo..qhi].copy_from_slice(theirs);
         }
-        self.exchange("all_reduce", Vec::new())?;
+        drop(part);
+        self.exchange_as("all_reduce", Vec::new(), true)?;
         Ok(())
     }
 
