@@ -73,7 +73,17 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
     let (rank, world) = (reps.comms[0].rank(), reps.comms[0].world_size());
     let lead = rank == 0;
     let quiet = args.quiet || !lead;
+    // Rank 0 finds (and, as root, installs) the data before the others
+    // look: ranks on one machine would otherwise race for apt's lock.
+    // (MPI only: an in-process group is one process.)
+    let ranks_apart = args.distributed && world > 1;
+    if ranks_apart && !lead {
+        reps.comms[0].all_gather(&[0])?;
+    }
     let dir = locate_data(args.data.as_deref(), quiet)?;
+    if ranks_apart && lead {
+        reps.comms[0].all_gather(&[0])?;
+    }
     let (mut train, test) = fashion_mnist(&dir).with_context(|| format!("loading Fashion-MNIST from {}", dir.display()))?;
     if let Some(n) = args.limit {
         train = train.take(n);
@@ -110,7 +120,8 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
             args.precision
         );
     }
-    let test = Split::new(test, devices[0], false)?;
+    // Only rank 0 evaluates.
+    let test = if lead { Some(Split::new(test, devices[0], false)?) } else { None };
     let opts = LoaderOpts { batch_size: args.batch_size, shuffle: true, seed: args.seed, mean: MEAN, std: STD, drop_last: false, device: Device::Cpu };
     let steps_per_epoch = train.len().div_ceil(args.batch_size);
     let schedule = CosineLr { t_max: steps_per_epoch * args.epochs, min_lr: 0.0 };
@@ -161,7 +172,10 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
         let secs = t0.elapsed().as_secs_f64();
         pb.finish_and_clear();
         // Every replica holds the same weights: the first one is evaluated.
-        let (test_loss, test_acc) = if lead { evaluate(dp.module(), &test, devices[0], &args.precision)? } else { (f64::NAN, f64::NAN) };
+        let (test_loss, test_acc) = match &test {
+            Some(t) => evaluate(dp.module(), t, devices[0], &args.precision)?,
+            None => (f64::NAN, f64::NAN),
+        };
         progress.epoch = epoch;
         progress.history.push(EpochStats {
             epoch,

@@ -227,6 +227,18 @@ fn bad_batches_are_clear_errors() {
     assert!(e.contains("DataParallel::step") && e.contains("[5]") && e.contains("4"), "{e}");
     assert!(dp.step(&[], ce).unwrap_err().to_string().contains("at least one batch tensor"));
     assert!(DeviceGroup::new(&[]).unwrap_err().to_string().contains("at least one device"));
+    // An empty batch would still move the weights: refused.
+    let x0 = Tensor::zeros(&[0, 1, 28, 28], DType::F32, Device::Cpu).unwrap();
+    let y0 = Tensor::zeros(&[0], DType::I32, Device::Cpu).unwrap();
+    assert!(dp.step(&[&x0, &y0], ce).unwrap_err().to_string().contains("empty"));
+    // f64 models would be rounded by the f32 collectives: refused, by name.
+    #[derive(Module)]
+    struct Wide {
+        weight: voltaic::nn::Parameter,
+    }
+    let e = DataParallel::new(&group, |d| Ok(Wide { weight: voltaic::nn::Parameter::new(Tensor::zeros(&[3], DType::F64, d)?)? }), |m| Box::new(Sgd::new(m.parameters(), 0.1)));
+    let e = e.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("f64") && e.contains("weight"), "{e}");
     // The group still trains after refused input.
     let y = Tensor::zeros(&[4], DType::I32, Device::Cpu).unwrap();
     assert!(dp.step(&[&x, &y], ce).unwrap().is_finite());

@@ -14,8 +14,10 @@ pub trait Collective: Send + Sync {
     fn rank(&self) -> usize;
     /// How many participants there are.
     fn world_size(&self) -> usize;
-    /// Sum `data` element-wise over every rank, in place; every rank gets
-    /// the same bits (the sum runs in rank order).
+    /// Sum `data` element-wise over every rank, in place. [`LocalGroup`]
+    /// sums in rank order, so every rank gets the same bits; MPI only
+    /// recommends that (Open MPI's algorithms for a few ranks do give every
+    /// rank the same result, but the order of the sum is its own).
     fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()>;
     /// Replace `data` on every rank by rank `root`'s.
     fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()>;
@@ -26,6 +28,10 @@ pub trait Collective: Send + Sync {
     /// MPI aborts the job).
     fn abort(&self, why: &str);
 }
+
+/// The `op` of the error a collective returns because another rank failed
+/// (not itself the cause).
+pub(crate) const PEER_FAILED: &str = "another replica failed";
 
 /// How long an in-process collective waits for a peer that neither arrives
 /// nor fails (`VOLTAIC_COLLECTIVE_TIMEOUT`, seconds; default 300).
@@ -40,6 +46,9 @@ struct Round {
     generation: u64,
     arrived: usize,
     slots: Vec<Option<Vec<f32>>>,
+    /// Which operation each rank's contribution belongs to: ranks calling
+    /// different collectives fail the group instead of misreading each other.
+    ops: Vec<&'static str>,
     /// The previous round's contributions, in rank order.
     published: Option<Arc<Vec<Vec<f32>>>>,
     failed: Option<String>,
@@ -68,6 +77,9 @@ struct Shared {
 /// ```
 pub struct LocalGroup {
     rank: usize,
+    /// Set while a collective runs on this handle: one handle is one rank,
+    /// used by one thread at a time.
+    busy: std::sync::atomic::AtomicBool,
     shared: Arc<Shared>,
     /// This rank's share of a sum, kept between calls (no allocation, no
     /// page faults on the next step).
@@ -77,8 +89,8 @@ pub struct LocalGroup {
 impl LocalGroup {
     /// `n` connected handles, ranks `0..n`.
     pub fn ranks(n: usize) -> Vec<Arc<dyn Collective>> {
-        let shared = Arc::new(Shared { n, round: Mutex::new(Round { slots: vec![None; n], ..Default::default() }), turn: Condvar::new() });
-        (0..n).map(|rank| Arc::new(LocalGroup { rank, shared: shared.clone(), part: Mutex::new(Vec::new()) }) as Arc<dyn Collective>).collect()
+        let shared = Arc::new(Shared { n, round: Mutex::new(Round { slots: vec![None; n], ops: vec![""; n], ..Default::default() }), turn: Condvar::new() });
+        (0..n).map(|rank| Arc::new(LocalGroup { rank, busy: Default::default(), shared: shared.clone(), part: Mutex::new(Vec::new()) }) as Arc<dyn Collective>).collect()
     }
 
     /// Give `data` to the round and wait for every rank's contribution.
@@ -93,12 +105,20 @@ impl LocalGroup {
         let sh = &self.shared;
         let mut r = sh.round.lock().unwrap_or_else(|e| e.into_inner());
         if let (Some(why), false) = (&r.failed, strict) {
-            return Err(Error::Distributed { op, msg: why.clone() });
+            return Err(Error::Distributed { op: PEER_FAILED, msg: format!("{op}: {why}") });
         }
         let generation = r.generation;
         r.slots[self.rank] = Some(data);
+        r.ops[self.rank] = op;
         r.arrived += 1;
         if r.arrived == sh.n {
+            if let Some(q) = (0..sh.n).find(|&q| r.ops[q] != r.ops[0]) {
+                // A programming error: the ranks are out of step.
+                let why = format!("ranks called different collectives at once: rank 0 {}, rank {q} {}", r.ops[0], r.ops[q]);
+                r.failed = Some(why.clone());
+                sh.turn.notify_all();
+                return Err(Error::Distributed { op, msg: why });
+            }
             let all: Vec<Vec<f32>> = r.slots.iter_mut().map(|s| s.take().unwrap_or_default()).collect();
             r.published = Some(Arc::new(all));
             r.arrived = 0;
@@ -123,9 +143,35 @@ impl LocalGroup {
         }
         if r.generation == generation {
             let why = r.failed.clone().unwrap_or_default();
-            return Err(Error::Distributed { op, msg: why });
+            return Err(Error::Distributed { op: PEER_FAILED, msg: format!("{op}: {why}") });
         }
         Ok(r.published.clone().expect("a finished round is published"))
+    }
+}
+
+/// Marks a handle busy for one collective.
+struct Busy<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl LocalGroup {
+    fn enter(&self, op: &'static str) -> Result<Busy<'_>> {
+        if self.busy.swap(true, std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::Distributed { op, msg: format!("rank {} is already in a collective: one handle serves one thread at a time", self.rank) });
+        }
+        Ok(Busy(&self.busy))
+    }
+
+    /// Every rank's `values`, under the name of operation `op`.
+    fn gather_as(&self, op: &'static str, values: &[u64]) -> Result<Vec<Vec<u64>>> {
+        // u64s travel as pairs of f32 bit patterns (copied, never computed on).
+        let bits: Vec<f32> = values.iter().flat_map(|&v| [f32::from_bits(v as u32), f32::from_bits((v >> 32) as u32)]).collect();
+        let all = self.exchange(op, bits)?;
+        Ok(all.iter().map(|v| v.chunks_exact(2).map(|c| c[0].to_bits() as u64 | (c[1].to_bits() as u64) << 32).collect()).collect())
     }
 }
 
@@ -143,11 +189,12 @@ impl Collective for LocalGroup {
         if n == 1 {
             return Ok(());
         }
+        let _busy = self.enter("all_reduce")?;
         // The ranks read each other's buffers in place: rank r sums
         // elements of share r over every rank (in rank order, so every rank
         // ends with the same bits), then every rank copies the shares.
         let src = data.as_ptr() as u64;
-        let all = self.all_gather(&[src, data.len() as u64])?;
+        let all = self.gather_as("all_reduce", &[src, data.len() as u64])?;
         if let Some(bad) = all.iter().position(|v| v[1] != data.len() as u64) {
             let why = format!("replica {bad} reduces {} values, replica {} reduces {}", all[bad][1], self.rank, data.len());
             self.abort(&why);
@@ -193,6 +240,7 @@ impl Collective for LocalGroup {
         if root >= self.shared.n {
             return Err(Error::Distributed { op: "broadcast", msg: format!("root {root} is not a rank of a group of {}", self.shared.n) });
         }
+        let _busy = self.enter("broadcast")?;
         let mine = if self.rank == root { data.to_vec() } else { Vec::new() };
         let all = self.exchange("broadcast", mine)?;
         if all[root].len() != data.len() {
@@ -206,10 +254,8 @@ impl Collective for LocalGroup {
     }
 
     fn all_gather(&self, values: &[u64]) -> Result<Vec<Vec<u64>>> {
-        // u64s travel as pairs of f32 bit patterns (copied, never computed on).
-        let bits: Vec<f32> = values.iter().flat_map(|&v| [f32::from_bits(v as u32), f32::from_bits((v >> 32) as u32)]).collect();
-        let all = self.exchange("all_gather", bits)?;
-        Ok(all.iter().map(|v| v.chunks_exact(2).map(|c| c[0].to_bits() as u64 | (c[1].to_bits() as u64) << 32).collect()).collect())
+        let _busy = self.enter("all_gather")?;
+        self.gather_as("all_gather", values)
     }
 
     fn abort(&self, why: &str) {
@@ -271,6 +317,23 @@ mod tests {
         });
         for g in out {
             assert_eq!(g, (0..4).map(|r| vec![r as u64, u64::MAX - 49]).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn ranks_in_different_collectives_fail_instead_of_misreading() {
+        let h = LocalGroup::ranks(2);
+        let out = on_threads(&h, |c| {
+            if c.rank() == 0 {
+                let mut v = vec![1.0; 37];
+                c.all_reduce_sum(&mut v).map(|_| ())
+            } else {
+                c.all_gather(&[0xdead_beef, 37]).map(|_| ())
+            }
+        });
+        for e in out {
+            let msg = e.unwrap_err().to_string();
+            assert!(msg.contains("different collectives"), "{msg}");
         }
     }
 

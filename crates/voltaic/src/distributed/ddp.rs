@@ -92,6 +92,14 @@ impl<M: Module> DistributedDataParallel<M> {
     /// shapes, dtypes) and copies rank 0's parameters and buffers to all.
     pub fn new(module: M, comm: Arc<dyn Collective>) -> Result<Self> {
         let named = module.named_tensors();
+        // The collectives carry f32: every other dtype but f64 survives the
+        // trip exactly (integers up to 2^24); f64 would be rounded.
+        if let Some((name, _)) = named.iter().find(|(_, p)| p.value().dtype() == DType::F64) {
+            return Err(Error::DType {
+                op: "DistributedDataParallel::new",
+                msg: format!("{name} is f64, and gradients and parameters travel as f32: convert the model to f32 (or bf16/f16)"),
+            });
+        }
         let (sig, numel) = signature(&named);
         let all = comm.all_gather(&[named.len() as u64, numel, sig])?;
         if let Some(bad) = all.iter().position(|v| v != &all[0]) {

@@ -215,6 +215,10 @@ impl<M: Module> DataParallel<M> {
         let Some(n) = batch.first().map(|t| t.dims().first().copied().unwrap_or(0)) else {
             return Err(Error::Value { op: "DataParallel::step", msg: "expected at least one batch tensor, got none".into() });
         };
+        if n == 0 {
+            // An empty step would still move the weights (momentum, weight decay).
+            return Err(Error::Shape { op: "DataParallel::step", msg: "the batch is empty (its first dim is 0)".into() });
+        }
         if let Some(t) = batch.iter().find(|t| t.dims().first().copied().unwrap_or(0) != n || t.rank() == 0) {
             return Err(Error::Shape {
                 op: "DataParallel::step",
@@ -284,7 +288,7 @@ fn on_threads<T: Send, F: FnOnce() -> Result<T> + Send>(jobs: impl Iterator<Item
         match r {
             Ok(v) => out.push(v),
             Err(e) => {
-                let follower = matches!(&e, Error::Distributed { msg, .. } if msg.contains(" failed: "));
+                let follower = matches!(&e, Error::Distributed { op, .. } if *op == super::collective::PEER_FAILED);
                 if !follower {
                     return Err(e);
                 }

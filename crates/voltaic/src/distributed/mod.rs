@@ -13,7 +13,13 @@
 //! Every replica starts from rank 0's parameters and takes the same
 //! optimizer step on the same summed gradients, so a run over `n` devices
 //! computes what one device computes on the whole batch (to rounding: the
-//! sums are grouped differently).
+//! sums are grouped differently). The replicas stay bitwise equal where
+//! they compute alike (devices of one kind, an in-process group);
+//! parameters are not compared or re-synchronised after the start, so a
+//! group mixing kinds of device (a CPU and a GPU), or MPI ranks whose sum
+//! differs by rank, may drift apart in the last bits. Random ops (dropout)
+//! draw from the one process-wide generator in whatever order the replica
+//! threads reach it: such runs do not repeat exactly.
 
 mod collective;
 mod ddp;

@@ -13,7 +13,8 @@ use std::sync::Mutex;
 /// This process's rank of an MPI job (`mpirun -np N ...`): gradients are
 /// summed with `MPI_Allreduce` over host memory. MPI is initialised by
 /// [`MpiCollective::world`] and finalised when the value is dropped; calls
-/// go through a lock, so any one thread may make them at a time.
+/// go through a lock, so any one thread may make them at a time. Drop it on
+/// the thread that created it (MPI wants to be finalised there).
 ///
 /// When this rank fails, [`Collective::abort`] prints the reason and calls
 /// `MPI_Abort`, which ends every rank of the job; when another rank dies,
@@ -122,8 +123,10 @@ impl Collective for MpiCollective {
     fn abort(&self, why: &str) {
         eprintln!("voltaic: rank {} of {} failed: {why}; ending the MPI job", self.rank, self.size);
         // Not through the lock: the failing thread may hold it.
-        // SAFETY: MPI_Abort on the world communicator is allowed from any
-        // thread at any time and does not return.
+        // SAFETY: MPI_Abort does not return. At the Serialized level no
+        // other thread may be inside an MPI call meanwhile: a process runs
+        // one replica, whose thread is the one failing here (or the main
+        // thread after it), so none is.
         unsafe {
             mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 3);
         }

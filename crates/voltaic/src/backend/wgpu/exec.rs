@@ -285,8 +285,8 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
     let generation = ctx.tuner.generation();
     let forced = super::matmul::FORCE.with(|f| f.get()).is_some();
     let mut cell = plan.prepared.lock().unwrap_or_else(|e| e.into_inner());
-    // One prepared state per device: replicas of a data-parallel run share
-    // their cached plans and must not undo each other's preparation.
+    // One prepared state per device, should a plan ever be run on several
+    // (plan keys name the device today, so each plan sees one).
     let per_device: Arc<Vec<Arc<Prepared>>> = cell.as_ref().and_then(|p| p.clone().downcast::<Vec<Arc<Prepared>>>().ok()).unwrap_or_default();
     if let Some(p) = per_device.iter().find(|p| p.device == ctx.index) {
         if p.generation == generation && !forced {
