@@ -13,6 +13,14 @@ use voltaic::nn::{Forward, Module, Sequential};
 use voltaic::optim::{Adam, Optimizer, Sgd};
 use voltaic::{DType, Device, Error, Reduction, Result, Tensor};
 
+/// The tests seed and draw from the one process-wide generator (model
+/// initialisation): they take turns, or their draws would interleave.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn gpu_index() -> usize {
     std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0)
 }
@@ -96,6 +104,7 @@ fn assert_replicas_agree(dp: &DataParallel<Sequential>, n: usize) {
 
 #[test]
 fn two_cpu_replicas_match_one_cpu_for_50_steps() {
+    let _turn = turn();
     let train = data(64 * 50);
     let b = batches(&train, 64, 50);
     for (build, adam, name) in [(mlp as Build, true, "mlp, adam"), (cnn as Build, false, "cnn, sgd")] {
@@ -110,6 +119,7 @@ fn two_cpu_replicas_match_one_cpu_for_50_steps() {
 
 #[test]
 fn two_devices_on_one_gpu_adapter_match_one_device_for_50_steps() {
+    let _turn = turn();
     let g = gpu();
     let group = DeviceGroup::replicas(g, 2).unwrap();
     assert_eq!(group.devices()[0], g);
@@ -129,6 +139,7 @@ fn two_devices_on_one_gpu_adapter_match_one_device_for_50_steps() {
 
 #[test]
 fn uneven_splits_and_a_replica_with_no_rows_still_match() {
+    let _turn = turn();
     // 50 examples over 3 replicas (17, 17, 16) and a last batch of 2 over 3
     // (one replica gets no rows, yet takes part in the reduction).
     let train = data(52);
@@ -146,6 +157,7 @@ fn uneven_splits_and_a_replica_with_no_rows_still_match() {
 
 #[test]
 fn bucket_sizes_do_not_change_the_sums() {
+    let _turn = turn();
     // One bucket per tensor and one bucket for everything reduce the same
     // numbers element by element: the results are equal to the bit.
     let train = data(32 * 6);
@@ -192,6 +204,7 @@ fn bucket_sizes_do_not_change_the_sums() {
 
 #[test]
 fn replicas_start_from_the_first_ones_parameters() {
+    let _turn = turn();
     let group = DeviceGroup::new(&[Device::Cpu, Device::Cpu, Device::Cpu]).unwrap();
     voltaic::manual_seed(1);
     let dp = DataParallel::new(&group, mlp, |m| Box::new(Sgd::new(m.parameters(), 0.1))).unwrap();
@@ -206,6 +219,7 @@ fn replicas_start_from_the_first_ones_parameters() {
 
 #[test]
 fn replicas_that_disagree_on_the_model_are_refused() {
+    let _turn = turn();
     let group = DeviceGroup::new(&[Device::Cpu, Device::Cpu]).unwrap();
     let which = std::sync::atomic::AtomicUsize::new(0);
     let r = DataParallel::new(
@@ -219,6 +233,7 @@ fn replicas_that_disagree_on_the_model_are_refused() {
 
 #[test]
 fn bad_batches_are_clear_errors() {
+    let _turn = turn();
     let group = DeviceGroup::new(&[Device::Cpu, Device::Cpu]).unwrap();
     let mut dp = DataParallel::new(&group, mlp, |m| Box::new(Sgd::new(m.parameters(), 0.1))).unwrap();
     let x = Tensor::zeros(&[4, 1, 28, 28], DType::F32, Device::Cpu).unwrap();
@@ -284,6 +299,7 @@ fn check_failure(group: DeviceGroup, fail: impl Fn(Device) -> Result<()> + Sync,
 
 #[test]
 fn a_failing_cpu_replica_is_an_error_from_the_step() {
+    let _turn = turn();
     let group = DeviceGroup::new(&[Device::Cpu, Device::Cpu]).unwrap();
     // Both replicas are the CPU: the first to get here fails.
     let n = std::sync::atomic::AtomicUsize::new(0);
@@ -296,6 +312,7 @@ fn a_failing_cpu_replica_is_an_error_from_the_step() {
 
 #[test]
 fn a_gpu_replica_out_of_memory_is_an_error_from_the_step() {
+    let _turn = turn();
     let group = DeviceGroup::replicas(gpu(), 2).unwrap();
     // Real allocations the second device cannot satisfy: buffers past the
     // adapter's largest (lavapipe: 2 GiB), kept until the memory runs out
@@ -319,6 +336,7 @@ fn a_gpu_replica_out_of_memory_is_an_error_from_the_step() {
 
 #[test]
 fn a_panicking_replica_does_not_hang_the_others() {
+    let _turn = turn();
     let group = DeviceGroup::new(&[Device::Cpu, Device::Cpu]).unwrap();
     let mut dp = data_parallel(mlp, &group, false);
     let x = Tensor::randn(&[6, 1, 28, 28], DType::F32, Device::Cpu).unwrap();
@@ -340,6 +358,7 @@ fn a_panicking_replica_does_not_hang_the_others() {
 
 #[test]
 fn one_local_replica_is_plain_training() {
+    let _turn = turn();
     let comm: Arc<dyn Collective> = LocalGroup::ranks(1).remove(0);
     assert_eq!((comm.rank(), comm.world_size()), (0, 1));
     let train = data(64 * 5);
