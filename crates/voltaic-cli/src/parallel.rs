@@ -4,7 +4,6 @@
 
 use crate::train::{args_lr, evaluate, finish, locate_data, plural, write_checkpoint, EpochStats, Progress, Split, TrainArgs, MEAN, STD};
 use anyhow::{bail, Context};
-use indicatif::{ProgressBar, ProgressStyle};
 use std::sync::Arc;
 use std::time::Instant;
 use voltaic::data::{fashion_mnist, DataLoader, LoaderOpts};
@@ -14,9 +13,9 @@ use voltaic::optim::{CosineLr, LrSchedule};
 use voltaic::{Device, Reduction};
 
 /// This process's devices and the collective each speaks through.
-struct Replicas {
-    devices: Vec<Device>,
-    comms: Vec<Arc<dyn Collective>>,
+pub(crate) struct Replicas {
+    pub devices: Vec<Device>,
+    pub comms: Vec<Arc<dyn Collective>>,
 }
 
 /// `--devices`: a group in this process.
@@ -29,7 +28,7 @@ fn local(list: &[String]) -> anyhow::Result<Replicas> {
 /// `--distributed`: this MPI rank and its device (`--device`, else the
 /// hardware GPU of its local rank, else the CPU).
 #[cfg(feature = "mpi")]
-fn mpi_rank(device: Option<&str>) -> anyhow::Result<Replicas> {
+pub(crate) fn mpi_rank(device: Option<&str>) -> anyhow::Result<Replicas> {
     let comm = Arc::new(voltaic::distributed::MpiCollective::world()?);
     let hardware: Vec<usize> = voltaic::backend::adapters().iter().filter(|a| !a.is_software()).map(|a| a.index).collect();
     let device = match device {
@@ -43,7 +42,7 @@ fn mpi_rank(device: Option<&str>) -> anyhow::Result<Replicas> {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn mpi_rank(_device: Option<&str>) -> anyhow::Result<Replicas> {
+pub(crate) fn mpi_rank(_device: Option<&str>) -> anyhow::Result<Replicas> {
     bail!(
         "--distributed needs a voltaic built with MPI: install Open MPI (`apt-get install libopenmpi-dev openmpi-bin clang`) and build with \
          `cargo build --release -p voltaic-cli --features mpi`, then run `mpirun -np N target/release/voltaic train --distributed ...`"
@@ -132,11 +131,7 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
         for i in 0..devices.len() {
             dp.replica(i).expect("a replica per device").train();
         }
-        let pb = if quiet { ProgressBar::hidden() } else { ProgressBar::new(steps_per_epoch as u64) };
-        pb.set_style(
-            ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed} / {eta} left)").expect("valid template").progress_chars("=> "),
-        );
-        pb.set_prefix(format!("{epoch}/{}", args.epochs));
+        let pb = crate::train::epoch_bar(quiet, steps_per_epoch, epoch, args.epochs);
         let t0 = Instant::now();
         let (mut loss_sum, mut seen) = (0.0, 0usize);
         let (mut window, mut window_seen) = (0.0, 0usize);

@@ -303,13 +303,7 @@ pub fn train_loop(
     });
     for epoch in progress.epoch + 1..=args.epochs {
         model.train();
-        let pb = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(steps_per_epoch as u64) };
-        pb.set_style(
-            ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed} / {eta} left)")
-                .expect("valid template")
-                .progress_chars("=> "),
-        );
-        pb.set_prefix(format!("{epoch}/{}", args.epochs));
+        let pb = epoch_bar(args.quiet, steps_per_epoch, epoch, args.epochs);
         let t0 = Instant::now();
         // Sums start as uploaded zeros, not constants: every step's metrics
         // then have one structure (one cached plan, no kernels of their own).
@@ -393,6 +387,14 @@ pub fn train_loop(
         on_epoch(&progress, &*opt)?;
     }
     Ok(progress)
+}
+
+/// The progress bar of one epoch (hidden when `quiet`).
+pub(crate) fn epoch_bar(quiet: bool, steps: usize, epoch: usize, epochs: usize) -> ProgressBar {
+    let pb = if quiet { ProgressBar::hidden() } else { ProgressBar::new(steps as u64) };
+    pb.set_style(ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed} / {eta} left)").expect("valid template").progress_chars("=> "));
+    pb.set_prefix(format!("{epoch}/{epochs}"));
+    pb
 }
 
 /// The autocast type of a `--precision` value (None for f32).

@@ -40,14 +40,16 @@ pub const CASES: &[&str] = &[
 
 const PEER: &str = include_str!("dist_peer.py");
 
-/// The MiniLM-sized encoder with a 10-class head on its first token.
+/// The MiniLM-sized encoder with a 10-class head on its first token (also
+/// the train suite's `encoder_*` rows).
 #[derive(Module)]
-struct Encoder {
-    bert: BertModel,
-    head: Linear,
+pub(super) struct Encoder {
+    pub bert: BertModel,
+    pub head: Linear,
 }
 
-fn encoder(device: Device) -> voltaic::Result<Encoder> {
+/// A randomly initialised [`Encoder`] (the encoder first, then the head).
+pub(super) fn encoder(device: Device) -> voltaic::Result<Encoder> {
     let config = BertConfig {
         vocab_size: 30522,
         hidden_size: 384,
@@ -119,23 +121,18 @@ pub fn run(args: &super::BenchArgs) -> anyhow::Result<()> {
         .filter(|c| c.ends_with("_mpi") == under_mpi)
         .filter(|c| args.filter.as_deref().is_none_or(|f| c.contains(f)))
         .collect();
-    let device = match &args.device {
-        Some(d) => Device::parse(d)?,
-        None => match Device::best() {
-            d @ Device::Gpu(_) => d,
-            Device::Cpu => bail!("no hardware GPU found for the dist suite; pass --device gpu:N to use a software adapter"),
-        },
+    // Under mpirun, each rank's device as `voltaic train --distributed`
+    // picks it (the GPU of its local rank).
+    let (device, mpi) = if under_mpi {
+        let r = crate::parallel::mpi_rank(args.device.as_deref())?;
+        (r.devices[0], r.comms.into_iter().next())
+    } else {
+        (args.device.as_deref().map(Device::parse).transpose()?.unwrap_or_else(Device::best), None)
     };
-    let mpi = if under_mpi { Some(mpi_world()?) } else { None };
+    if args.device.is_none() && device == Device::Cpu {
+        bail!("no hardware GPU found for the dist suite; pass --device gpu:N to use a software adapter");
+    }
     let lead = mpi.as_ref().is_none_or(|c| c.rank() == 0);
-    let device = match (&mpi, device) {
-        // One GPU per rank where there are several.
-        (Some(c), Device::Gpu(_)) if args.device.is_none() => {
-            let hw: Vec<usize> = voltaic::backend::adapters().iter().filter(|a| !a.is_software()).map(|a| a.index).collect();
-            Device::Gpu(hw[local_rank(c) % hw.len()])
-        }
-        (_, d) => d,
-    };
     let peer = if args.no_peer || !cases.iter().any(|c| c.starts_with("stage_")) { None } else { Some(torch_peer(args.runs).context("running the PyTorch peer")?) };
     for c in &cases {
         let (ms, note) = run_case(c, device, args.runs, mpi.as_ref()).with_context(|| format!("benchmark {c}"))?;
@@ -167,20 +164,6 @@ fn adapter_name(device: Device) -> String {
         Device::Gpu(i) => voltaic::backend::adapters().into_iter().find(|a| a.index == i).map(|a| a.name).unwrap_or_default(),
         Device::Cpu => "cpu".into(),
     }
-}
-
-#[cfg(feature = "mpi")]
-fn mpi_world() -> anyhow::Result<Arc<dyn Collective>> {
-    Ok(Arc::new(voltaic::distributed::MpiCollective::world()?))
-}
-
-#[cfg(not(feature = "mpi"))]
-fn mpi_world() -> anyhow::Result<Arc<dyn Collective>> {
-    bail!("the *_mpi rows need a voltaic built with --features mpi")
-}
-
-fn local_rank(c: &Arc<dyn Collective>) -> usize {
-    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"].iter().find_map(|v| std::env::var(v).ok()?.parse().ok()).unwrap_or(c.rank())
 }
 
 fn torch_peer(runs: usize) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {

@@ -185,28 +185,13 @@ fn step_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, St
 /// f16 (with a GradScaler, whose per-step check reads one value back, as
 /// PyTorch's does) or bf16.
 fn encoder_case(precision: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
-    use voltaic::models::bert::{BertConfig, BertModel};
-    use voltaic::nn::Linear;
     use voltaic::optim::GradScaler;
     let low = crate::train::autocast_type(precision);
     voltaic::manual_seed(0);
-    let config = BertConfig {
-        vocab_size: 30522,
-        hidden_size: 384,
-        num_hidden_layers: 6,
-        num_attention_heads: 12,
-        intermediate_size: 1536,
-        max_position_embeddings: 512,
-        type_vocab_size: 2,
-        layer_norm_eps: 1e-12,
-        hidden_act: "gelu".into(),
-    };
     let (batch, seq) = (32usize, 128usize);
-    let model = BertModel::new(config, device)?;
-    let head = Linear::new(384, 10, true, device)?;
-    let mut params = model.parameters();
-    params.extend(head.parameters());
-    let mut opt = Adam::adamw(params, 1e-4);
+    let enc = super::dist::encoder(device)?;
+    let (model, head) = (&enc.bert, &enc.head);
+    let mut opt = Adam::adamw(enc.parameters(), 1e-4);
     let mut scaler = (low == Some(DType::F16)).then(GradScaler::new);
     let ids = Tensor::rand(&[batch, seq], DType::F32, device)?.mul(30522.0)?.floor()?.to_dtype(DType::I32)?;
     let mask = Tensor::ones(&[batch, seq], DType::I32, device)?;

@@ -14,6 +14,11 @@ pub trait Collective: Send + Sync {
     fn rank(&self) -> usize;
     /// How many participants there are.
     fn world_size(&self) -> usize;
+    /// This participant's index among those on its machine (which of the
+    /// machine's GPUs it takes): the rank itself unless the engine knows.
+    fn local_rank(&self) -> usize {
+        self.rank()
+    }
     /// Sum `data` element-wise over every rank, in place. [`LocalGroup`]
     /// sums in rank order, so every rank gets the same bits; MPI only
     /// recommends that (Open MPI's algorithms for a few ranks do give every

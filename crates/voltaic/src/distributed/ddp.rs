@@ -205,6 +205,8 @@ impl<M: Module> DistributedDataParallel<M> {
         let sizes = order.iter().map(|&i| self.params[i].value().numel() * 4);
         let plan = buckets(sizes, self.first_bucket_bytes, self.bucket_bytes);
         let n_buckets = plan.len().max(1);
+        // A bucket in flight: its members, its flat tensor (held until its
+        // read completes) and the read.
         let mut in_flight: Option<(Vec<usize>, Tensor, PendingRead)> = None;
         let mut global_loss = 0.0;
         for b in 0..n_buckets {
@@ -226,12 +228,12 @@ impl<M: Module> DistributedDataParallel<M> {
             let flat = flat_f32(&grads)?;
             let read = flat.read_start()?;
             if let Some((prev, pflat, pread)) = in_flight.take() {
-                self.reduce(prev, pflat, pread, &mut stats, None)?;
+                self.reduce(prev, pflat.device(), pread, &mut stats, None)?;
             }
             in_flight = Some((members, flat, read));
         }
         if let Some((prev, pflat, pread)) = in_flight.take() {
-            self.reduce(prev, pflat, pread, &mut stats, Some(&mut global_loss))?;
+            self.reduce(prev, pflat.device(), pread, &mut stats, Some(&mut global_loss))?;
         }
         stats.buckets = n_buckets;
         stats.total_seconds = start.elapsed().as_secs_f64();
@@ -241,7 +243,7 @@ impl<M: Module> DistributedDataParallel<M> {
 
     /// Wait for one bucket, sum it over the ranks and hand each parameter
     /// its part (a view of one uploaded buffer).
-    fn reduce(&self, members: Vec<usize>, flat: Tensor, read: PendingRead, stats: &mut SyncStats, loss: Option<&mut f64>) -> Result<()> {
+    fn reduce(&self, members: Vec<usize>, device: crate::Device, read: PendingRead, stats: &mut SyncStats, loss: Option<&mut f64>) -> Result<()> {
         let t = Instant::now();
         let mut host = finish_f32(read)?;
         stats.read_seconds += t.elapsed().as_secs_f64();
@@ -255,8 +257,9 @@ impl<M: Module> DistributedDataParallel<M> {
         if members.is_empty() {
             return Ok(());
         }
-        let device = flat.device();
-        let summed = Tensor::from_vec(host, &[flat.numel() - loss_slot(flat.numel(), &members, &self.params)], device)?;
+        // What is left once the loss is taken off: the parameters' values.
+        let n = host.len();
+        let summed = Tensor::from_vec(host, &[n], device)?;
         let mut at = 0;
         for &i in &members {
             let v = self.params[i].value();
@@ -266,13 +269,6 @@ impl<M: Module> DistributedDataParallel<M> {
         }
         Ok(())
     }
-}
-
-/// 1 when the flat bucket also carries the loss (it is longer than its
-/// parameters), else 0.
-fn loss_slot(flat_len: usize, members: &[usize], params: &[Parameter]) -> usize {
-    let n: usize = members.iter().map(|&i| params[i].value().numel()).sum();
-    flat_len - n
 }
 
 /// The tensors as one flat f32 vector (lazy: fused into one kernel).

@@ -59,12 +59,6 @@ impl MpiCollective {
         Ok(MpiCollective { world: Mutex::new(world), send: Mutex::new(Vec::new()), rank, size, local_rank, _universe: universe })
     }
 
-    /// This rank's index among the ranks on its machine (from the
-    /// launcher's environment): which GPU of the machine it should take.
-    pub fn local_rank(&self) -> usize {
-        self.local_rank
-    }
-
     fn comm(&self) -> std::sync::MutexGuard<'_, SimpleCommunicator> {
         self.world.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -77,6 +71,11 @@ impl Collective for MpiCollective {
 
     fn world_size(&self) -> usize {
         self.size
+    }
+
+    /// From the launcher's environment (Open MPI, MPICH, MVAPICH, Slurm).
+    fn local_rank(&self) -> usize {
+        self.local_rank
     }
 
     fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()> {

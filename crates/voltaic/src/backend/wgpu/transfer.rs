@@ -12,38 +12,37 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Waker;
 
-/// The bytes a host buffer takes on the GPU (see [`elem_bytes`]).
-fn to_gpu_bytes(s: &CpuStorage) -> Vec<u8> {
-    let mut v: Vec<u8> = match s {
-        CpuStorage::F32(x) => bytemuck::cast_slice(x).to_vec(),
-        CpuStorage::I32(x) => bytemuck::cast_slice(x).to_vec(),
-        CpuStorage::U32(x) => bytemuck::cast_slice(x).to_vec(),
-        CpuStorage::F16(x) => bytemuck::cast_slice(x).to_vec(),
-        CpuStorage::BF16(x) => bytemuck::cast_slice(x).to_vec(),
-        CpuStorage::Bool(x) => x.iter().flat_map(|&b| (b as u32).to_le_bytes()).collect(),
-        CpuStorage::F64(x) => bytemuck::cast_slice(x).to_vec(),
+/// The bytes a host buffer takes on the GPU (see [`elem_bytes`]): the
+/// buffer's own memory where it already is that, so an upload copies once
+/// (into the queue's staging); bools are widened and an odd count of
+/// 16-bit values padded (copies move whole 4-byte words).
+fn to_gpu_bytes(s: &CpuStorage) -> std::borrow::Cow<'_, [u8]> {
+    let plain: &[u8] = match s {
+        CpuStorage::F32(x) => bytemuck::cast_slice(x),
+        CpuStorage::I32(x) => bytemuck::cast_slice(x),
+        CpuStorage::U32(x) => bytemuck::cast_slice(x),
+        CpuStorage::F16(x) => bytemuck::cast_slice(x),
+        CpuStorage::BF16(x) => bytemuck::cast_slice(x),
+        CpuStorage::F64(x) => bytemuck::cast_slice(x),
+        CpuStorage::Bool(x) => return x.iter().flat_map(|&b| (b as u32).to_le_bytes()).collect::<Vec<u8>>().into(),
     };
-    // Copies move whole 4-byte words.
+    if plain.len().is_multiple_of(4) {
+        return plain.into();
+    }
+    let mut v = plain.to_vec();
     v.resize(v.len().next_multiple_of(4), 0);
-    v
+    v.into()
 }
 
 fn from_gpu_bytes(dt: DType, b: &[u8], n: usize) -> CpuStorage {
-    // 4-byte types straight from an aligned mapping: one copy.
-    if let (DType::F32 | DType::I32 | DType::U32, Ok(w)) = (dt, bytemuck::try_cast_slice::<u8, u32>(&b[..(n * 4).min(b.len())])) {
-        return match dt {
-            DType::F32 => CpuStorage::F32(bytemuck::cast_slice::<u32, f32>(w).to_vec()),
-            DType::I32 => CpuStorage::I32(bytemuck::cast_slice::<u32, i32>(w).to_vec()),
-            _ => CpuStorage::U32(w.to_vec()),
-        };
-    }
+    // 4-byte types in one copy, whatever the alignment.
+    let four = &b[..(n * 4).min(b.len())];
     let halves = |b: &[u8]| b.chunks_exact(2).take(n).map(|c| u16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>().into_iter();
-    let words = |b: &[u8]| -> Vec<u32> { b.chunks_exact(4).take(n).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
     match dt {
-        DType::F32 => CpuStorage::F32(words(b).into_iter().map(f32::from_bits).collect()),
-        DType::I32 => CpuStorage::I32(words(b).into_iter().map(|w| w as i32).collect()),
-        DType::U32 => CpuStorage::U32(words(b)),
-        DType::Bool => CpuStorage::Bool(words(b).into_iter().map(|w| w != 0).collect()),
+        DType::F32 => CpuStorage::F32(bytemuck::pod_collect_to_vec(four)),
+        DType::I32 => CpuStorage::I32(bytemuck::pod_collect_to_vec(four)),
+        DType::U32 => CpuStorage::U32(bytemuck::pod_collect_to_vec(four)),
+        DType::Bool => CpuStorage::Bool(four.chunks_exact(4).map(|c| c != [0, 0, 0, 0]).collect()),
         DType::BF16 => CpuStorage::BF16(halves(b).map(bf16::from_bits).collect()),
         DType::F16 => CpuStorage::F16(halves(b).map(f16::from_bits).collect()),
         DType::F64 => CpuStorage::F64(b.chunks_exact(8).take(n).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()),
@@ -54,25 +53,10 @@ fn from_gpu_bytes(dt: DType, b: &[u8], n: usize) -> CpuStorage {
 pub(crate) fn upload(ctx: &GpuContext, s: &CpuStorage) -> Result<GpuBuf> {
     ctx.check_alive()?;
     check_dtype(&ctx.caps, s.dtype(), "to_device")?;
-    // Whole 4-byte words go from the caller's memory into the queue's
-    // staging as they are; other data is converted (and padded) first.
-    let direct: Option<&[u8]> = match s {
-        CpuStorage::F32(x) => Some(bytemuck::cast_slice(x)),
-        CpuStorage::I32(x) => Some(bytemuck::cast_slice(x)),
-        CpuStorage::U32(x) => Some(bytemuck::cast_slice(x)),
-        _ => None,
-    };
-    let converted;
-    let bytes: &[u8] = match direct {
-        Some(b) => b,
-        None => {
-            converted = to_gpu_bytes(s);
-            &converted
-        }
-    };
+    let bytes = to_gpu_bytes(s);
     let buf = alloc(ctx, s.dtype(), s.len(), bytes.len() as u64)?;
     if !bytes.is_empty() {
-        let ((), err) = ctx.scoped(|| ctx.queue.write_buffer(buf.raw(), 0, bytes));
+        let ((), err) = ctx.scoped(|| ctx.queue.write_buffer(buf.raw(), 0, &bytes));
         if let Some(e) = err {
             return Err(e);
         }
