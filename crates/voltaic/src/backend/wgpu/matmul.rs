@@ -77,6 +77,15 @@ pub(crate) const TILES: &[Tile] = &[
 const BF16_SHIFT: &str = "fn bf16_shift(bits: u32) -> i32 {
     if (bits == 0u) { return 0; }
     return clamp(14 - (i32((bits >> 23u) & 0xffu) - 127), -126, 126);
+}
+// Undo the scaling `shift` (the sum of a row's and a column's, up to 252 in
+// magnitude) in two halves: ldexp takes exponents up to 127 or so, and the
+// value after the first half lies between the product and the result, so it
+// cannot overflow or underflow where the result does not (scaling by one
+// shift and then the other could: a huge row times a tiny column).
+fn bf16_unscale(x: f32, shift: i32) -> f32 {
+    let h = shift / 2;
+    return ldexp(ldexp(x, -h), h - shift);
 }";
 
 /// Which kernel a matmul uses.
@@ -329,8 +338,7 @@ impl Gen<'_> {
         // The product at staged element `e` of column `gj`.
         let product = |e: &str, gj: &str| match scales {
             None => format!("Cs[cbase + {e}]"),
-            // Two steps: each shift is within ldexp's range, their sum may not be.
-            Some(_) => format!("ldexp(ldexp(Cs[cbase + {e}], -bf16_shift(ld_max_a(z * {m}u + gi))), -bf16_shift(ld_max_b(z * {n}u + {gj})))"),
+            Some(_) => format!("bf16_unscale(Cs[cbase + {e}], bf16_shift(ld_max_a(z * {m}u + gi)) + bf16_shift(ld_max_b(z * {n}u + {gj})))"),
         };
         if let Some((sa, sb)) = scales {
             sh.array(Src::Scratch(sa), "max_a", DType::U32, batch * m, false);
@@ -995,16 +1003,22 @@ mod tests {
             check(Variant::Coop, &[256, 96], &[96, 128], true, false, DType::BF16);
             // ...and within bf16's rounding on rows and columns far outside f16's range.
             for plan in [Variant::Coop, Variant::CoopWide] {
-                bf16_wide_range(plan, 130, 70, 129);
-                bf16_wide_range(plan, 256, 128, 256);
+                bf16_wide_range(plan, 130, 70, 129, (-40, 40), (-40, 40));
+                bf16_wide_range(plan, 256, 128, 256, (-40, 40), (-40, 40));
+                // Huge rows times tiny columns and back: the products are
+                // ordinary numbers, the scalings undone are near 2^250.
+                bf16_wide_range(plan, 130, 70, 129, (100, 120), (-120, -100));
+                bf16_wide_range(plan, 130, 70, 129, (-120, -100), (100, 120));
             }
         }
     }
 
-    fn bf16_wide_range(plan: Variant, m: usize, k: usize, n: usize) {
-        let pow = |i: usize, len: usize| 2f32.powi((i * 81 / len) as i32 - 40);
-        let rows = Tensor::from_vec((0..m).map(|i| pow(i, m)).collect::<Vec<_>>(), &[m, 1], Device::Cpu).unwrap();
-        let cols = Tensor::from_vec((0..n).map(|j| pow(n - 1 - j, n)).collect::<Vec<_>>(), &[1, n], Device::Cpu).unwrap();
+    /// Rows of A scaled by powers of two from `2^row_exp.0` to `2^row_exp.1`,
+    /// columns of B likewise (in reverse order).
+    fn bf16_wide_range(plan: Variant, m: usize, k: usize, n: usize, row_exp: (i32, i32), col_exp: (i32, i32)) {
+        let pow = |i: usize, len: usize, (lo, hi): (i32, i32)| 2f32.powi(lo + (i * (hi - lo + 1) as usize / len) as i32);
+        let rows = Tensor::from_vec((0..m).map(|i| pow(i, m, row_exp)).collect::<Vec<_>>(), &[m, 1], Device::Cpu).unwrap();
+        let cols = Tensor::from_vec((0..n).map(|j| pow(n - 1 - j, n, col_exp)).collect::<Vec<_>>(), &[1, n], Device::Cpu).unwrap();
         let a = Tensor::randn(&[m, k], DType::F32, Device::Cpu).unwrap().mul(&rows).unwrap().to_dtype(DType::BF16).unwrap();
         let b = Tensor::randn(&[k, n], DType::F32, Device::Cpu).unwrap().mul(&cols).unwrap().to_dtype(DType::BF16).unwrap();
         let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
