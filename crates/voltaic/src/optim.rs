@@ -371,9 +371,11 @@ pub struct GradScaler {
     /// Clean steps in a row before the scale grows.
     pub growth_interval: usize,
     clean: usize,
-    /// Whether the last `unscale`/`step` found inf or NaN (None: not checked yet).
-    found_inf: Option<bool>,
-    unscaled: bool,
+    /// The optimizers unscaled since the last `update` (by address, as
+    /// PyTorch keys them by `id`) and whether each found inf or NaN: with
+    /// several optimizers, each is unscaled once, and any one finding inf
+    /// backs the scale off.
+    unscaled: Vec<(usize, bool)>,
 }
 
 impl Default for GradScaler {
@@ -391,7 +393,7 @@ impl GradScaler {
     /// Start from `scale` (positive and finite; else 65536).
     pub fn with_scale(scale: f64) -> GradScaler {
         let scale = if scale.is_finite() && scale > 0.0 { scale } else { 65536.0 };
-        GradScaler { scale, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000, clean: 0, found_inf: None, unscaled: false }
+        GradScaler { scale, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000, clean: 0, unscaled: Vec::new() }
     }
 
     /// The current scale.
@@ -420,47 +422,47 @@ impl GradScaler {
     }
 
     /// Divide the gradients of `opt`'s parameters by the scale (in place,
-    /// once per step; `step` does it if it was not done), and find whether
-    /// any is inf or NaN. Call it before clipping gradients, as in PyTorch.
-    /// Returns whether a non-finite gradient was found.
+    /// once per step and optimizer; `step` does it if it was not done), and
+    /// find whether any is inf or NaN. Call it before clipping gradients, as
+    /// in PyTorch. Returns whether a non-finite gradient was found.
     pub fn unscale(&mut self, opt: &dyn Optimizer) -> Result<bool> {
-        if self.unscaled {
-            return Ok(self.found_inf.unwrap_or(false));
+        let id = opt as *const dyn Optimizer as *const () as usize;
+        if let Some(&(_, found)) = self.unscaled.iter().find(|(o, _)| *o == id) {
+            return Ok(found);
         }
         let _g = crate::NoGradGuard::new();
         let inv = 1.0 / self.scale;
-        // `g * 0` is 0 for finite values and NaN for inf and NaN: the sum
-        // is NaN exactly when some gradient is not finite, and cannot
-        // overflow on its way there.
-        let mut poison: Option<Tensor> = None;
+        // How many gradient elements are inf or NaN, tested on the bits
+        // (`nonfinite`): `g * 0` or `g != g` may be folded away by a GPU
+        // compiler that assumes finite values.
+        let mut count: Option<Tensor> = None;
         let mut unscaled = vec![];
         for p in opt.params() {
             let Some(g) = p.grad() else { continue };
             let g = g.mul(inv)?;
-            let z = g.mul(0.0)?.to_dtype(crate::DType::F32)?.sum_all()?;
-            poison = Some(match poison {
-                Some(s) => s.add(&z)?,
-                None => z,
+            let bad = g.nonfinite()?.to_dtype(crate::DType::F32)?.sum_all()?;
+            count = Some(match count {
+                Some(c) => c.add(&bad)?,
+                None => bad,
             });
             unscaled.push((p.value(), g));
         }
-        let found = match poison {
-            Some(s) => {
+        let found = match count {
+            Some(c) => {
                 // One realization computes the gradients and the check, so
                 // the optimizer's step reads the gradients instead of
                 // computing the backward pass again.
-                let mut all = vec![&s];
+                let mut all = vec![&c];
                 all.extend(unscaled.iter().map(|(_, g)| g));
                 Tensor::realize_all(&all)?;
-                s.item::<f32>()?.is_nan()
+                c.item::<f32>()? != 0.0
             }
             None => false,
         };
         for (w, g) in unscaled {
             w.set_grad(Some(g))?;
         }
-        self.found_inf = Some(found);
-        self.unscaled = true;
+        self.unscaled.push((id, found));
         Ok(found)
     }
 
@@ -474,23 +476,19 @@ impl GradScaler {
         Ok(!found)
     }
 
-    /// Adjust the scale after a step: shrink it if the step found inf/NaN,
-    /// grow it after `growth_interval` clean steps in a row.
+    /// Adjust the scale after a step: shrink it if any optimizer unscaled since
+    /// the last update found inf/NaN, grow it after `growth_interval` clean steps in a row.
     pub fn update(&mut self) {
-        match self.found_inf.take() {
-            Some(true) => {
-                self.scale *= self.backoff_factor;
+        if self.unscaled.iter().any(|&(_, found)| found) {
+            self.scale *= self.backoff_factor;
+            self.clean = 0;
+        } else if !self.unscaled.is_empty() {
+            self.clean += 1;
+            if self.clean >= self.growth_interval {
+                self.scale *= self.growth_factor;
                 self.clean = 0;
             }
-            Some(false) => {
-                self.clean += 1;
-                if self.clean >= self.growth_interval {
-                    self.scale *= self.growth_factor;
-                    self.clean = 0;
-                }
-            }
-            None => {}
         }
-        self.unscaled = false;
+        self.unscaled.clear();
     }
 }

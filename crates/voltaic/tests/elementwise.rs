@@ -198,6 +198,10 @@ fn unary_special_values() -> Res {
         ),
         ("clamp(-1, 1)", |t| t.clamp(Some(-1.0), Some(1.0)), [nan, 1.0, -1.0, 0.0, 0.0, 1.0, -1.0, 0.5, -0.5, 1.0]),
         ("leaky_relu", |t| t.leaky_relu(0.1), [nan, inf, -inf, 0.0, 0.0, 2.5, -0.25, 0.5, -0.05, 1.5]),
+        ("nonfinite", |t| t.nonfinite(), [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]),
+        ("isfinite", |t| t.isfinite(), [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("isinf", |t| t.isinf(), [0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]),
+        ("isnan", |t| t.isnan(), [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]),
     ];
     for dtype in [DType::F32, DType::F64] {
         let (t, _) = tensor(&x, &[10], dtype);
@@ -208,6 +212,14 @@ fn unary_special_values() -> Res {
             assert_close(&got, &want, rt, at, &format!("{name} {dtype} of {x:?}"));
         }
     }
+    // The float tests give bools; integers and bools are always finite.
+    let (t, _) = tensor(&x, &[10], DType::F32);
+    assert_eq!(t.isfinite()?.dtype(), DType::Bool);
+    assert_eq!(t.nonfinite()?.dtype(), DType::F32);
+    let ints = Tensor::from_vec(vec![i32::MIN, 0, i32::MAX], &[3], CPU)?;
+    assert_eq!(ints.isfinite()?.to_vec::<bool>()?, vec![true; 3]);
+    assert_eq!(ints.isinf()?.to_vec::<bool>()?, vec![false; 3]);
+    assert_eq!(ints.isnan()?.to_vec::<bool>()?, vec![false; 3]);
     // The sign of zero where it is well defined.
     let (t, _) = tensor(&[0.0, -0.0], &[2], DType::F32);
     let r = t.recip()?.to_vec::<f32>()?;

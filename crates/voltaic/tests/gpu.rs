@@ -95,6 +95,10 @@ fn unary_ops_match_cpu_on_strided_inputs() {
         ("gelu_tanh", Tensor::gelu_tanh, false),
         ("silu", Tensor::silu, false),
         ("softplus", Tensor::softplus, false),
+        ("nonfinite", Tensor::nonfinite, false),
+        ("isfinite", Tensor::isfinite, false),
+        ("isinf", Tensor::isinf, false),
+        ("isnan", Tensor::isnan, false),
     ];
     for (name, f, positive) in all {
         let input = if *positive { &pos } else { &x };

@@ -6,7 +6,7 @@
 mod common;
 use common::{round_bf16, round_f16, Rng};
 use voltaic::nn::{Conv2d, Forward, LayerNorm, Linear, Module};
-use voltaic::optim::{Adam, GradScaler, Optimizer};
+use voltaic::optim::{Adam, GradScaler, Optimizer, Sgd};
 use voltaic::{autocast, Conv2dOpts, DType, Device, Reduction, Tensor};
 
 /// The memory test reads the device's pool counters, which other tests'
@@ -310,5 +310,50 @@ fn grad_scaler_unscales_to_the_plain_gradients() {
     let got = lin.weight.grad().unwrap().to_f64_vec().unwrap();
     for (a, b) in got.iter().zip(&plain) {
         assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "unscaled {a}, plain {b}");
+    }
+}
+
+#[test]
+fn grad_scaler_unscales_each_optimizer_once() {
+    let _serial = serial();
+    for dev in devices() {
+        voltaic::manual_seed(4);
+        let (l1, l2) = (Linear::new(5, 4, true, dev).unwrap(), Linear::new(4, 2, true, dev).unwrap());
+        let x = Tensor::randn(&[3, 5], DType::F32, dev).unwrap();
+        let loss = || l2.forward(&l1.forward(&x)?.relu()?)?.sqr()?.sum_all();
+        loss().unwrap().backward().unwrap();
+        let grads = |m: &Linear| m.weight.grad().unwrap().to_f64_vec().unwrap();
+        let plain = (grads(&l1), grads(&l2));
+        l1.zero_grad();
+        l2.zero_grad();
+        // One optimizer per layer, as with different learning rates; plain
+        // SGD, so each step moves the weights by lr times the gradient it saw.
+        let lr = 0.5;
+        let (mut o1, mut o2) = (Sgd::new(l1.parameters(), lr), Sgd::new(l2.parameters(), lr));
+        let weights = |m: &Linear| m.weight.value().to_f64_vec().unwrap();
+        let before = (weights(&l1), weights(&l2));
+        let mut scaler = GradScaler::with_scale(4096.0);
+        scaler.scale(&loss().unwrap()).unwrap().backward().unwrap();
+        assert!(!scaler.unscale(&o1).unwrap());
+        assert!(scaler.step(&mut o1).unwrap());
+        // The second optimizer's gradients are unscaled by its own step.
+        assert!(scaler.step(&mut o2).unwrap());
+        for (name, b, a, want) in [("first", &before.0, weights(&l1), &plain.0), ("second", &before.1, weights(&l2), &plain.1)] {
+            for ((b, a), w) in b.iter().zip(&a).zip(want) {
+                let seen = (b - a) / lr;
+                assert!((seen - w).abs() <= 1e-4 * w.abs().max(1.0), "{dev}: the {name} optimizer stepped with gradient {seen}, plain {w}");
+            }
+        }
+        scaler.update();
+        // An overflow in the second optimizer's gradients skips its step and backs the scale off.
+        l1.zero_grad();
+        l2.zero_grad();
+        scaler.scale(&loss().unwrap()).unwrap().backward().unwrap();
+        let bias = l2.bias.as_ref().unwrap();
+        bias.value().set_grad(Some(bias.grad().unwrap().mul(f64::INFINITY).unwrap())).unwrap();
+        assert!(scaler.step(&mut o1).unwrap());
+        assert!(!scaler.step(&mut o2).unwrap());
+        scaler.update();
+        assert_eq!(scaler.get_scale(), 2048.0, "{dev}");
     }
 }

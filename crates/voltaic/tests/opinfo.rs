@@ -399,6 +399,10 @@ fn table() -> Vec<OpInfo> {
         unary!("round", NUMERIC, round, f64::round_ties_even).grad_on(away_from_ints),
         unary!("sign", NUMERIC, sign, |x: f64| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x }).grad(),
         unary!("logical_not", ALL, logical_not, |x: f64| (x == 0.0) as u8 as f64),
+        unary!("nonfinite", FLOATS, nonfinite, |x: f64| (!x.is_finite()) as u8 as f64),
+        unary!("isfinite", ALL, isfinite, |x: f64| x.is_finite() as u8 as f64),
+        unary!("isinf", ALL, isinf, |x: f64| x.is_infinite() as u8 as f64),
+        unary!("isnan", ALL, isnan, |x: f64| x.is_nan() as u8 as f64),
         op("add", ALL, binary_samples, |t, _| Ok(vec![t[0].add(&t[1])?]), |a, _, dt| {
             map2(a, |x, y| if dt == Bool { ((x + y) != 0.0) as u8 as f64 } else { wrap(x + y, dt) })
         })

@@ -287,6 +287,29 @@ impl Tensor {
 }
 
 impl Tensor {
+    /// Where `x` is NaN (bool; never for integer and bool tensors), as `torch.isnan`.
+    pub fn isnan(&self) -> Result<Tensor> {
+        // `ne` is NaN-aware on every executor (the WGSL tests the bits).
+        self.ne(self)
+    }
+
+    /// Where `x` is +inf or -inf (bool), as `torch.isinf`.
+    pub fn isinf(&self) -> Result<Tensor> {
+        if !self.dtype().is_float() {
+            return self.ne(self);
+        }
+        // Non-finite and not NaN: 1 - 0 for an infinity, 1 - 1 for NaN.
+        self.nonfinite()?.sub(&self.isnan()?.to_dtype(self.dtype())?)?.gt(0.5)
+    }
+
+    /// Where `x` is neither infinite nor NaN (bool), as `torch.isfinite`.
+    pub fn isfinite(&self) -> Result<Tensor> {
+        if !self.dtype().is_float() {
+            return self.eq(self);
+        }
+        self.nonfinite()?.eq(0.0)
+    }
+
     /// `x * x`.
     pub fn sqr(&self) -> Result<Tensor> {
         self.mul(self)

@@ -119,6 +119,14 @@ macro_rules! unary_table {
                 f64: |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
                 int: |x| $crate::primitive::IntOps::sign_(x)
             }
+            /// 1 where `x` is infinite or NaN, else 0, in `x`'s float type: what
+            /// `isfinite` and `isinf` are built on. The WGSL tests the bits, since
+            /// GPU compilers may assume values are finite (and fold `x * 0` to 0
+            /// or `x != x` to false).
+            NonFinite nonfinite "nonfinite" Float |x, y, g| g.zeros_like(); {
+                wgsl: "select(0.0, 1.0, isnan_({x}) || isinf_({x}))",
+                f32: |x| if x.is_finite() { 0.0 } else { 1.0 }, f64: |x| if x.is_finite() { 0.0 } else { 1.0 }
+            }
             /// logical not (nonzero is true)
             Not logical_not "logical_not" Bool |x, y, g| g.zeros_like(); {
                 wgsl: "!({x})",
