@@ -161,6 +161,25 @@ fn anchor(mut path: Vec<Layout>, kernel_dims: &[usize]) -> Vec<Layout> {
     path
 }
 
+/// `[batch.., m, k] @ [batch.., k, n]` whose right operand is one matrix
+/// shared by the batch (batch strides 0: a Linear layer on `[B, T, in]`) and
+/// whose left operand's rows follow each other evenly across the batch, as
+/// the single product `[batch * m, k] @ [k, n]`: the same outputs in the same
+/// order, but one tall product, where an executor picks larger tiles and
+/// packs or converts the shared matrix once instead of once per batch.
+fn fold_shared_rhs(a: &Layout, b: &Layout) -> Option<(Layout, Layout)> {
+    let r = a.dims().len();
+    let batch: usize = a.dims()[..r - 2].iter().product();
+    if batch < 2 || b.strides()[..r - 2].iter().any(|&s| s != 0) {
+        return None;
+    }
+    let tall = a.reshape(&[batch * a.dims()[r - 2], a.dims()[r - 1]])?;
+    let mut shared = Layout::contiguous(&b.dims()[r - 2..]);
+    shared.strides = b.strides()[r - 2..].iter().copied().collect();
+    shared.offset = b.offset();
+    Some((tall, shared))
+}
+
 fn build_kernel(g: &Dag, inline: &[bool], l: &mut Lowered, i: usize) -> Kernel {
     let node = &g.nodes[i];
     let op = g.ops[i].as_ref().expect("lowered nodes are pending");
@@ -189,10 +208,14 @@ fn build_kernel(g: &Dag, inline: &[bool], l: &mut Lowered, i: usize) -> Kernel {
         OpKind::Matmul => {
             b.ops.push("matmul");
             let (x, y) = (&op.inputs[0], &op.inputs[1]);
-            let (a, bb) = (b.strided(x), b.strided(y));
+            let (mut a, mut bb) = (b.strided(x), b.strided(y));
             let r = x.layout.dims().len();
-            let (m, k, n) = (x.layout.dims()[r - 2], x.layout.dims()[r - 1], y.layout.dims()[r - 1]);
-            let batch = x.layout.dims()[..r - 2].iter().product();
+            let (mut m, k, n) = (x.layout.dims()[r - 2], x.layout.dims()[r - 1], y.layout.dims()[r - 1]);
+            let mut batch = x.layout.dims()[..r - 2].iter().product();
+            if let Some((tall, shared)) = fold_shared_rhs(&a.layout, &bb.layout) {
+                (a.layout, bb.layout) = (tall, shared);
+                (m, batch) = (m * batch, 1);
+            }
             KernelKind::Matmul { a, b: bb, batch, m, k, n, epilogue: None, quant: None }
         }
         OpKind::QMatmul(q) => {
@@ -239,6 +262,37 @@ mod tests {
         assert_eq!(expr.consts, vec![2.0]);
         let maps: Vec<MapOp> = expr.instrs.iter().filter_map(|(i, _)| if let Instr::Map(m, _) = i { Some(*m) } else { None }).collect();
         assert_eq!(maps, vec![MapOp::Unary(UnaryOp::Exp), MapOp::Binary(BinaryOp::Mul)]);
+    }
+
+    fn batched_matmul(a: &Value, b: &Value) -> Value {
+        let r = a.layout.dims().len();
+        let mut dims = a.layout.dims().to_vec();
+        dims[r - 1] = b.layout.dims()[r - 1];
+        let op = crate::graph::Op { kind: OpKind::Matmul, inputs: vec![a.clone(), b.clone()] };
+        Value { node: crate::graph::Node::pending(op, DType::F32, crate::Device::Cpu, dims.clone()), layout: Layout::contiguous(&dims) }
+    }
+
+    fn matmul_dims(v: &Value) -> (usize, usize, Vec<usize>, Vec<usize>) {
+        let l = lowered(&[v]);
+        let KernelKind::Matmul { a, b, batch, m, .. } = &l.plan.kernels[0].kind else { panic!("matmul") };
+        (*batch, *m, a.layout.dims().to_vec(), b.layout.strides().to_vec())
+    }
+
+    #[test]
+    fn a_matrix_shared_by_the_batch_makes_one_tall_product() {
+        // [2, 3, 4] @ [4, 5] broadcast to [2, 4, 5]: one [6, 4] @ [4, 5].
+        let (x, w) = (input(&[2, 3, 4]), input(&[4, 5]));
+        let (batch, m, a, b) = matmul_dims(&batched_matmul(&x, &broadcast(&w, &[2, 4, 5])));
+        assert_eq!((batch, m, a, b), (1, 6, vec![6, 4], vec![5, 1]));
+        // A transposed shared matrix keeps its strides.
+        let wt = transpose(&input(&[5, 4]));
+        let (batch, m, _, b) = matmul_dims(&batched_matmul(&x, &broadcast(&wt, &[2, 4, 5])));
+        assert_eq!((batch, m, b), (1, 6, vec![1, 4]));
+        // Rows that do not follow each other across the batch (each batch's
+        // matrix transposed in place) and batched right operands stay batched.
+        let xt = Value { node: input(&[2, 4, 3]).node, layout: Layout::contiguous(&[2, 4, 3]).permute(&[0, 2, 1]) };
+        assert_eq!(matmul_dims(&batched_matmul(&xt, &broadcast(&w, &[2, 4, 5]))).0, 2);
+        assert_eq!(matmul_dims(&batched_matmul(&x, &input(&[2, 4, 5]))).0, 2);
     }
 
     #[test]

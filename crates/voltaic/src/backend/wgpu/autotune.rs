@@ -79,13 +79,18 @@ fn parse_line(line: &str) -> Option<(Key, Variant)> {
     Some((key, plan))
 }
 
-/// The key of a matmul kernel, and whether its `b` walks n fastest.
-pub(crate) fn key_of(k: &Kernel) -> Option<Key> {
+/// The key of matmul kernel `k` reading buffers of `inputs`' dtypes. Its
+/// dtype is the operands' (the product's), not the output's: a weight
+/// gradient of f16 operands whose cast to the f32 master weight's type is
+/// fused into it still belongs on the tensor cores, and an f32 product whose
+/// output is cast to f16 does not.
+pub(crate) fn key_of(k: &Kernel, inputs: &[(DType, usize)]) -> Option<Key> {
     let KernelKind::Matmul { a, b, batch, m, k: kk, n, quant: None, .. } = &k.kind else { return None };
+    let dtype = inputs.get(a.input).map_or(k.dtype, |i| i.0);
     let r = a.layout.dims().len();
     let (sam, sak) = (a.layout.strides()[r - 2], a.layout.strides()[r - 1]);
     let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
-    Some(Key { batch: *batch, m: *m, k: *kk, n: *n, a_kfast: sak == 1 && sam != 1, b_nfast: sbn == 1 || sbk != 1, dtype: k.dtype })
+    Some(Key { batch: *batch, m: *m, k: *kk, n: *n, a_kfast: sak == 1 && sam != 1, b_nfast: sbn == 1 || sbk != 1, dtype })
 }
 
 /// How the tuner runs (`VOLTAIC_AUTOTUNE`).
@@ -230,7 +235,7 @@ impl Tuner {
 /// for work large enough to repay it, measured in the background or, with
 /// `VOLTAIC_AUTOTUNE=sync`, now).
 pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)]) -> Result<Option<Variant>> {
-    let Some(key) = key_of(k) else { return Ok(None) };
+    let Some(key) = key_of(k, inputs) else { return Ok(None) };
     if let Some(p) = super::matmul::FORCE.with(|f| f.get()) {
         return Ok(Some(p));
     }
@@ -282,7 +287,7 @@ const STAND_IN: Variant = Variant::Tiled(TILES[6]);
 /// first training step does not wait for the slowest kernels). Only where
 /// the tuner works in the background (hardware adapters by default).
 pub(crate) fn stand_in(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], chosen: Variant, sig: u64) -> Option<Variant> {
-    if ctx.tuner.mode() != Mode::Background || !is_heavy(&chosen) || key_of(k).is_none() {
+    if ctx.tuner.mode() != Mode::Background || !is_heavy(&chosen) || key_of(k, inputs).is_none() {
         return None;
     }
     if !ctx.tuner.compiling.lock().unwrap_or_else(|e| e.into_inner()).insert(sig) {
