@@ -2,7 +2,7 @@
 # Mixed precision (issue 19) on the lent GPU, everything logged under $OUT.
 # Build and pack here first:
 #   strip -o .bin/voltaic target/release/voltaic, and the `lib` and
-#   `mixed_precision` test binaries (cargo test --release --no-run), gzipped,
+#   `mixed_precision` and `gpu` test binaries (cargo test --release --no-run), gzipped,
 #   with the Fashion-MNIST files in .bin/data (see scripts/device_pack.sh)
 # then call with carry [".gl", ".bin"] (and the MiniLM parts, see
 # scripts/device_run.sh, for "embed"):
@@ -22,6 +22,8 @@ if [[ "$what" == *tests* ]]; then
     [ -x .bin/mixed_precision ] && .bin/mixed_precision >> "$OUT/tests.txt" 2>&1
     # The tensor-core plans, bf16 included, against the CPU.
     [ -x .bin/lib ] && .bin/lib every_plan_matches_the_cpu >> "$OUT/tests.txt" 2>&1
+    # Every kernel family against the CPU, special values included.
+    [ -x .bin/gpu ] && .bin/gpu >> "$OUT/tests.txt" 2>&1
     grep -E "test result|panicked|FAILED" "$OUT/tests.txt"
 fi
 if [[ "$what" == *bench* ]]; then
