@@ -301,6 +301,8 @@ pub fn train_loop(
         }
         s
     });
+    // The scaler counts the steps it skipped on the device; a resumed run adds its own.
+    let skipped_before = progress.skipped_steps;
     for epoch in progress.epoch + 1..=args.epochs {
         model.train();
         let pb = epoch_bar(args.quiet, steps_per_epoch, epoch, args.epochs);
@@ -329,10 +331,8 @@ pub fn train_loop(
             match &mut scaler {
                 Some(s) => {
                     s.scale(&loss)?.backward()?;
-                    if !s.step(opt)? {
-                        progress.skipped_steps += 1;
-                    }
-                    s.update();
+                    s.step(opt)?;
+                    s.update()?;
                 }
                 None => {
                     loss.backward()?;
@@ -382,7 +382,10 @@ pub fn train_loop(
             None => (f64::NAN, f64::NAN),
         };
         progress.epoch = epoch;
-        progress.loss_scale = scaler.as_ref().map(|s| s.state());
+        progress.loss_scale = scaler.as_ref().map(|s| s.state()).transpose()?;
+        if let Some(s) = &scaler {
+            progress.skipped_steps = skipped_before + s.skipped_steps()? as usize;
+        }
         progress.history.push(EpochStats { epoch, train_loss, train_acc, test_loss, test_acc, train_seconds: secs, samples_per_second: seen as f64 / secs });
         on_epoch(&progress, &*opt)?;
     }

@@ -22,6 +22,7 @@
 //! # Ok::<(), voltaic::Error>(())
 //! ```
 
+use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::nn::Parameter;
 use crate::tensor::Tensor;
@@ -40,6 +41,18 @@ pub trait Optimizer {
     fn state(&self) -> Vec<(String, Tensor)>;
     /// Restore state saved by [`Optimizer::state`].
     fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+    /// Step as [`Optimizer::step`] where `skip` (a 0-d tensor; nonzero means
+    /// skip) is zero, and leave the parameters and the state as they were
+    /// where it is not: [`GradScaler`] skips the steps whose gradients
+    /// overflowed this way. [`Sgd`] and [`Adam`] decide on the device, so
+    /// nothing waits for `skip`; this default reads it, which waits for the
+    /// device to compute it.
+    fn step_unless(&mut self, skip: &Tensor) -> Result<()> {
+        if skip.ne(0.0)?.item::<bool>()? {
+            return Ok(());
+        }
+        self.step()
+    }
     /// Forget every parameter's gradient.
     fn zero_grad(&self) {
         for p in self.params() {
@@ -53,6 +66,19 @@ fn realize(params: &[Parameter], state: &[&Tensor]) -> Result<()> {
     let mut all: Vec<&Tensor> = vals.iter().collect();
     all.extend_from_slice(state);
     Tensor::realize_all(&all)
+}
+
+/// `old` where `skip` is true, else `new`: a step taken or not, on the device.
+fn unless(skip: Option<&Tensor>, old: &Tensor, new: Tensor) -> Result<Tensor> {
+    match skip {
+        Some(s) => s.where_cond(old, &new),
+        None => Ok(new),
+    }
+}
+
+/// `skip` as a bool on `device` (`None` for a plain step).
+fn skip_mask(skip: Option<&Tensor>, device: crate::Device) -> Result<Option<Tensor>> {
+    skip.map(|s| s.to_device(device)?.ne(0.0)).transpose()
 }
 
 fn lookup(state: &[(String, Tensor)], name: &str, like: &Tensor) -> Result<Option<Tensor>> {
@@ -100,27 +126,43 @@ impl Sgd {
     }
 }
 
-impl Optimizer for Sgd {
-    fn step(&mut self) -> Result<()> {
+impl Sgd {
+    /// One step, or (where `skip` is true, on the device) none.
+    fn update(&mut self, skip: Option<&Tensor>) -> Result<()> {
         let _g = crate::NoGradGuard::new();
         for (p, buf) in self.params.iter().zip(self.bufs.iter_mut()) {
             let Some(mut g) = p.grad() else { continue };
             let w = p.value().detach();
+            let skip = skip_mask(skip, w.device())?;
             if self.weight_decay != 0.0 {
                 g = g.add(&w.mul(self.weight_decay)?)?;
             }
             if self.momentum != 0.0 {
                 let b = match buf.take() {
-                    Some(b) => b.mul(self.momentum)?.add(&g.mul(1.0 - self.dampening)?)?,
-                    None => g.clone(),
+                    Some(b) => {
+                        let next = b.mul(self.momentum)?.add(&g.mul(1.0 - self.dampening)?)?;
+                        unless(skip.as_ref(), &b, next)?
+                    }
+                    // The first buffer is the gradient itself; skipped, zeros
+                    // (then the next step's buffer is (1 - dampening) g).
+                    None => unless(skip.as_ref(), &g.zeros_like()?, g.clone())?,
                 };
                 g = if self.nesterov { g.add(&b.mul(self.momentum)?)? } else { b.clone() };
                 *buf = Some(b);
             }
-            p.set(w.sub(&g.mul(self.lr)?)?)?;
+            p.set(unless(skip.as_ref(), &w, w.sub(&g.mul(self.lr)?)?)?)?;
         }
         let state: Vec<&Tensor> = self.bufs.iter().flatten().collect();
         realize(&self.params, &state)
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        self.update(None)
+    }
+    fn step_unless(&mut self, skip: &Tensor) -> Result<()> {
+        self.update(Some(skip))
     }
     fn params(&self) -> &[Parameter] {
         &self.params
@@ -156,6 +198,9 @@ pub struct Adam {
     /// AdamW: apply weight decay to the weights directly.
     pub decoupled: bool,
     t: u64,
+    /// The step count on the device, once a step was taken or skipped there
+    /// ([`Optimizer::step_unless`]): the bias corrections then come from it.
+    t_dev: Option<Tensor>,
     m: Vec<Option<Tensor>>,
     v: Vec<Option<Tensor>>,
 }
@@ -164,7 +209,7 @@ impl Adam {
     /// Adam with PyTorch's defaults (betas 0.9/0.999, eps 1e-8, no weight decay).
     pub fn new(params: Vec<Parameter>, lr: f64) -> Adam {
         let n = params.len();
-        Adam { params, lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled: false, t: 0, m: vec![None; n], v: vec![None; n] }
+        Adam { params, lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled: false, t: 0, t_dev: None, m: vec![None; n], v: vec![None; n] }
     }
 
     /// AdamW with PyTorch's defaults (weight decay 0.01).
@@ -178,17 +223,47 @@ fn zeros_like(t: &Tensor) -> Result<Tensor> {
     Tensor::from_storage(crate::storage::CpuStorage::zeros(t.dtype(), t.numel()), t.dims(), t.device())
 }
 
-impl Optimizer for Adam {
-    fn step(&mut self) -> Result<()> {
+/// Adam's `lr / (1 - beta1^t)` and `1 - beta2^t`.
+enum Corrections {
+    /// Numbers, from the host's step count.
+    Host(f64, f64),
+    /// 0-d f32 tensors, from the device's step count.
+    Device(Tensor, Tensor),
+}
+
+impl Adam {
+    /// One step, or (where `skip` is true, on the device) none. Once a step
+    /// has been decided on the device, the step count lives there and the
+    /// bias corrections `1 - beta^t` are computed there (as `-expm1(t ln
+    /// beta)`, in f32); until then they are host constants.
+    fn update(&mut self, skip: Option<&Tensor>) -> Result<()> {
         let _g = crate::NoGradGuard::new();
+        let Some(device) = self.params.first().map(|p| p.value().device()) else { return Ok(()) };
+        let skip = skip_mask(skip, device)?;
         self.t += 1;
         let (b1, b2) = self.betas;
-        let bc1 = 1.0 - b1.powi(self.t as i32);
-        let bc2 = 1.0 - b2.powi(self.t as i32);
+        // (lr / bc1, bc2): host numbers, or 0-d tensors from the device's count.
+        let corr = if skip.is_some() || self.t_dev.is_some() {
+            let t = match self.t_dev.take() {
+                Some(t) => t,
+                None => Tensor::from_vec(vec![(self.t - 1) as f32], &[], device)?,
+            };
+            let t = match &skip {
+                Some(s) => t.add(&s.logical_not()?.to_dtype(DType::F32)?)?,
+                None => t.add(1.0)?,
+            };
+            let correction = |beta: f64| t.mul(beta.ln())?.expm1()?.neg();
+            let c = Corrections::Device(correction(b1)?.recip()?.mul(self.lr)?, correction(b2)?);
+            self.t_dev = Some(t);
+            c
+        } else {
+            Corrections::Host(self.lr / (1.0 - b1.powi(self.t as i32)), 1.0 - b2.powi(self.t as i32))
+        };
         for i in 0..self.params.len() {
             let p = &self.params[i];
             let Some(mut g) = p.grad() else { continue };
-            let mut w = p.value().detach();
+            let w0 = p.value().detach();
+            let mut w = w0.clone();
             if self.weight_decay != 0.0 {
                 if self.decoupled {
                     w = w.mul(1.0 - self.lr * self.weight_decay)?;
@@ -200,23 +275,41 @@ impl Optimizer for Adam {
             // without the moments: then every step has the same structure,
             // is scheduled once and compiles no kernels of its own (0 * b + x
             // is x exactly).
-            let m = match self.m[i].take() {
+            let m0 = match self.m[i].take() {
                 Some(m) => m,
                 None => zeros_like(&w)?,
             };
-            let v = match self.v[i].take() {
+            let v0 = match self.v[i].take() {
                 Some(v) => v,
                 None => zeros_like(&w)?,
             };
-            let m = m.mul(b1)?.add(&g.mul(1.0 - b1)?)?;
-            let v = v.mul(b2)?.add(&g.sqr()?.mul(1.0 - b2)?)?;
-            let denom = v.div(bc2)?.sqrt()?.add(self.eps)?;
-            p.set(w.sub(&m.div(&denom)?.mul(self.lr / bc1)?)?)?;
-            self.m[i] = Some(m);
-            self.v[i] = Some(v);
+            let m = m0.mul(b1)?.add(&g.mul(1.0 - b1)?)?;
+            let v = v0.mul(b2)?.add(&g.sqr()?.mul(1.0 - b2)?)?;
+            let denom = match &corr {
+                Corrections::Host(_, bc2) => v.div(*bc2)?,
+                Corrections::Device(_, bc2) => v.div(&bc2.to_dtype(v.dtype())?)?,
+            };
+            let denom = denom.sqrt()?.add(self.eps)?;
+            let w = w.sub(&match &corr {
+                Corrections::Host(lr_bc1, _) => m.div(&denom)?.mul(*lr_bc1)?,
+                Corrections::Device(lr_bc1, _) => m.div(&denom)?.mul(&lr_bc1.to_dtype(m.dtype())?)?,
+            })?;
+            p.set(unless(skip.as_ref(), &w0, w)?)?;
+            self.m[i] = Some(unless(skip.as_ref(), &m0, m)?);
+            self.v[i] = Some(unless(skip.as_ref(), &v0, v)?);
         }
-        let state: Vec<&Tensor> = self.m.iter().chain(&self.v).flatten().collect();
+        let mut state: Vec<&Tensor> = self.m.iter().chain(&self.v).flatten().collect();
+        state.extend(&self.t_dev);
         realize(&self.params, &state)
+    }
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self) -> Result<()> {
+        self.update(None)
+    }
+    fn step_unless(&mut self, skip: &Tensor) -> Result<()> {
+        self.update(Some(skip))
     }
     fn params(&self) -> &[Parameter] {
         &self.params
@@ -235,9 +328,14 @@ impl Optimizer for Adam {
                 s.push((format!("{i}.exp_avg_sq"), v.clone()));
             }
         }
-        if let Some(p) = self.params.first() {
-            if let Ok(t) = Tensor::full(&[], self.t as f64, crate::DType::F32, p.value().device()) {
-                s.push(("step".into(), t));
+        match &self.t_dev {
+            Some(t) => s.push(("step".into(), t.clone())),
+            None => {
+                if let Some(p) = self.params.first() {
+                    if let Ok(t) = Tensor::full(&[], self.t as f64, crate::DType::F32, p.value().device()) {
+                        s.push(("step".into(), t));
+                    }
+                }
             }
         }
         s
@@ -249,6 +347,7 @@ impl Optimizer for Adam {
         }
         if let Some((_, t)) = state.iter().find(|(n, _)| n == "step") {
             self.t = t.to_dtype(crate::DType::F64)?.item::<f64>()? as u64;
+            self.t_dev = None;
         }
         Ok(())
     }
@@ -343,8 +442,12 @@ impl LrSchedule for ConstantLr {
 /// was too large), halving the scale; after `growth_interval` clean steps
 /// in a row the scale doubles.
 ///
-/// Deciding whether to step reads one value per step from the device (as
-/// PyTorch's scaler does). bf16 has f32's range and needs no scaler.
+/// The scale, the check and the decision live on the device: nothing in a
+/// step waits for it (PyTorch's scaler reads one value per step), so the host
+/// records the next step while the device computes this one. Reading the
+/// scale ([`GradScaler::get_scale`], [`GradScaler::state`]) or the count of
+/// skipped steps waits for the device. bf16 has f32's range and needs no
+/// scaler.
 ///
 /// ```
 /// use voltaic::nn::{Forward, Linear, Module};
@@ -357,25 +460,30 @@ impl LrSchedule for ConstantLr {
 /// let loss = autocast(DType::F16, || layer.forward(&x)?.sqr()?.mean(&[], false))?;
 /// opt.zero_grad();
 /// scaler.scale(&loss)?.backward()?;
-/// assert!(scaler.step(&mut opt)?);
-/// scaler.update();
+/// scaler.step(&mut opt)?;
+/// scaler.update()?;
+/// assert_eq!(scaler.skipped_steps()?, 0);
 /// # Ok::<(), voltaic::Error>(())
 /// ```
 #[derive(Clone, Debug)]
 pub struct GradScaler {
+    /// The scale and clean-step count to start from (until the first `scale`).
     scale: f64,
+    clean: usize,
     /// Factor the scale grows by after `growth_interval` steps without inf/NaN.
     pub growth_factor: f64,
     /// Factor the scale shrinks by after a step with inf/NaN gradients.
     pub backoff_factor: f64,
     /// Clean steps in a row before the scale grows.
     pub growth_interval: usize,
-    clean: usize,
+    /// The scale, the clean steps in a row and the skipped steps, as 0-d
+    /// f32 tensors on the device of the losses (from the first `scale`).
+    on_device: Option<[Tensor; 3]>,
     /// The optimizers unscaled since the last `update` (by address, as
-    /// PyTorch keys them by `id`) and whether each found inf or NaN: with
-    /// several optimizers, each is unscaled once, and any one finding inf
-    /// backs the scale off.
-    unscaled: Vec<(usize, bool)>,
+    /// PyTorch keys them by `id`) and whether each found inf or NaN (0-d
+    /// bool, on the device): with several optimizers, each is unscaled once,
+    /// and any one finding inf backs the scale off.
+    unscaled: Vec<(usize, Tensor)>,
 }
 
 impl Default for GradScaler {
@@ -393,102 +501,135 @@ impl GradScaler {
     /// Start from `scale` (positive and finite; else 65536).
     pub fn with_scale(scale: f64) -> GradScaler {
         let scale = if scale.is_finite() && scale > 0.0 { scale } else { 65536.0 };
-        GradScaler { scale, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000, clean: 0, unscaled: Vec::new() }
+        GradScaler { scale, clean: 0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000, on_device: None, unscaled: Vec::new() }
     }
 
-    /// The current scale.
-    pub fn get_scale(&self) -> f64 {
-        self.scale
+    /// The device state, made on `device` from the host's numbers if there is none.
+    fn device_state(&mut self, device: crate::Device) -> Result<&[Tensor; 3]> {
+        if self.on_device.is_none() {
+            let scalar = |v: f64| Tensor::from_vec(vec![v as f32], &[], device);
+            self.on_device = Some([scalar(self.scale)?, scalar(self.clean as f64)?, scalar(0.0)?]);
+        }
+        Ok(self.on_device.as_ref().expect("just made"))
     }
 
-    /// (scale, clean steps in a row), to checkpoint.
-    pub fn state(&self) -> (f64, usize) {
-        (self.scale, self.clean)
+    /// The current scale (waits for the device).
+    pub fn get_scale(&self) -> Result<f64> {
+        Ok(self.state()?.0)
+    }
+
+    /// (scale, clean steps in a row), to checkpoint (waits for the device).
+    pub fn state(&self) -> Result<(f64, usize)> {
+        match &self.on_device {
+            Some([scale, clean, _]) => Ok((scale.item::<f32>()? as f64, clean.item::<f32>()? as usize)),
+            None => Ok((self.scale, self.clean)),
+        }
+    }
+
+    /// How many steps were skipped for inf or NaN gradients since this
+    /// scaler was made (waits for the device).
+    pub fn skipped_steps(&self) -> Result<u64> {
+        match &self.on_device {
+            Some([_, _, skipped]) => Ok(skipped.item::<f32>()? as u64),
+            None => Ok(0),
+        }
     }
 
     /// Restore what [`GradScaler::state`] returned (a scale that is not
-    /// positive and finite is ignored).
+    /// positive and finite is ignored). The count of skipped steps restarts.
     pub fn load_state(&mut self, scale: f64, clean: usize) {
         if scale.is_finite() && scale > 0.0 {
             self.scale = scale;
             self.clean = clean;
+            self.on_device = None;
         }
     }
 
     /// `loss * scale` in f32 (65536 times an f16 loss would overflow f16),
     /// to call `backward` on.
-    pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
-        loss.to_dtype(crate::DType::F32)?.mul(self.scale)
+    pub fn scale(&mut self, loss: &Tensor) -> Result<Tensor> {
+        let scale = self.device_state(loss.device())?[0].clone();
+        loss.to_dtype(DType::F32)?.mul(&scale)
     }
 
-    /// Divide the gradients of `opt`'s parameters by the scale (in place,
-    /// once per step and optimizer; `step` does it if it was not done), and
-    /// find whether any is inf or NaN. Call it before clipping gradients, as
-    /// in PyTorch. Returns whether a non-finite gradient was found.
-    pub fn unscale(&mut self, opt: &dyn Optimizer) -> Result<bool> {
+    /// Divide the gradients of `opt`'s parameters by the scale (once per
+    /// step and optimizer; `step` does it if it was not done) and check them
+    /// for inf and NaN, on the device. Call it before clipping gradients,
+    /// as in PyTorch.
+    pub fn unscale(&mut self, opt: &dyn Optimizer) -> Result<()> {
         let id = opt as *const dyn Optimizer as *const () as usize;
-        if let Some(&(_, found)) = self.unscaled.iter().find(|(o, _)| *o == id) {
-            return Ok(found);
+        if self.unscaled.iter().any(|(o, _)| *o == id) {
+            return Ok(());
         }
         let _g = crate::NoGradGuard::new();
-        let inv = 1.0 / self.scale;
+        let grads: Vec<(Tensor, Tensor)> = opt.params().iter().filter_map(|p| Some((p.value(), p.grad()?))).collect();
+        let Some(device) = grads.first().map(|(_, g)| g.device()) else {
+            self.unscaled.push((id, Tensor::from_vec(vec![false], &[], crate::Device::Cpu)?));
+            return Ok(());
+        };
+        let inv = self.device_state(device)?[0].recip()?;
         // How many gradient elements are inf or NaN, tested on the bits
         // (`nonfinite`): `g * 0` or `g != g` may be folded away by a GPU
         // compiler that assumes finite values.
         let mut count: Option<Tensor> = None;
         let mut unscaled = vec![];
-        for p in opt.params() {
-            let Some(g) = p.grad() else { continue };
-            let g = g.mul(inv)?;
-            let bad = g.nonfinite()?.to_dtype(crate::DType::F32)?.sum_all()?;
+        for (w, g) in grads {
+            let g = g.mul(&inv.to_dtype(g.dtype())?)?;
+            let bad = g.nonfinite()?.to_dtype(DType::F32)?.sum_all()?;
             count = Some(match count {
                 Some(c) => c.add(&bad)?,
                 None => bad,
             });
-            unscaled.push((p.value(), g));
+            unscaled.push((w, g));
         }
-        let found = match count {
-            Some(c) => {
-                // One realization computes the gradients and the check, so
-                // the optimizer's step reads the gradients instead of
-                // computing the backward pass again.
-                let mut all = vec![&c];
-                all.extend(unscaled.iter().map(|(_, g)| g));
-                Tensor::realize_all(&all)?;
-                c.item::<f32>()? != 0.0
-            }
-            None => false,
-        };
+        let found = count.expect("at least one gradient").gt(0.0)?;
+        // One realization computes the gradients and the check, so the
+        // optimizer's step reads them instead of computing the backward pass
+        // again; nothing waits for it.
+        let mut all = vec![&found];
+        all.extend(unscaled.iter().map(|(_, g)| g));
+        Tensor::realize_all(&all)?;
         for (w, g) in unscaled {
             w.set_grad(Some(g))?;
         }
         self.unscaled.push((id, found));
-        Ok(found)
+        Ok(())
     }
 
-    /// Unscale (unless done) and step `opt` if every gradient is finite.
-    /// Returns whether the optimizer stepped. Call [`GradScaler::update`] after.
-    pub fn step(&mut self, opt: &mut dyn Optimizer) -> Result<bool> {
-        let found = self.unscale(opt)?;
-        if !found {
-            opt.step()?;
-        }
-        Ok(!found)
+    /// Unscale (unless done) and step `opt` unless a gradient is inf or NaN,
+    /// decided on the device ([`Optimizer::step_unless`]). Call
+    /// [`GradScaler::update`] after.
+    pub fn step(&mut self, opt: &mut dyn Optimizer) -> Result<()> {
+        self.unscale(opt)?;
+        let id = opt as *const dyn Optimizer as *const () as usize;
+        let found = self.unscaled.iter().find(|(o, _)| *o == id).map(|(_, f)| f.clone()).expect("unscaled above");
+        opt.step_unless(&found)
     }
 
-    /// Adjust the scale after a step: shrink it if any optimizer unscaled since
-    /// the last update found inf/NaN, grow it after `growth_interval` clean steps in a row.
-    pub fn update(&mut self) {
-        if self.unscaled.iter().any(|&(_, found)| found) {
-            self.scale *= self.backoff_factor;
-            self.clean = 0;
-        } else if !self.unscaled.is_empty() {
-            self.clean += 1;
-            if self.clean >= self.growth_interval {
-                self.scale *= self.growth_factor;
-                self.clean = 0;
-            }
+    /// Adjust the scale after a step, on the device: shrink it if any
+    /// optimizer unscaled since the last update found inf/NaN, grow it after
+    /// `growth_interval` clean steps in a row.
+    pub fn update(&mut self) -> Result<()> {
+        let founds = std::mem::take(&mut self.unscaled);
+        let Some([scale, clean, skipped]) = self.on_device.clone() else { return Ok(()) };
+        if founds.is_empty() {
+            return Ok(());
         }
-        self.unscaled.clear();
+        let device = scale.device();
+        let mut found = founds[0].1.to_device(device)?;
+        for (_, f) in &founds[1..] {
+            found = found.logical_or(&f.to_device(device)?)?;
+        }
+        let clean1 = clean.add(1.0)?;
+        let grow = clean1.ge(self.growth_interval as f64)?;
+        let grown = grow.where_cond(&scale.mul(self.growth_factor)?, &scale)?;
+        let scale = found.where_cond(&scale.mul(self.backoff_factor)?, &grown)?;
+        let clean = found.logical_or(&grow)?.where_cond(0.0, &clean1)?;
+        let skipped = skipped.add(&found.to_dtype(DType::F32)?)?;
+        // Realized now (without waiting), so that the next step's graph
+        // starts from values, not from this step's.
+        Tensor::realize_all(&[&scale, &clean, &skipped])?;
+        self.on_device = Some([scale, clean, skipped]);
+        Ok(())
     }
 }

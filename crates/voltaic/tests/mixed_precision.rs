@@ -268,16 +268,20 @@ fn grad_scaler_skips_exactly_the_overflowing_step() {
                 x = x.mul(1e6).unwrap();
             }
             let before = snapshot(&lin);
+            let state_before = opt_state(&opt);
+            let skipped_before = scaler.skipped_steps().unwrap();
             let loss = autocast(DType::F16, || lin.forward(&x)?.cross_entropy(&y, 0.0, Reduction::Mean)).unwrap();
             opt.zero_grad();
             scaler.scale(&loss).unwrap().backward().unwrap();
-            let stepped = scaler.step(&mut opt).unwrap();
-            scaler.update();
-            scales.push(scaler.get_scale());
+            scaler.step(&mut opt).unwrap();
+            scaler.update().unwrap();
+            scales.push(scaler.get_scale().unwrap());
+            let stepped = scaler.skipped_steps().unwrap() == skipped_before;
             let after = snapshot(&lin);
             if step == 3 {
                 assert!(!stepped, "{dev}: the overflowing step was taken");
                 assert_eq!(before, after, "{dev}: a skipped step changed the weights");
+                assert_eq!(state_before, opt_state(&opt), "{dev}: a skipped step changed Adam's moments or count");
             } else {
                 assert!(stepped, "{dev}: clean step {step} was skipped");
                 assert_ne!(before, after, "{dev}: step {step} left the weights unchanged");
@@ -286,9 +290,48 @@ fn grad_scaler_skips_exactly_the_overflowing_step() {
         }
         // Grows after two clean steps, halves on the overflow, grows again.
         assert_eq!(scales, vec![1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0], "{dev}");
+        assert_eq!(scaler.skipped_steps().unwrap(), 1, "{dev}");
         // Adam counted only the steps it took.
         let step = opt.state().into_iter().find(|(n, _)| n == "step").unwrap().1.to_f64_vec().unwrap();
         assert_eq!(step, vec![5.0], "{dev}");
+    }
+}
+
+/// An optimizer's state tensors by name, as values.
+fn opt_state(opt: &dyn Optimizer) -> Vec<(String, Vec<f64>)> {
+    opt.state().into_iter().map(|(n, t)| (n, t.to_f64_vec().unwrap())).collect()
+}
+
+#[test]
+fn steps_decided_on_the_device_match_plain_steps() {
+    // Adam's device-side count and bias corrections, and SGD's masked
+    // momentum, against the plain host-side steps over the same gradients.
+    let _serial = serial();
+    for dev in devices() {
+        for adam in [true, false] {
+            let mut weights = vec![];
+            for masked in [false, true] {
+                voltaic::manual_seed(5);
+                let lin = Linear::new(6, 3, true, dev).unwrap();
+                let mut opt: Box<dyn Optimizer> =
+                    if adam { Box::new(Adam::adamw(lin.parameters(), 1e-2)) } else { Box::new(Sgd::new(lin.parameters(), 1e-1).with_momentum(0.9, true)) };
+                let never = Tensor::from_vec(vec![false], &[], dev).unwrap();
+                for _ in 0..4 {
+                    let x = Tensor::randn(&[5, 6], DType::F32, dev).unwrap();
+                    opt.zero_grad();
+                    lin.forward(&x).unwrap().sqr().unwrap().mean_all().unwrap().backward().unwrap();
+                    if masked {
+                        opt.step_unless(&never).unwrap();
+                    } else {
+                        opt.step().unwrap();
+                    }
+                }
+                weights.push(snapshot(&lin));
+            }
+            for (a, b) in weights[0].iter().flatten().zip(weights[1].iter().flatten()) {
+                assert!((a - b).abs() <= 1e-6 * a.abs().max(1e-3), "{dev} adam={adam}: plain {a}, decided on the device {b}");
+            }
+        }
     }
 }
 
@@ -304,9 +347,9 @@ fn grad_scaler_unscales_to_the_plain_gradients() {
     lin.zero_grad();
     let mut scaler = GradScaler::with_scale(4096.0);
     scaler.scale(&lin.forward(&x).unwrap().sum_all().unwrap()).unwrap().backward().unwrap();
-    assert!(!scaler.unscale(&opt).unwrap());
+    scaler.unscale(&opt).unwrap();
     // A second unscale in the same step does nothing.
-    assert!(!scaler.unscale(&opt).unwrap());
+    scaler.unscale(&opt).unwrap();
     let got = lin.weight.grad().unwrap().to_f64_vec().unwrap();
     for (a, b) in got.iter().zip(&plain) {
         assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "unscaled {a}, plain {b}");
@@ -334,26 +377,30 @@ fn grad_scaler_unscales_each_optimizer_once() {
         let before = (weights(&l1), weights(&l2));
         let mut scaler = GradScaler::with_scale(4096.0);
         scaler.scale(&loss().unwrap()).unwrap().backward().unwrap();
-        assert!(!scaler.unscale(&o1).unwrap());
-        assert!(scaler.step(&mut o1).unwrap());
+        scaler.unscale(&o1).unwrap();
+        scaler.step(&mut o1).unwrap();
         // The second optimizer's gradients are unscaled by its own step.
-        assert!(scaler.step(&mut o2).unwrap());
+        scaler.step(&mut o2).unwrap();
         for (name, b, a, want) in [("first", &before.0, weights(&l1), &plain.0), ("second", &before.1, weights(&l2), &plain.1)] {
             for ((b, a), w) in b.iter().zip(&a).zip(want) {
                 let seen = (b - a) / lr;
                 assert!((seen - w).abs() <= 1e-4 * w.abs().max(1.0), "{dev}: the {name} optimizer stepped with gradient {seen}, plain {w}");
             }
         }
-        scaler.update();
+        scaler.update().unwrap();
         // An overflow in the second optimizer's gradients skips its step and backs the scale off.
         l1.zero_grad();
         l2.zero_grad();
         scaler.scale(&loss().unwrap()).unwrap().backward().unwrap();
         let bias = l2.bias.as_ref().unwrap();
         bias.value().set_grad(Some(bias.grad().unwrap().mul(f64::INFINITY).unwrap())).unwrap();
-        assert!(scaler.step(&mut o1).unwrap());
-        assert!(!scaler.step(&mut o2).unwrap());
-        scaler.update();
-        assert_eq!(scaler.get_scale(), 2048.0, "{dev}");
+        let before = (weights(&l1), weights(&l2));
+        scaler.step(&mut o1).unwrap();
+        scaler.step(&mut o2).unwrap();
+        scaler.update().unwrap();
+        assert_ne!(weights(&l1), before.0, "{dev}: the first optimizer's clean step was skipped");
+        assert_eq!(weights(&l2), before.1, "{dev}: the second optimizer stepped with inf gradients");
+        assert_eq!(scaler.get_scale().unwrap(), 2048.0, "{dev}");
+        assert_eq!(scaler.skipped_steps().unwrap(), 1, "{dev}");
     }
 }

@@ -182,8 +182,8 @@ fn step_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, St
 /// One AdamW step of a MiniLM-sized encoder (6 layers, width 384, 12 heads,
 /// feed-forward 1536, BERT's vocabulary) on 32 sequences of 128 random
 /// tokens, classifying each by its first token, in f32 or under autocast to
-/// f16 (with a GradScaler, whose per-step check reads one value back, as
-/// PyTorch's does) or bf16.
+/// f16 (with a GradScaler, which decides on the device whether to step;
+/// PyTorch's reads one value back per step) or bf16.
 fn encoder_case(precision: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
     use voltaic::optim::GradScaler;
     let low = crate::train::autocast_type(precision);
@@ -208,7 +208,7 @@ fn encoder_case(precision: &str, device: Device, runs: usize) -> anyhow::Result<
             Some(s) => {
                 s.scale(&loss)?.backward()?;
                 s.step(&mut opt)?;
-                s.update();
+                s.update()?;
             }
             None => {
                 loss.backward()?;
