@@ -178,6 +178,9 @@ fn graphs(dt: DType) -> Vec<Tensor> {
     out.push(randn(&[3, 33, 17], dt).matmul(&randn(&[3, 17, 20], dt)).unwrap());
     out.push(randn(&[2, 300], dt).matmul(&randn(&[300, 516], dt)).unwrap().add(randn(&[516], dt)).unwrap().relu().unwrap());
     out.push(randn(&[256, 256], dt).matmul(&randn(&[256, 128], dt)).unwrap());
+    // Whole tiles of transposed operands (x @ W^T, and x^T @ g of a weight gradient).
+    out.push(randn(&[256, 64], dt).matmul(&randn(&[128, 64], dt).t().unwrap()).unwrap());
+    out.push(randn(&[64, 256], dt).t().unwrap().matmul(&randn(&[64, 128], dt)).unwrap());
     // Quantized: GEMV (one and three rows, with an epilogue), tiles, the row gather.
     use crate::quant::GgmlType;
     for q in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
