@@ -124,9 +124,7 @@ impl Sgd {
         self.weight_decay = wd;
         self
     }
-}
 
-impl Sgd {
     /// One step, or (where `skip` is true, on the device) none.
     fn update(&mut self, skip: Option<&Tensor>) -> Result<()> {
         let _g = crate::NoGradGuard::new();
@@ -145,7 +143,10 @@ impl Sgd {
                     }
                     // The first buffer is the gradient itself; skipped, zeros
                     // (then the next step's buffer is (1 - dampening) g).
-                    None => unless(skip.as_ref(), &g.zeros_like()?, g.clone())?,
+                    None => match &skip {
+                        Some(s) => s.where_cond(&g.zeros_like()?, &g)?,
+                        None => g.clone(),
+                    },
                 };
                 g = if self.nesterov { g.add(&b.mul(self.momentum)?)? } else { b.clone() };
                 *buf = Some(b);
