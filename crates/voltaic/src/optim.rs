@@ -225,6 +225,8 @@ fn zeros_like(t: &Tensor) -> Result<Tensor> {
 }
 
 /// Adam's `lr / (1 - beta1^t)` and `1 - beta2^t`.
+// One short-lived value per step: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Corrections {
     /// Numbers, from the host's step count.
     Host(f64, f64),
