@@ -730,3 +730,28 @@ fn a_matmul_and_its_epilogue_may_read_one_buffer() {
         });
     }
 }
+
+/// More tensors than a kernel may bind (32 storage buffers on lavapipe, 8
+/// in WebGPU's defaults): a sum of 100 values, a product of many with a
+/// shared factor and a cat of 100 parts split into kernels the device can
+/// run, with the CPU's results.
+#[test]
+fn graphs_reading_more_buffers_than_a_kernel_binds_are_split() {
+    let mut rng = Rng::new(41);
+    let xs: Vec<Tensor> = (0..100).map(|i| randn(&mut rng, &[3 + i % 4, 5], DType::F32).narrow(0, 0, 3).unwrap()).collect();
+    same("sum of 100", &xs, 1e-5, 1e-5, |t| {
+        let mut acc = t[0].clone();
+        for x in &t[1..] {
+            acc = acc.add(x)?;
+        }
+        acc.mul(0.5)
+    });
+    same("cat of 100", &xs, 0.0, 0.0, |t| Tensor::cat(&t.iter().collect::<Vec<_>>(), 1));
+    same("sum of 100 reduced", &xs, 1e-5, 1e-5, |t| {
+        let mut acc = t[0].clone();
+        for x in &t[1..] {
+            acc = acc.add(&x.sqr()?)?;
+        }
+        acc.sum(&[1], false)
+    });
+}

@@ -404,3 +404,44 @@ fn grad_scaler_unscales_each_optimizer_once() {
         assert_eq!(scaler.skipped_steps().unwrap(), 1, "{dev}");
     }
 }
+
+/// A model of many parameter tensors (a transformer has a hundred): the
+/// scaler's checks over all of them run on the GPU as well as the CPU (its
+/// per-tensor sums fused into one kernel once bound more buffers than
+/// lavapipe allows), and an overflow in any one tensor skips the step.
+#[test]
+fn grad_scaler_steps_a_model_of_many_tensors() {
+    let _serial = serial();
+    for dev in devices() {
+        voltaic::manual_seed(6);
+        let layers: Vec<Linear> = (0..40).map(|_| Linear::new(3, 3, true, dev).unwrap()).collect();
+        let params: Vec<_> = layers.iter().flat_map(|l| l.parameters()).collect();
+        assert_eq!(params.len(), 80);
+        let mut opt = Adam::new(params, 1e-2);
+        let x = Tensor::randn(&[2, 3], DType::F32, dev).unwrap();
+        let loss = || -> voltaic::Result<Tensor> {
+            let mut h = x.clone();
+            for l in &layers {
+                h = h.add(&l.forward(&h)?.tanh()?)?;
+            }
+            h.sqr()?.sum_all()
+        };
+        let weights = || layers.iter().map(|l| l.weight.value().to_f64_vec().unwrap()).collect::<Vec<_>>();
+        let mut scaler = GradScaler::with_scale(1024.0);
+        let before = weights();
+        scaler.scale(&loss().unwrap()).unwrap().backward().unwrap();
+        scaler.step(&mut opt).unwrap();
+        scaler.update().unwrap();
+        let after = weights();
+        let moved: Vec<bool> = before.iter().zip(&after).map(|(b, a)| b != a).collect();
+        assert!(moved.iter().all(|&m| m), "{dev}: a clean step moves every layer: {moved:?}, skipped {}", scaler.skipped_steps().unwrap());
+        opt.zero_grad();
+        scaler.scale(&loss().unwrap()).unwrap().backward().unwrap();
+        let w = &layers[17].weight;
+        w.value().set_grad(Some(w.grad().unwrap().mul(f64::NAN).unwrap())).unwrap();
+        scaler.step(&mut opt).unwrap();
+        scaler.update().unwrap();
+        assert_eq!(weights(), after, "{dev}: a NaN in one tensor of 80 skips the whole step");
+        assert_eq!(scaler.skipped_steps().unwrap(), 1, "{dev}");
+    }
+}

@@ -48,6 +48,9 @@ pub(crate) struct Capabilities {
     /// dequantizing tiled kernel on an H100); the CPU dequantizes a tile at
     /// a time inside its product instead.
     pub dense_wide_qmatmul: bool,
+    /// The most buffers one kernel may read (an executor's binding limit
+    /// less what a kernel binds besides its inputs): fusion stops there.
+    pub max_inputs: usize,
 }
 
 /// Bytes a device holds through Voltaic.

@@ -36,6 +36,13 @@ impl Tensor {
         if tensors.len() == 1 {
             return first.to_dtype(dt);
         }
+        // One kernel reads every part: more parts than the device lets a
+        // kernel bind are joined a group at a time.
+        let max = crate::backend::executor(first.device())?.capabilities().max_inputs.max(2);
+        if tensors.len() > max {
+            let groups = tensors.chunks(max).map(|g| Tensor::cat(g, d as isize)).collect::<Result<Vec<_>>>()?;
+            return Tensor::cat(&groups.iter().collect::<Vec<_>>(), d as isize);
+        }
         let mut dims = first.dims().to_vec();
         dims[d] = tensors.iter().map(|t| t.dims()[d]).sum();
         let parts = tensors.iter().map(|t| t.to_dtype(dt)).collect::<Result<Vec<_>>>()?;

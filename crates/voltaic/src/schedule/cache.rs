@@ -42,9 +42,10 @@ pub(crate) struct Key(Vec<Tok>);
 
 impl Key {
     /// The key of `g` for an executor that does (`rows`) or does not lower row kernels.
-    pub(crate) fn of(g: &Dag, rows: bool) -> Key {
+    pub(crate) fn of(g: &Dag, caps: crate::backend::Capabilities) -> Key {
         let mut t = Vec::with_capacity(g.nodes.len() * 16);
-        t.push(Tok::N(rows as u64));
+        t.push(Tok::N(caps.row_kernels as u64));
+        t.push(Tok::N(caps.max_inputs as u64));
         for (i, node) in g.nodes.iter().enumerate() {
             // Our own references are `g.nodes` and two per edge (see
             // `lifetimes::survivors`). Only pending nodes' count: whether a

@@ -8,7 +8,9 @@ use foldhash::HashSet;
 /// it is that product's only reader, reads it element for element, and
 /// nobody keeps the product: bias adds and activations after a Linear then
 /// run in the matmul's stores, and the product never touches memory.
-pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>) {
+///
+/// Not when the matmul would then read more than `max_inputs` buffers.
+pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: usize) {
     let kept_slot = |s: Slot| kept.contains(&s);
     let mut k = 0;
     while k < plan.kernels.len() {
@@ -26,7 +28,9 @@ pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>) {
             let only_load = expr.loads.iter().filter(|o| o.input == l.input).count() == 1;
             let readers = plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count();
             let plain = matches!(m.kind, KernelKind::Matmul { epilogue: None, .. }) && m.dtype.is_float();
-            (identity && only_load && readers == 1 && plain && !kept_slot(slot)).then_some((li, mi))
+            let extra = plan.kernels[k].inputs.iter().filter(|&&s| s != slot && !m.inputs.contains(&s)).count();
+            let fits = m.inputs.len() + extra <= max_inputs;
+            (identity && only_load && readers == 1 && plain && fits && !kept_slot(slot)).then_some((li, mi))
         });
         let Some((acc, mi)) = found else {
             k += 1;
@@ -87,5 +91,19 @@ mod tests {
         let p = matmul(&x, &w);
         let y = unary(&transpose(&p), UnaryOp::Relu);
         assert_eq!(kinds(&[&y], false), vec!["matmul", "elementwise"]);
+    }
+
+    #[test]
+    fn an_epilogue_that_would_bind_too_many_buffers_stays_apart() {
+        let (x, w) = (input(&[4, 8]), input(&[8, 3]));
+        let bs: Vec<_> = (0..4).map(|_| input(&[4, 3])).collect();
+        let mut y = matmul(&x, &w);
+        for b in &bs {
+            y = binary(&y, b, BinaryOp::Add);
+        }
+        let caps = crate::backend::Capabilities { max_inputs: 4, ..cpu_caps() };
+        let ks = crate::schedule::summarize(&[&y], caps);
+        assert!(ks.iter().all(|k| k.inputs <= 4), "{ks:?}");
+        assert_eq!(crate::schedule::summarize(&[&y], cpu_caps()).len(), 1, "without a limit it is one kernel");
     }
 }

@@ -244,7 +244,7 @@ mod tests {
 
     fn lowered(targets: &[&Value]) -> Lowered {
         let g = collect(targets);
-        let inl = inline_decisions(&g);
+        let inl = inline_decisions(&g, usize::MAX);
         lower(&g, &inl)
     }
 

@@ -42,7 +42,7 @@ pub(crate) struct Scheduled {
 pub(crate) fn schedule(targets: &[&Value], caps: Capabilities) -> Scheduled {
     let (dag, key) = profile::time(Phase::Collect, || {
         let dag = collect::collect(targets);
-        let key = cache::Key::of(&dag, caps.row_kernels);
+        let key = cache::Key::of(&dag, caps);
         (dag, key)
     });
     profile::time(Phase::Schedule, || {
@@ -59,14 +59,14 @@ pub(crate) fn schedule(targets: &[&Value], caps: Capabilities) -> Scheduled {
 
 /// Schedule a collected graph; also returns the cache entry of its plan.
 fn schedule_dag(dag: &collect::Dag, caps: Capabilities) -> (Scheduled, cache::Entry) {
-    let inline = fuse::inline_decisions(dag);
+    let inline = fuse::inline_decisions(dag, caps.max_inputs);
     let survives = lifetimes::survivors(dag, &inline);
     let lower::Lowered { mut plan, slot_of, inputs, input_nodes } = lower::lower(dag, &inline);
     refine::refine(&mut plan);
     let (kept, store) = lifetimes::kept_slots(dag, &slot_of, &survives);
-    epilogue::fuse_epilogues(&mut plan, &kept);
+    epilogue::fuse_epilogues(&mut plan, &kept, caps.max_inputs);
     if caps.row_kernels {
-        rows::fuse_rows(&mut plan, &kept);
+        rows::fuse_rows(&mut plan, &kept, caps.max_inputs);
     }
     lifetimes::plan_lifetimes(&mut plan, &kept, &store);
     let store_nodes = store.iter().map(|(_, n)| dag.index[&n.id]).collect();

@@ -45,13 +45,13 @@ fn reads_by_row(l: &Layout, inner: usize) -> bool {
 /// nobody else reads or keeps their results. Softmax (max, sum of exp,
 /// divide) and layer norm (mean, variance, normalise) become one kernel
 /// that reads its input from memory once; the re-reads of a row hit cache.
-pub(crate) fn fuse_rows(plan: &mut Plan, kept: &HashSet<Slot>) {
+pub(crate) fn fuse_rows(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: usize) {
     // Which kernel writes each slot; rebuilt only when a fusion moves kernels.
     let index = |plan: &Plan| -> HashMap<Slot, usize> { plan.kernels.iter().enumerate().map(|(i, k)| (k.out, i)).collect() };
     let mut writer = index(plan);
     let mut k = 0;
     while k < plan.kernels.len() {
-        k = match fuse_rows_at(plan, k, kept, &writer) {
+        k = match fuse_rows_at(plan, k, kept, &writer, max_inputs) {
             Some(at) => {
                 writer = index(plan);
                 at + 1
@@ -70,8 +70,8 @@ fn expr_of(k: &Kernel) -> Option<(&Expr, &[usize])> {
 }
 
 /// Try to make kernel `k` the output stage of a rows kernel; returns the
-/// fused kernel's index.
-fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &HashSet<Slot>, writer: &HashMap<Slot, usize>) -> Option<usize> {
+/// fused kernel's index. Not when it would read more than `max_inputs` buffers.
+fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &HashSet<Slot>, writer: &HashMap<Slot, usize>, max_inputs: usize) -> Option<usize> {
     let KernelKind::Elementwise { expr, .. } = &plan.kernels[k].kind else { return None };
     let numel = plan.kernels[k].numel;
     let producer = |slot: Slot, before: usize| writer.get(&slot).copied().filter(|&i| i < before);
@@ -200,6 +200,9 @@ fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &HashSet<Slot>, writer: &HashMa
         stages.push(stage(plan, m, op)?);
     }
     let out = stage(plan, k, None)?;
+    if inputs.len() > max_inputs {
+        return None;
+    }
     let mut ops = vec![];
     for &m in &members {
         ops.extend(plan.kernels[m].ops.iter().copied());

@@ -91,7 +91,7 @@ impl CpuExecutor {
 
 impl Executor for CpuExecutor {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false }
+        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, max_inputs: usize::MAX }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {

@@ -36,6 +36,13 @@ pub(crate) struct Caps {
 }
 
 impl Caps {
+    /// The most buffers the scheduler lets one kernel read: the storage
+    /// bindings a shader may have, less the output, the constants, the
+    /// index-error flag and a matmul's two scratch buffers.
+    pub fn max_inputs(&self) -> usize {
+        (self.max_storage_buffers as usize).saturating_sub(5).max(3)
+    }
+
     /// Bytes one binding chunk of a large buffer covers: the largest
     /// multiple of the offset alignment that fits in one binding.
     pub fn chunk_bytes(&self) -> u64 {
