@@ -134,6 +134,7 @@ fn a_training_like_loop_does_not_grow_memory() {
     let mut w = Tensor::randn(&[32, 10], DType::F32, g).unwrap().mul(0.1).unwrap().contiguous().unwrap();
     let target = Tensor::arange(0.0, 64.0, 1.0, DType::I32, g).unwrap().rem(10).unwrap();
     let mut after_warmup = None;
+    let mut groups_at_900 = 0;
     for step in 0..1000 {
         // Forward, a hand-written gradient of softmax cross-entropy, an SGD step.
         let logits = x.matmul(&w).unwrap();
@@ -145,11 +146,18 @@ fn a_training_like_loop_does_not_grow_memory() {
         if step == 50 {
             after_warmup = Some(stats(i).unwrap().memory);
         }
+        if step == 900 {
+            groups_at_900 = stats(i).unwrap().bind_groups;
+        }
     }
+    // The loop's own memory, before the evaluation below (another graph,
+    // whose few small buffers may be new).
+    let end = stats(i).unwrap().memory;
+    // Steps bind the buffers of a step before: their bind groups are made.
+    assert_eq!(stats(i).unwrap().bind_groups, groups_at_900, "bind groups created in the last 100 steps");
     let loss = x.matmul(&w).unwrap().cross_entropy(&target, 0.0, voltaic::Reduction::Mean).unwrap().item::<f32>().unwrap();
     assert!(loss.is_finite());
     let warm = after_warmup.unwrap();
-    let end = stats(i).unwrap().memory;
     assert_eq!(end.allocations, warm.allocations, "no new buffers after warm-up: {warm:?} -> {end:?}");
     assert!(end.in_use + end.cached <= warm.in_use + warm.cached, "{warm:?} -> {end:?}");
     g.empty_cache().unwrap();

@@ -93,6 +93,9 @@ pub struct DeviceStats {
     pub dispatches: u64,
     /// Distinct kernels compiled so far (0 on the CPU).
     pub pipelines: u64,
+    /// Bind groups created so far (0 on the CPU): a repeated step whose
+    /// buffers are those of the step before creates none.
+    pub bind_groups: u64,
     /// Memory held through the device's pool.
     pub memory: MemoryStats,
 }

@@ -145,6 +145,7 @@ pub(crate) struct GpuContext {
     pub compiled: AtomicU64,
     pub submissions: AtomicU64,
     pub dispatches: AtomicU64,
+    pub bind_groups: AtomicU64,
 }
 
 /// Whether Voltaic runs f16 products on the adapter's tensor cores: through
@@ -259,6 +260,7 @@ impl GpuContext {
             compiled: AtomicU64::new(0),
             submissions: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
+            bind_groups: AtomicU64::new(0),
         })
     }
 

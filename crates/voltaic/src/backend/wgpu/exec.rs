@@ -2,7 +2,7 @@
 
 use super::codegen::{check_dtype, elem_bytes, Bind, Src};
 use super::context::GpuContext;
-use super::pool::{alloc, GpuBuf};
+use super::pool::{alloc, alloc_in_pass, GpuBuf};
 use crate::backend::Buffer;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -133,7 +133,7 @@ pub(crate) fn bind<'b>(
 
 /// The scratch buffers of kernel `c`, from the pool.
 fn fresh_scratch(ctx: &GpuContext, c: &Compiled) -> Result<Vec<GpuBuf>> {
-    c.scratch.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(&ctx.caps, dt))).collect()
+    c.scratch.iter().map(|&(dt, n)| alloc_in_pass(ctx, dt, n, n as u64 * elem_bytes(&ctx.caps, dt))).collect()
 }
 
 /// A new buffer holding a kernel's constants (written before the next submit).
@@ -176,6 +176,7 @@ fn entries<'s, 'b: 's>(
 }
 
 fn bind_group(ctx: &GpuContext, d: &CompiledDispatch, entries: &[Entry<'_>]) -> wgpu::BindGroup {
+    ctx.bind_groups.fetch_add(1, Ordering::Relaxed);
     let entries: Vec<wgpu::BindGroupEntry> = entries
         .iter()
         .enumerate()
@@ -196,9 +197,16 @@ pub(crate) struct Bound {
     scratch: Arc<Vec<GpuBuf>>,
     /// The constants as written into their buffer.
     words: Vec<u8>,
-    /// Per dispatch: the (buffer, offset, size) bound, and the bind group.
-    groups: Vec<(Vec<OwnedEntry>, wgpu::BindGroup)>,
+    /// Per dispatch: bind groups of the last few sets of buffers it bound
+    /// ((buffer, offset, size) each), the most recent first.
+    groups: Vec<Vec<(Vec<OwnedEntry>, wgpu::BindGroup)>>,
 }
+
+/// Bind groups kept per dispatch. A step's buffers are not the last
+/// step's: an optimizer writes each weight to a new buffer and frees the
+/// old one, and the pool hands the freed buffers to the next step's
+/// intermediates, so the buffers a kernel binds cycle through a few sets.
+const GROUPS_KEPT: usize = 4;
 
 /// A binding kept with its bind group: buffer, offset and size.
 type OwnedEntry = (wgpu::Buffer, u64, u64);
@@ -220,7 +228,7 @@ fn bind_cached<'b>(
     let last = cell.lock().unwrap_or_else(|e| e.into_inner()).take();
     let words = const_words(consts);
     let mut groups = Vec::with_capacity(c.dispatches.len());
-    let (scratch, old_groups) = match last {
+    let (scratch, mut old_groups) = match last {
         // The constants' buffer is reused only with the same values: a new
         // value goes to a new buffer, since queued work may still read the old.
         Some(b) if b.words == words => (b.scratch, b.groups),
@@ -243,12 +251,17 @@ fn bind_cached<'b>(
     let mut encoded = Vec::with_capacity(c.dispatches.len());
     for (i, d) in c.dispatches.iter().enumerate() {
         let entries = entries(ctx, d, input, out, &scratch, consts_at)?;
-        let same = old_groups.get(i).is_some_and(|(bound, _)| {
-            bound.len() == entries.len() && bound.iter().zip(&entries).all(|(a, b)| &a.0 == b.0 && a.1 == b.1 && a.2 == b.2)
-        });
-        let group = if same { old_groups[i].1.clone() } else { bind_group(ctx, d, &entries) };
-        encoded.push(Encoded { pipeline: d.pipeline.clone(), bind_group: group.clone(), grid: d.grid, _scratch: scratch.clone() });
-        groups.push((entries.iter().map(|&(b, o, s)| (b.clone(), o, s)).collect(), group));
+        let mut kept = if i < old_groups.len() { std::mem::take(&mut old_groups[i]) } else { vec![] };
+        let same = |bound: &[OwnedEntry]| bound.len() == entries.len() && bound.iter().zip(&entries).all(|(a, b)| &a.0 == b.0 && a.1 == b.1 && a.2 == b.2);
+        match kept.iter().position(|(bound, _)| same(bound)) {
+            Some(j) => kept[..=j].rotate_right(1),
+            None => {
+                kept.truncate(GROUPS_KEPT - 1);
+                kept.insert(0, (entries.iter().map(|&(b, o, s)| (b.clone(), o, s)).collect(), bind_group(ctx, d, &entries)));
+            }
+        }
+        encoded.push(Encoded { pipeline: d.pipeline.clone(), bind_group: kept[0].1.clone(), grid: d.grid, _scratch: scratch.clone() });
+        groups.push(kept);
     }
     *cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(Bound { scratch, words, groups });
     Ok(encoded)
@@ -411,7 +424,7 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
         let bytes = k.numel as u64 * elem_bytes(&ctx.caps, k.dtype);
         let out = Arc::new(match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {
             Some(i) => retired.swap_remove(i).reuse(k.dtype, k.numel),
-            None => alloc(ctx, k.dtype, k.numel, bytes)?,
+            None => alloc_in_pass(ctx, k.dtype, k.numel, bytes)?,
         });
         let compiled = &compiled_plan.kernels[ki];
         let input_buf = |i: usize| bufs[k.inputs[i]].as_ref().expect("inputs are live").raw();

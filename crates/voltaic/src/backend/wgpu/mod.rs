@@ -408,6 +408,7 @@ impl Executor for GpuContext {
             submissions: self.submissions.load(Ordering::Relaxed),
             dispatches: self.dispatches.load(Ordering::Relaxed),
             pipelines: self.compiled.load(Ordering::Relaxed),
+            bind_groups: self.bind_groups.load(Ordering::Relaxed),
             memory: self.pool.lock().unwrap_or_else(|e| e.into_inner()).stats(),
         }
     }

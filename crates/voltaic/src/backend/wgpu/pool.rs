@@ -4,11 +4,17 @@
 //! so a loop that allocates the same shapes again finds its buffers cached.
 //! A [`GpuBuf`] returns its buffer to the pool when it is dropped, which the
 //! scheduler arranges to happen right after the buffer's last consumer.
+//!
+//! Buffers are numbered as they are created, and a request takes the
+//! lowest-numbered free buffer of its bucket: which buffers a step gets
+//! depends on which are free, not on the order they were freed in. A
+//! training loop then gets the same buffers every step or two (a weight
+//! and its update alternate), and kernels find their bind groups made.
 
 use crate::backend::MemoryStats;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 /// Smallest bucket in bytes.
@@ -19,11 +25,16 @@ const MIN_BUCKET: u64 = 256;
 /// While work is encoded but not yet submitted (`deferring`), freed buffers
 /// wait in `deferred` until the submission: the pending commands may still
 /// use them, and a queue write into one (an upload, a kernel's constants)
-/// would run before those commands, at the start of the submission.
+/// would run before those commands, at the start of the submission. A
+/// kernel of the pending pass may take them (see [`alloc_in_pass`]).
 pub(crate) struct Pool {
-    free: HashMap<u64, Vec<wgpu::Buffer>>,
+    /// Free buffers by bucket, by number.
+    free: HashMap<u64, BTreeMap<u64, wgpu::Buffer>>,
     deferring: bool,
-    deferred: Vec<wgpu::Buffer>,
+    /// Buffers freed since the pending work began, by bucket, by number.
+    deferred: HashMap<u64, BTreeMap<u64, wgpu::Buffer>>,
+    /// The number of the next buffer created.
+    next: u64,
     deferred_bytes: u64,
     stats: MemoryStats,
     max_buffer: u64,
@@ -41,7 +52,7 @@ pub(crate) fn bucket(bytes: u64) -> u64 {
 
 impl Pool {
     pub(crate) fn new(max_buffer: u64) -> Pool {
-        Pool { free: HashMap::new(), deferring: false, deferred: Vec::new(), deferred_bytes: 0, stats: MemoryStats::default(), max_buffer }
+        Pool { free: HashMap::new(), deferring: false, deferred: HashMap::new(), next: 0, deferred_bytes: 0, stats: MemoryStats::default(), max_buffer }
     }
 
     /// Hold freed buffers back from reuse until `release_deferred`.
@@ -54,8 +65,8 @@ impl Pool {
     pub(crate) fn release_deferred(&mut self) {
         self.deferring = false;
         self.deferred_bytes = 0;
-        for b in self.deferred.drain(..) {
-            self.free.entry(b.size()).or_default().push(b);
+        for (size, mut d) in self.deferred.drain() {
+            self.free.entry(size).or_default().append(&mut d);
         }
     }
 
@@ -73,7 +84,7 @@ impl Pool {
     /// still names one (it is never bound again: the pool cannot hand the
     /// buffer out any more).
     pub(crate) fn destroy_cached(&mut self) {
-        for b in self.free.values().flatten().chain(&self.deferred) {
+        for b in self.free.values().flat_map(|f| f.values()).chain(self.deferred.values().flat_map(|d| d.values())) {
             b.destroy();
         }
         self.clear();
@@ -93,6 +104,8 @@ impl Pool {
 /// One pooled GPU buffer holding `numel` elements of `dtype`.
 pub(crate) struct GpuBuf {
     buffer: Option<wgpu::Buffer>,
+    /// The buffer's number in its pool.
+    number: u64,
     pub numel: usize,
     pub dtype: DType,
     pool: Arc<Mutex<Pool>>,
@@ -130,9 +143,9 @@ impl Drop for GpuBuf {
             p.stats.cached += b.size();
             if p.deferring {
                 p.deferred_bytes += b.size();
-                p.deferred.push(b);
+                p.deferred.entry(b.size()).or_default().insert(self.number, b);
             } else {
-                p.free.entry(b.size()).or_default().push(b);
+                p.free.entry(b.size()).or_default().insert(self.number, b);
             }
         }
     }
@@ -154,15 +167,37 @@ fn check_size(index: usize, max_buffer: u64, dtype: DType, numel: usize, bytes: 
 }
 
 /// A buffer for `numel` elements of `dtype`, `bytes` long, from the pool of
-/// `ctx` or newly created. Its contents are unspecified.
+/// `ctx` or newly created. Its contents are unspecified; it may be written
+/// by the queue (an upload, constants).
 pub(crate) fn alloc(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64) -> Result<GpuBuf> {
+    alloc_from(ctx, dtype, numel, bytes, false)
+}
+
+/// [`alloc`] for a buffer that only kernels encoded into the pending pass
+/// write (an output, scratch): it may be one freed since that pass began,
+/// whose earlier readers the pass orders before the new writes. Which
+/// buffer a step gets then does not depend on when the GPU last went idle.
+pub(crate) fn alloc_in_pass(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64) -> Result<GpuBuf> {
+    alloc_from(ctx, dtype, numel, bytes, true)
+}
+
+fn alloc_from(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64, in_pass: bool) -> Result<GpuBuf> {
     let size = bucket(bytes.max(4));
     let mut p = ctx.pool.lock().unwrap_or_else(|e| e.into_inner());
     check_size(ctx.index, p.max_buffer, dtype, numel, bytes)?;
-    if let Some(b) = p.free.get_mut(&size).and_then(|v| v.pop()) {
+    let first = |m: &HashMap<u64, BTreeMap<u64, wgpu::Buffer>>| m.get(&size).and_then(|f| f.first_key_value()).map(|(&n, _)| n);
+    let from_deferred = in_pass && first(&p.deferred).is_some_and(|d| first(&p.free).is_none_or(|f| d < f));
+    let taken = if from_deferred {
+        let t = p.deferred.get_mut(&size).and_then(|f| f.pop_first());
+        p.deferred_bytes -= size;
+        t
+    } else {
+        p.free.get_mut(&size).and_then(|f| f.pop_first())
+    };
+    if let Some((number, b)) = taken {
         p.stats.cached -= size;
         p.stats.in_use += size;
-        return Ok(GpuBuf { buffer: Some(b), numel, dtype, pool: ctx.pool.clone() });
+        return Ok(GpuBuf { buffer: Some(b), number, numel, dtype, pool: ctx.pool.clone() });
     }
     drop(p);
     let create = || {
@@ -197,7 +232,9 @@ pub(crate) fn alloc(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: 
     let mut p = ctx.pool.lock().unwrap_or_else(|e| e.into_inner());
     p.stats.allocations += 1;
     p.stats.in_use += size;
-    Ok(GpuBuf { buffer: Some(b), numel, dtype, pool: ctx.pool.clone() })
+    let number = p.next;
+    p.next += 1;
+    Ok(GpuBuf { buffer: Some(b), number, numel, dtype, pool: ctx.pool.clone() })
 }
 
 #[cfg(test)]
