@@ -309,6 +309,11 @@ fn gradients_at_kinks_follow_pytorch() {
     let x = [1.0, 3.0, 3.0, 0.0, 2.0, 2.0, 2.0, 2.0, 5.0, 5.0, 1.0, 1.0, 5.0, 5.0, 1.0, 1.0];
     let g = grads_at(&[(&x, &[1, 1, 4, 4])], &|t| t[0].max_pool2d([2, 2], None, [0, 0]));
     assert_eq!(g[0], vec![0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    // A NaN is the maximum of its window (as in PyTorch): the first NaN gets the gradient.
+    let n = f64::NAN;
+    let xn = [1.0, n, 3.0, 0.0, n, 2.0, 2.0, 2.0, 5.0, 5.0, n, 1.0, 5.0, 5.0, 1.0, n];
+    let g = grads_at(&[(&xn, &[1, 1, 4, 4])], &|t| t[0].max_pool2d([2, 2], None, [0, 0]));
+    assert_eq!(g[0], vec![0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
     let g = grads_at(&[(&x, &[1, 1, 4, 4])], &|t| t[0].max_pool2d([3, 3], Some([1, 1]), [1, 1]));
     let want = {
         // First maximum of each 3x3 window (padded with -inf) in row-major order, counted.

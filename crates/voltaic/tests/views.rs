@@ -572,3 +572,37 @@ fn random_chains_of_views_and_ops() -> Res {
     }
     Ok(())
 }
+
+/// Views whose innermost dim is short (pooling taps, RGB channels) are read
+/// through a table of a plane's offsets on the CPU: planes that straddle
+/// the executor's blocks of 1024 elements, broadcasts and offsets included.
+#[test]
+fn short_inner_dims_read_through_planes_match_the_model() -> Res {
+    let mut rng = Rng::new(77);
+    for (dims, perm) in [(vec![40, 50, 3], vec![1, 0, 2]), (vec![7, 9, 2, 5], vec![3, 1, 0, 2]), (vec![3, 31, 2, 2], vec![1, 0, 3, 2])] {
+        let n = numel(&dims);
+        let v: Vec<f64> = (0..n).map(|_| rng.normal()).collect();
+        let x = Tensor::from_vec(v.iter().map(|&f| f as f32).collect::<Vec<_>>(), &dims, CPU)?;
+        let model = Naive::new(&dims, v.clone()).permute(&perm);
+        let perm_i: Vec<isize> = perm.iter().map(|&p| p as isize).collect();
+        let got = x.permute(&perm_i)?.mul(2.0)?.to_vec::<f32>()?;
+        for (g, w) in got.iter().zip(&model.v) {
+            assert!((*g as f64 - 2.0 * w).abs() <= 1e-6 * w.abs().max(1.0), "{dims:?} permuted {perm:?}");
+        }
+        // A broadcast plane: [d0, 1, d2] read as [d0, 8, d2], narrowed to start mid-plane.
+        let b = x.narrow(1, 1, 1)?.broadcast_to(&[dims[0], 8].iter().chain(&dims[2..]).copied().collect::<Vec<_>>())?;
+        let got = b.narrow(0, 1, dims[0] - 1)?.add(1.0)?.to_vec::<f32>()?;
+        let mut k = 0;
+        for i in 1..dims[0] {
+            for _ in 0..8 {
+                for rest in 0..n / (dims[0] * dims[1]) {
+                    let src = i * dims[1] * (n / (dims[0] * dims[1])) + (n / (dims[0] * dims[1])) + rest;
+                    assert!((got[k] as f64 - (v[src] as f32 as f64 + 1.0)).abs() <= 1e-6 * v[src].abs().max(1.0), "{dims:?} broadcast at {k}");
+                    k += 1;
+                }
+            }
+        }
+        assert_eq!(k, got.len());
+    }
+    Ok(())
+}

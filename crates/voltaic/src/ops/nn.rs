@@ -192,11 +192,13 @@ impl Tensor {
             return Ok(y);
         }
         let dims = self.dims().to_vec();
-        Ok(y.track(&[self], move |g, _| Ok(vec![Some(x.max_pool2d_grad(g, &p, &dims)?)])))
+        let top = y.clone();
+        Ok(y.track(&[self], move |g, _| Ok(vec![Some(x.max_pool2d_grad(g, &p, &dims, &top)?)])))
     }
 
-    /// The gradient of `max_pool2d` of `self`: `g` at each window's first maximum.
-    fn max_pool2d_grad(&self, g: &Tensor, p: &UnfoldParams, dims: &[usize]) -> Result<Tensor> {
+    /// The gradient of `max_pool2d` of `self`: `g` at each window's first
+    /// maximum (`top`, the pooled values).
+    fn max_pool2d_grad(&self, g: &Tensor, p: &UnfoldParams, dims: &[usize], top: &Tensor) -> Result<Tensor> {
         let k = p.kernel[0] * p.kernel[1];
         // Where the first maximum of a window of `k` taps (last dim of `w`) sits, as a one-hot mask times g.
         let route = |w: &Tensor, g: &Tensor| -> Result<Tensor> {
@@ -207,11 +209,18 @@ impl Tensor {
             pos.eq(&first)?.where_cond(&g.unsqueeze(-1)?, 0.0)?.to_dtype(g.dtype())
         };
         if let Some(w) = self.tiled_windows(p)? {
-            // [N, C, Ho, kh, Wo, kw] -> windows last, routed, then back.
+            // In the windows' own view [N, C, Ho, kh, Wo, kw], a free reshape
+            // of the input: the first maximum of each window is the least
+            // tap number (i * kw + j) where the window's maximum sits (NaN
+            // wins, as in the max). Moving the taps last instead would read
+            // them through a permuted reshape that no strided layout walks.
             let d = w.dims().to_vec();
-            let windows = w.permute(&[0, 1, 2, 4, 3, 5])?.reshape_dims(&[d[0], d[1], d[2], d[4], k])?;
-            let r = route(&windows, g)?.reshape_dims(&[d[0], d[1], d[2], d[4], d[3], d[5]])?;
-            return r.permute(&[0, 1, 2, 4, 3, 5])?.reshape_dims(dims);
+            let taps = Tensor::arange(0.0, k as f64, 1.0, DType::I32, w.device())?.reshape_dims(&[1, 1, 1, d[3], 1, d[5]])?;
+            let top = top.reshape_dims(&[d[0], d[1], d[2], 1, d[4], 1])?;
+            let at_max = w.eq(&top)?.where_cond(&taps, k as f64)?;
+            let first = w.isnan()?.where_cond(&taps, &at_max)?.min(&[3, 5], true)?;
+            let g = g.reshape_dims(&[d[0], d[1], d[2], 1, d[4], 1])?;
+            return taps.eq(&first)?.where_cond(&g, 0.0)?.to_dtype(g.dtype())?.reshape_dims(dims);
         }
         let u = self.unfold("max_pool2d", *p, f64::NEG_INFINITY)?;
         let d = u.dims().to_vec();

@@ -293,9 +293,61 @@ pub(crate) fn for_each_run(l: &Layout, start: usize, n: usize, mut f: impl FnMut
     }
 }
 
+/// The trailing dims of `l` to walk through a table of offsets, when its
+/// innermost dim is too short for runs to pay (a pooling window's 2 taps):
+/// as many as keep the table at most 256 entries, at least two. `None`
+/// when runs are long enough or there is no second dim.
+fn table_dims(l: &Layout) -> Option<usize> {
+    let dims = l.dims();
+    let r = dims.len();
+    if r < 2 || dims[r - 1] >= 16 {
+        return None;
+    }
+    let mut t = 0;
+    let mut plane = 1;
+    while t < r && plane * dims[r - 1 - t] <= 256 {
+        plane *= dims[r - 1 - t];
+        t += 1;
+    }
+    (t >= 2).then_some(t)
+}
+
+/// [`gather_into`] for one layout through a table of the offsets of its
+/// last `t` dims (a plane): per element one table read, not one run.
+fn gather_tabled<S: Copy, D: Copy>(src: &[S], l: &Layout, t: usize, start: usize, n: usize, dst: &mut [D], table: &mut Vec<usize>, conv: impl Fn(S) -> D) {
+    let dims = l.dims();
+    let r = dims.len();
+    let inner = Layout { shape: crate::shape::Shape::new(&dims[r - t..]), strides: crate::shape::Dims::from_slice(&l.strides()[r - t..]), offset: 0 };
+    let plane = inner.numel();
+    table.clear();
+    table.resize(plane, 0);
+    for_each_run(&inner, 0, plane, |d0, len, off, st| {
+        for j in 0..len {
+            table[d0 + j] = off + j * st;
+        }
+    });
+    let outer = &dims[..r - t];
+    let mut idx = [0usize; 16];
+    let mut i = 0;
+    while i < n {
+        let pos = start + i;
+        let (pl, within) = (pos / plane, pos % plane);
+        let len = (plane - within).min(n - i);
+        unravel(pl, outer, &mut idx[..r - t]);
+        let base = l.offset + idx[..r - t].iter().zip(l.strides()).map(|(&k, &s)| k * s).sum::<usize>();
+        for (d, &o) in dst[i..i + len].iter_mut().zip(&table[within..within + len]) {
+            *d = conv(src[base + o]);
+        }
+        i += len;
+    }
+}
+
 #[inline]
 fn gather_into<S: Copy, D: Copy>(src: &[S], path: &[Layout], start: usize, n: usize, dst: &mut [D], scratch: &mut Vec<usize>, conv: impl Fn(S) -> D) {
     if path.len() == 1 {
+        if let Some(t) = table_dims(&path[0]).filter(|_| path[0].dims().len() <= 16) {
+            return gather_tabled(src, &path[0], t, start, n, dst, scratch, conv);
+        }
         for_each_run(&path[0], start, n, |d0, len, off, st| {
             let dst = &mut dst[d0..d0 + len];
             if st == 1 {
@@ -455,8 +507,9 @@ simd_fn! {
         let Reg::Bool(c) = c else { unreachable!() };
         #[inline(always)]
         fn sel<T: Copy>(c: &[bool], a: &[T], b: &[T], o: &mut [T], n: usize) {
-            for i in 0..n {
-                o[i] = if c[i] { a[i] } else { b[i] };
+            // Zipped slices: no bounds checks, so the loop vectorizes into blends.
+            for (((o, &c), &a), &b) in o[..n].iter_mut().zip(&c[..n]).zip(&a[..n]).zip(&b[..n]) {
+                *o = if c { a } else { b };
             }
         }
         match (a, b, o) {
