@@ -90,6 +90,17 @@ impl Pool {
         self.clear();
     }
 
+    /// Give cached memory back to the device when it runs out: free
+    /// buffers are destroyed (submitted work that reads one finishes first,
+    /// and a cached plan's bind group that still names one no longer keeps
+    /// its memory); buffers the pending work may use are only dropped.
+    pub(crate) fn release_cached(&mut self) {
+        for b in self.free.values().flat_map(|f| f.values()) {
+            b.destroy();
+        }
+        self.clear();
+    }
+
     /// Drop every cached buffer.
     pub(crate) fn clear(&mut self) {
         // Deferred buffers may be dropped too: wgpu keeps a buffer alive
@@ -216,7 +227,7 @@ fn alloc_from(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64, i
         let had_cache = {
             let mut p = ctx.pool.lock().unwrap_or_else(|e| e.into_inner());
             let had = p.stats.cached > 0;
-            p.clear();
+            p.release_cached();
             had
         };
         if had_cache {
