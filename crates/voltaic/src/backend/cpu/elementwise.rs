@@ -293,14 +293,26 @@ pub(crate) fn for_each_run(l: &Layout, start: usize, n: usize, mut f: impl FnMut
     }
 }
 
+/// Offsets `start..start + n` of layout `l`, in order, into `out`.
+fn offsets_into(l: &Layout, start: usize, n: usize, out: &mut Vec<usize>) {
+    out.clear();
+    out.resize(n, 0);
+    for_each_run(l, start, n, |d0, len, off, st| {
+        for j in 0..len {
+            out[d0 + j] = off + j * st;
+        }
+    });
+}
+
 /// The trailing dims of `l` to walk through a table of offsets, when its
 /// innermost dim is too short for runs to pay (a pooling window's 2 taps):
 /// as many as keep the table at most 256 entries, at least two. `None`
-/// when runs are long enough or there is no second dim.
+/// when runs are long enough, there is no second dim, or the rank passes
+/// the 16 dims an index is kept in.
 fn table_dims(l: &Layout) -> Option<usize> {
     let dims = l.dims();
     let r = dims.len();
-    if r < 2 || dims[r - 1] >= 16 {
+    if !(2..=16).contains(&r) || dims[r - 1] >= 16 {
         return None;
     }
     let mut t = 0;
@@ -319,22 +331,16 @@ fn gather_tabled<S: Copy, D: Copy>(src: &[S], l: &Layout, t: usize, start: usize
     let r = dims.len();
     let inner = Layout { shape: crate::shape::Shape::new(&dims[r - t..]), strides: crate::shape::Dims::from_slice(&l.strides()[r - t..]), offset: 0 };
     let plane = inner.numel();
-    table.clear();
-    table.resize(plane, 0);
-    for_each_run(&inner, 0, plane, |d0, len, off, st| {
-        for j in 0..len {
-            table[d0 + j] = off + j * st;
-        }
-    });
-    let outer = &dims[..r - t];
+    offsets_into(&inner, 0, plane, table);
+    // The plane's own dims stay 0: `offset_of` then gives the plane's base.
     let mut idx = [0usize; 16];
     let mut i = 0;
     while i < n {
         let pos = start + i;
         let (pl, within) = (pos / plane, pos % plane);
         let len = (plane - within).min(n - i);
-        unravel(pl, outer, &mut idx[..r - t]);
-        let base = l.offset + idx[..r - t].iter().zip(l.strides()).map(|(&k, &s)| k * s).sum::<usize>();
+        unravel(pl, &dims[..r - t], &mut idx[..r - t]);
+        let base = l.offset_of(&idx[..r]);
         for (d, &o) in dst[i..i + len].iter_mut().zip(&table[within..within + len]) {
             *d = conv(src[base + o]);
         }
@@ -345,7 +351,7 @@ fn gather_tabled<S: Copy, D: Copy>(src: &[S], l: &Layout, t: usize, start: usize
 #[inline]
 fn gather_into<S: Copy, D: Copy>(src: &[S], path: &[Layout], start: usize, n: usize, dst: &mut [D], scratch: &mut Vec<usize>, conv: impl Fn(S) -> D) {
     if path.len() == 1 {
-        if let Some(t) = table_dims(&path[0]).filter(|_| path[0].dims().len() <= 16) {
+        if let Some(t) = table_dims(&path[0]) {
             return gather_tabled(src, &path[0], t, start, n, dst, scratch, conv);
         }
         for_each_run(&path[0], start, n, |d0, len, off, st| {
@@ -366,13 +372,7 @@ fn gather_into<S: Copy, D: Copy>(src: &[S], path: &[Layout], start: usize, n: us
         return;
     }
     // Views that could not be composed: unravel through each step.
-    scratch.clear();
-    scratch.resize(n, 0);
-    for_each_run(&path[0], start, n, |d0, len, off, st| {
-        for j in 0..len {
-            scratch[d0 + j] = off + j * st;
-        }
-    });
+    offsets_into(&path[0], start, n, scratch);
     let mut idx = vec![0usize; 16];
     for p in scratch.iter_mut() {
         for l in &path[1..] {

@@ -84,10 +84,10 @@ impl Pool {
     /// still names one (it is never bound again: the pool cannot hand the
     /// buffer out any more).
     pub(crate) fn destroy_cached(&mut self) {
-        for b in self.free.values().flat_map(|f| f.values()).chain(self.deferred.values().flat_map(|d| d.values())) {
+        for b in self.deferred.values().flat_map(|d| d.values()) {
             b.destroy();
         }
-        self.clear();
+        self.release_cached();
     }
 
     /// Give cached memory back to the device when it runs out: free
