@@ -13,16 +13,8 @@ source .gl/env.sh
 export RUST_BACKTRACE=1 VOLTAIC_FASHION_MNIST=$PWD/.bin/data
 for f in .bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
 chmod +x .bin/voltaic
-# Open MPI, unpacked into a prefix of its own and relocated there.
-P=/tmp/ompi
-mkdir -p $P && for d in .mpi/*.deb; do dpkg -x "$d" $P; done
-export PATH=$P/usr/bin:$PATH
-export LD_LIBRARY_PATH=$P/usr/lib/x86_64-linux-gnu:$P/usr/lib/x86_64-linux-gnu/openmpi/lib:$P/usr/lib/x86_64-linux-gnu/pmix2/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export OPAL_PREFIX=$P/usr OPAL_LIBDIR=$P/usr/lib/x86_64-linux-gnu/openmpi/lib OPAL_SYSCONFDIR=$P/etc/openmpi OPAL_DATADIR=$P/usr/share/openmpi OPAL_PKGDATADIR=$P/usr/share/openmpi
-export PMIX_PREFIX=$P/usr/lib/x86_64-linux-gnu/pmix2 PMIX_INSTALL_PREFIX=$P/usr/lib/x86_64-linux-gnu/pmix2
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mca_base_component_show_load_errors=0
-export PMIX_MCA_pcompress_base_silence_warning=1
-MPIRUN="orterun --oversubscribe -np 2"
+source scripts/device_mpi_env.sh
+MPIRUN="$MPIRUN_BASE -np 2"
 what="${1:-cnn,bench}"
 V=.bin/voltaic
 $V devices > "$OUT/devices.txt" 2>&1

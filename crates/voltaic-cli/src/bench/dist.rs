@@ -16,6 +16,7 @@
 
 use super::gpu::gpu_median_ms;
 use super::median_ms;
+use super::scale::max_rel;
 use anyhow::{bail, Context};
 use serde_json::json;
 use std::sync::Arc;
@@ -64,7 +65,7 @@ pub(super) fn encoder(device: Device) -> voltaic::Result<Encoder> {
     Ok(Encoder { bert: BertModel::new(config, device)?, head: Linear::new(384, 10, true, device)? })
 }
 
-fn encoder_loss(m: &Encoder, rows: &[Tensor]) -> voltaic::Result<Tensor> {
+pub(super) fn encoder_loss(m: &Encoder, rows: &[Tensor]) -> voltaic::Result<Tensor> {
     let h = m.bert.forward(&rows[0], &rows[1])?;
     m.head.forward(&h.narrow(1, 0, 1)?.squeeze(1)?)?.cross_entropy(&rows[2], 0.0, Reduction::Mean)
 }
@@ -84,25 +85,7 @@ fn adamw(m: &Encoder) -> Box<dyn Optimizer + Send> {
 
 /// Losses of `steps` AdamW steps of one device on the whole `batch`.
 fn one_device_losses(device: Device, batch: &[Tensor], steps: usize) -> anyhow::Result<Vec<f64>> {
-    voltaic::manual_seed(0);
-    let m = encoder(device)?;
-    let mut opt = adamw(&m);
-    let rows: Vec<Tensor> = batch.iter().map(|t| t.to_device(device)).collect::<voltaic::Result<_>>()?;
-    let mut out = vec![];
-    for _ in 0..steps {
-        opt.zero_grad();
-        let l = encoder_loss(&m, &rows)?;
-        l.backward()?;
-        opt.step()?;
-        m.realize_state()?;
-        out.push(l.item::<f32>()? as f64);
-    }
-    Ok(out)
-}
-
-/// The largest relative difference between two loss curves.
-fn max_rel(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs()).fold(0.0, f64::max)
+    super::scale::one_device_losses(device, batch, steps, encoder, adamw, encoder_loss)
 }
 
 /// The gradient count of the encoder (what one all-reduce moves).

@@ -8,6 +8,7 @@ mod dist;
 mod embed;
 mod gpu;
 mod llm;
+mod scale;
 mod train;
 
 use anyhow::{bail, Context};
@@ -23,7 +24,8 @@ pub struct BenchArgs {
     /// PyTorch on the same device, or llm (SmolLM2-135M prefill and decode, against
     /// llama.cpp on the CPU and PyTorch on a GPU), or dist (data-parallel
     /// training's pieces: staging copies, host all-reduce, encoder steps over
-    /// two devices of one adapter and, under mpirun, over MPI ranks).
+    /// two devices of one adapter and, under mpirun, over MPI ranks), or scale
+    /// (data-parallel training on 1, 2, 4, 8 GPUs against PyTorch DDP).
     #[arg(long, default_value = "cpu")]
     pub(crate) suite: String,
     /// Device: for the gpu suite the best hardware GPU by default (`gpu:N` picks
@@ -46,7 +48,7 @@ pub struct BenchArgs {
     pub(crate) no_peer: bool,
     /// Also draw the speedups as a PNG bar chart (red bars miss their target).
     #[arg(long)]
-    plot: Option<std::path::PathBuf>,
+    pub(crate) plot: Option<std::path::PathBuf>,
 }
 
 /// One benchmark result.
@@ -110,13 +112,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.suite == "dist" {
         return dist::run(&args);
     }
+    if args.suite == "scale" {
+        return scale::run(&args);
+    }
     let embed_suite = args.suite == "embed";
     let llm_suite = args.suite == "llm";
     let (gpu_suite, train_suite) = match args.suite.as_str() {
         "cpu" => (false, false),
         "gpu" => (true, false),
         "train" | "embed" | "llm" => (false, true),
-        s => bail!("unknown suite {s:?}: expected cpu, gpu, train, embed, llm or dist"),
+        s => bail!("unknown suite {s:?}: expected cpu, gpu, train, embed, llm, dist or scale"),
     };
     let all = if llm_suite {
         llm::CASES

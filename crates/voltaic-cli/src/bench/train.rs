@@ -28,7 +28,7 @@ pub const CASES: &[&str] = &[
     "encoder_bf16",
 ];
 
-const TORCH_PEER: &str = include_str!("train_peer.py");
+pub(super) const TORCH_PEER: &str = include_str!("train_peer.py");
 const EPOCH_PEER: &str = include_str!("epoch_peer.py");
 
 /// A Python with PyTorch: `python3`, else Debian's `/usr/bin/python3` (whose

@@ -4,15 +4,8 @@
 import json, sys, time
 import torch
 
-cases = sys.argv[1].split(",")
-runs = int(sys.argv[2])
-device = sys.argv[3]
-dev = torch.device("cuda" if device.startswith("gpu") else "cpu")
-if dev.type == "cpu":
-    torch.set_num_threads(int(sys.argv[4]))
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
-torch.manual_seed(0)
+# The models are also imported by the scaling suite's DDP peer (scale_peer.py).
+dev = torch.device("cpu")
 
 
 def sync():
@@ -83,24 +76,35 @@ def step_fn(c):
     return step
 
 
-for c in cases:
-    step = step_fn(c)
+if __name__ == "__main__":
+    cases = sys.argv[1].split(",")
+    runs = int(sys.argv[2])
+    device = sys.argv[3]
+    dev = torch.device("cuda" if device.startswith("gpu") else "cpu")
+    if dev.type == "cpu":
+        torch.set_num_threads(int(sys.argv[4]))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
 
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.5 or n < 3:
-        step()
-        n += 1
-    sync()
-    per = (time.perf_counter() - t0) / n
-    reps = max(1, min(200, int(0.3 / per)))
-    ts = []
-    for _ in range(max(runs, 1)):
-        s = time.perf_counter()
-        for _ in range(reps):
+    for c in cases:
+        step = step_fn(c)
+
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.5 or n < 3:
             step()
+            n += 1
         sync()
-        ts.append((time.perf_counter() - s) * 1e3 / reps)
-    ts.sort()
-    print(json.dumps({"name": c, "ms": ts[len(ts) // 2]}), flush=True)
+        per = (time.perf_counter() - t0) / n
+        reps = max(1, min(200, int(0.3 / per)))
+        ts = []
+        for _ in range(max(runs, 1)):
+            s = time.perf_counter()
+            for _ in range(reps):
+                step()
+            sync()
+            ts.append((time.perf_counter() - s) * 1e3 / reps)
+        ts.sort()
+        print(json.dumps({"name": c, "ms": ts[len(ts) // 2]}), flush=True)
 
-print(json.dumps({"peer": f"torch {torch.__version__} ({dev.type})"}), flush=True)
+    print(json.dumps({"peer": f"torch {torch.__version__} ({dev.type})"}), flush=True)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Scaling over the GPUs of a multi-GPU machine (issue 21), everything under
+# $OUT. Pack as scripts/device_dist.sh says (a voltaic built with
+# --features mpi, Open MPI's Debian packages in .mpi/, Fashion-MNIST), then
+# call with carry [".gl", ".bin", ".mpi"] on a kind with several GPUs:
+#   bash scripts/device_scale.sh [bench,epochs]
+set -uo pipefail
+source .gl/env.sh
+export RUST_BACKTRACE=1 VOLTAIC_FASHION_MNIST=$PWD/.bin/data
+# NVLink multicast stays off on shared hosts (KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+for f in .bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+chmod +x .bin/voltaic
+source scripts/device_mpi_env.sh
+export VOLTAIC_MPIRUN="$MPIRUN_BASE"
+what="${1:-bench,epochs}"
+V=.bin/voltaic
+$V devices > "$OUT/devices.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total,pci.bus_id --format=csv > "$OUT/nvidia.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/nvidia.txt" 2>&1
+python3 -c "import torch; print(torch.__version__, torch.cuda.device_count())" >> "$OUT/nvidia.txt" 2>&1
+nproc >> "$OUT/nvidia.txt"
+G=$(nvidia-smi -L | wc -l)
+if [[ "$what" == *bench* ]]; then
+    # The encoder and the CNN on 1, 2, 4, 8 GPUs: device group, MPI ranks, PyTorch DDP.
+    $V bench --suite scale --json --runs 5 --plot "$OUT/scale.png" > "$OUT/scale.jsonl" 2> "$OUT/scale.err"
+    cat "$OUT/scale.jsonl"; tail -n 5 "$OUT/scale.err"
+fi
+if [[ "$what" == *epochs* ]]; then
+    # Whole epochs of `voltaic train` at 256 images per GPU (the data through
+    # the host loader everywhere, as the parallel paths take it).
+    common="train --model cnn --epochs 2 --quiet --json"
+    $V $common --batch-size 256 --device gpu:0 --data-on-device no --out /tmp/e1 >> "$OUT/epochs.jsonl" 2>> "$OUT/epochs.err"
+    for n in 2 4 8; do
+        [ $n -le $G ] || continue
+        list=$(seq -s, -f "gpu:%g" 0 $((n - 1)))
+        $V $common --batch-size $((256 * n)) --devices $list --out /tmp/e$n >> "$OUT/epochs.jsonl" 2>> "$OUT/epochs.err"
+        $MPIRUN_BASE -np $n $V $common --batch-size $((256 * n)) --distributed --device gpu --out /tmp/m$n >> "$OUT/epochs.jsonl" 2>> "$OUT/epochs.err"
+    done
+    cat "$OUT/epochs.jsonl" | cut -c1-400
+fi
+(cd "$OUT" && tar czf /tmp/voltaic-out.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/voltaic-out.tgz "$OUT/all.tgz")
