@@ -39,4 +39,15 @@ if [[ "$what" == *epochs* ]]; then
     done
     cat "$OUT/epochs.jsonl" | cut -c1-400
 fi
+if [[ "$what" == *mca* ]]; then
+    # Open MPI's all-reduce of the encoder's 90 MB between 2 and 4 ranks
+    # under a few shared-memory settings.
+    for n in 2 4; do
+        for mca in "" "--mca btl_vader_single_copy_mechanism cma" "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4"; do
+            echo "np $n mca [$mca]" >> "$OUT/mca.txt"
+            $MPIRUN_BASE -np $n $mca $V bench --suite dist --filter allreduce --json --runs 5 >> "$OUT/mca.txt" 2>&1
+        done
+    done
+    cat "$OUT/mca.txt" | cut -c1-300
+fi
 (cd "$OUT" && tar czf /tmp/voltaic-out.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/voltaic-out.tgz "$OUT/all.tgz")

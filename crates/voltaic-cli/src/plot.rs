@@ -21,11 +21,12 @@ pub struct Panel {
     pub series: Vec<Series>,
 }
 
-const COLORS: [RGBColor; 4] = [
+const COLORS: [RGBColor; 5] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
     RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
 ];
 
 fn fonts() {

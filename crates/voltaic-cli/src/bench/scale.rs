@@ -8,6 +8,9 @@
 //! - `scale_{encoder,cnn}_g1`: one GPU, no data parallelism (the baseline
 //!   both libraries' efficiencies are measured against);
 //! - `scale_{encoder,cnn}_gN`: an in-process device group of N GPUs;
+//! - `scale_{encoder,cnn}_indepN`: N threads each training a model of its
+//!   own on its own GPU, with no gradient exchange: the bound an in-process
+//!   group could reach;
 //! - `scale_{encoder,cnn}_mpiN`: N MPI ranks, one GPU each (the suite
 //!   starts `mpirun -np N` itself when the binary has the `mpi` feature and
 //!   `VOLTAIC_MPIRUN`, default `mpirun`, runs).
@@ -65,12 +68,88 @@ type Measured = (f64, String);
 /// or an MPI collective: data-parallel steps).
 fn measure(model: &str, devices: &[Device], comms: Vec<Arc<dyn Collective>>, runs: usize) -> anyhow::Result<Measured> {
     if model == "encoder" {
-        let opt = |m: &Encoder| -> Box<dyn Optimizer + Send> { Box::new(Adam::adamw(m.parameters(), 1e-4)) };
-        time_model(model, devices, comms, runs, encoder, opt, encoder_loss)
+        time_model(model, devices, comms, runs, encoder, encoder_opt, encoder_loss)
     } else {
-        let opt = |m: &Sequential| -> Box<dyn Optimizer + Send> { Box::new(Adam::new(m.parameters(), 1e-3)) };
-        time_model(model, devices, comms, runs, voltaic::models::classifier::cnn, opt, cnn_loss)
+        time_model(model, devices, comms, runs, voltaic::models::classifier::cnn, cnn_opt, cnn_loss)
     }
+}
+
+fn encoder_opt(m: &Encoder) -> Box<dyn Optimizer + Send> {
+    Box::new(Adam::adamw(m.parameters(), 1e-4))
+}
+
+fn cnn_opt(m: &Sequential) -> Box<dyn Optimizer + Send> {
+    Box::new(Adam::new(m.parameters(), 1e-3))
+}
+
+/// The `indepN` rows: `model` trained on each of `devices` by a thread of
+/// its own, all at once and with no gradient exchange. What an in-process
+/// group could reach at best: where this falls short of one device's rate,
+/// the replicas slow each other down on the host (locks, memory), not in
+/// the all-reduce.
+fn independent(model: &str, devices: &[Device], runs: usize) -> anyhow::Result<Measured> {
+    if model == "encoder" {
+        time_independent(model, devices, runs, encoder, encoder_opt, encoder_loss)
+    } else {
+        time_independent(model, devices, runs, voltaic::models::classifier::cnn, cnn_opt, cnn_loss)
+    }
+}
+
+fn time_independent<M: Module>(
+    model: &str,
+    devices: &[Device],
+    runs: usize,
+    build: impl Fn(Device) -> voltaic::Result<M> + Sync,
+    optimizer: impl Fn(&M) -> Box<dyn Optimizer + Send> + Sync,
+    loss: impl Fn(&M, &[Tensor]) -> voltaic::Result<Tensor> + Sync,
+) -> anyhow::Result<Measured> {
+    let per = per_gpu(model);
+    let rows = batch(model, per)?;
+    let reps = if model == "encoder" { 5 } else { 50 };
+    let barrier = std::sync::Barrier::new(devices.len());
+    let per_thread: Vec<Vec<f64>> = std::thread::scope(|s| {
+        let jobs: Vec<_> = devices
+            .iter()
+            .map(|&device| {
+                let (rows, barrier, build, optimizer, loss) = (&rows, &barrier, &build, &optimizer, &loss);
+                s.spawn(move || -> anyhow::Result<Vec<f64>> {
+                    let m = build(device)?;
+                    let mut opt = optimizer(&m);
+                    let mut step = || -> anyhow::Result<()> {
+                        let rows: Vec<Tensor> = rows.iter().map(|t| t.to_device(device)).collect::<voltaic::Result<_>>()?;
+                        opt.zero_grad();
+                        loss(&m, &rows)?.backward()?;
+                        opt.step()?;
+                        m.realize_state()?;
+                        Ok(())
+                    };
+                    for _ in 0..reps {
+                        step()?;
+                    }
+                    device.synchronize()?;
+                    voltaic::backend::finish_tuning();
+                    let mut ts = vec![];
+                    for _ in 0..runs.max(1) {
+                        barrier.wait();
+                        let t = std::time::Instant::now();
+                        for _ in 0..reps {
+                            step()?;
+                        }
+                        device.synchronize()?;
+                        ts.push(t.elapsed().as_secs_f64() * 1e3 / reps as f64);
+                    }
+                    Ok(ts)
+                })
+            })
+            .collect();
+        jobs.into_iter().map(|j| j.join().map_err(|_| anyhow::anyhow!("a thread panicked"))?).collect::<anyhow::Result<Vec<_>>>()
+    })?;
+    // Each run lasts as long as its slowest thread.
+    let mut slowest: Vec<f64> = (0..runs.max(1)).map(|r| per_thread.iter().map(|t| t[r]).fold(0.0, f64::max)).collect();
+    slowest.sort_by(|a, b| a.total_cmp(b));
+    let ms = slowest[slowest.len() / 2];
+    let n = devices.len();
+    Ok((ms, format!("{:.0} samples/s: {n} threads each training its own model on its own device (batch {per}), no gradient exchange", (per * n) as f64 / (ms / 1e3))))
 }
 
 /// Losses of `steps` optimizer steps of one device on the whole `rows`.
@@ -215,6 +294,11 @@ pub fn run(args: &super::BenchArgs) -> anyhow::Result<()> {
             let m = measure(model, group.devices(), LocalGroup::ranks(n), args.runs).with_context(|| format!("benchmark {name}"))?;
             rows.push((name, n, m));
         }
+        for &n in ns.iter().filter(|&&n| n > 1) {
+            let name = format!("scale_{model}_indep{n}");
+            let group = voltaic::distributed::DeviceGroup::new(&devs[..n])?;
+            rows.push((name.clone(), n, independent(model, group.devices(), args.runs).with_context(|| format!("benchmark {name}"))?));
+        }
         for &n in ns.iter().filter(|&&n| n > 1 && !replicas) {
             let name = format!("scale_{model}_mpi{n}");
             match mpi_row(model, n, args.runs) {
@@ -324,15 +408,23 @@ fn report(args: &super::BenchArgs, rows: &[(String, usize, Measured)], peer: &Ha
             let peer_name = format!("scale_{model}_g{n}");
             let peer_ms = theirs(&peer_name);
             let peer_eff = peer_ms.and_then(|p| eff(p, base(model, &theirs)));
-            let engine = if name.contains("_mpi") { "Voltaic, MPI ranks" } else { "Voltaic, device group" };
+            let engine = if name.contains("_mpi") {
+                "Voltaic, MPI ranks"
+            } else if name.contains("_indep") {
+                "Voltaic, no exchange (bound)"
+            } else {
+                "Voltaic, device group"
+            };
             if let Some(e) = ours_eff {
                 series.entry(engine).or_default().push((*n as f64, e));
-                let has_mpi = rows.iter().any(|r| r.0.starts_with(&format!("scale_{model}_mpi")));
-                if *n == 1 && has_mpi {
-                    series.entry("Voltaic, MPI ranks").or_default().push((1.0, e));
+                // One GPU is every engine's first point.
+                for (kind, label) in [("mpi", "Voltaic, MPI ranks"), ("indep", "Voltaic, no exchange (bound)")] {
+                    if *n == 1 && rows.iter().any(|r| r.0.starts_with(&format!("scale_{model}_{kind}"))) {
+                        series.entry(label).or_default().push((1.0, e));
+                    }
                 }
             }
-            if let (Some(e), false) = (peer_eff, name.contains("_mpi")) {
+            if let (Some(e), true) = (peer_eff, name.contains("_g")) {
                 series.entry("PyTorch DDP (NCCL)").or_default().push((*n as f64, e));
             }
             let sps = |ms: f64| *n as f64 * per / (ms / 1e3);

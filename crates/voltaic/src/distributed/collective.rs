@@ -154,6 +154,21 @@ impl LocalGroup {
     }
 }
 
+/// Apply `f(offset, chunk)` to chunks of `out`, on the CPU's threads when
+/// `out` is large: a gradient bucket of tens of MB summed on one thread is
+/// the longest part of the exchange, and the host has memory bandwidth to
+/// spare for several.
+fn par_chunks(out: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+    const CHUNK: usize = 1 << 18;
+    #[cfg(not(target_arch = "wasm32"))]
+    if out.len() > 2 * CHUNK {
+        use rayon::prelude::*;
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, c)| f(i * CHUNK, c));
+        return;
+    }
+    f(0, out);
+}
+
 /// Marks a handle busy for one collective.
 struct Busy<'a>(&'a std::sync::atomic::AtomicBool);
 
@@ -210,19 +225,22 @@ impl Collective for LocalGroup {
         let (lo, hi) = share(self.rank);
         let mut part = self.part.lock().unwrap_or_else(|e| e.into_inner());
         part.clear();
-        for (q, v) in all.iter().enumerate() {
-            // SAFETY: rank q's `data` is alive and unchanged until rank q
-            // passes the next exchange, which needs this rank's arrival,
-            // that is, the end of these reads; its length was checked above.
-            let theirs = unsafe { std::slice::from_raw_parts(v[0] as *const f32, len) };
-            if q == 0 {
-                part.extend_from_slice(&theirs[lo..hi]);
-            } else {
-                for (p, x) in part.iter_mut().zip(&theirs[lo..hi]) {
+        part.resize(hi - lo, 0.0);
+        // SAFETY: rank q's `data` is alive and unchanged until rank q
+        // passes the next exchange, which needs this rank's arrival, that
+        // is, the end of these reads; its length was checked above.
+        let theirs: Vec<&[f32]> = all.iter().map(|v| unsafe { &std::slice::from_raw_parts(v[0] as *const f32, len)[lo..hi] }).collect();
+        // Summed in rank order whatever the split, so every rank's bits agree.
+        let sum_into = |at: usize, out: &mut [f32]| {
+            let n = out.len();
+            out.copy_from_slice(&theirs[0][at..at + n]);
+            for t in &theirs[1..] {
+                for (p, x) in out.iter_mut().zip(&t[at..at + n]) {
                     *p += x;
                 }
             }
-        }
+        };
+        par_chunks(&mut part, &sum_into);
         // Every rank passed the first exchange, so every rank reaches this
         // one: it waits for all of them even if the group fails meanwhile,
         // because until they arrive they may be reading this rank's `data`.
@@ -234,7 +252,7 @@ impl Collective for LocalGroup {
             // passes the last (strict) exchange below, which needs this
             // rank's arrival after this copy.
             let theirs = unsafe { std::slice::from_raw_parts(v[0] as *const f32, qhi - qlo) };
-            data[qlo..qhi].copy_from_slice(theirs);
+            par_chunks(&mut data[qlo..qhi], &|at, out: &mut [f32]| out.copy_from_slice(&theirs[at..at + out.len()]));
         }
         drop(part);
         self.exchange_as("all_reduce", Vec::new(), true)?;
@@ -305,6 +323,29 @@ mod tests {
                 assert_eq!(v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
             }
         }
+    }
+
+    #[test]
+    fn a_large_all_reduce_split_over_threads_keeps_the_rank_order_sum() {
+        // Over a million values per share: summed in chunks on the CPU's threads.
+        let (n, len) = (3, 3_000_017);
+        let value = |r: usize, i: usize| ((i * 31 + r * 17) % 1013) as f32 * 1e-3 + (r as f32) * 1e-7;
+        let h = LocalGroup::ranks(n);
+        let out = on_threads(&h, |c| {
+            let mut v: Vec<f32> = (0..len).map(|i| value(c.rank(), i)).collect();
+            c.all_reduce_sum(&mut v).unwrap();
+            v
+        });
+        for v in &out {
+            for i in (0..len).step_by(997).chain([len - 1]) {
+                let mut want = 0f32;
+                for r in 0..n {
+                    want += value(r, i);
+                }
+                assert_eq!(v[i].to_bits(), want.to_bits(), "element {i}");
+            }
+        }
+        assert!(out.iter().all(|v| v == &out[0]));
     }
 
     #[test]

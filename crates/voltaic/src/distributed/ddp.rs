@@ -283,12 +283,18 @@ fn flat_f32(ts: &[Tensor]) -> Result<Tensor> {
 
 /// Group consecutive items of `sizes` (bytes) into buckets: the first of
 /// at least `first` bytes, the rest of at least `rest` (an item is never
-/// split). Indices into `sizes`.
+/// split), except that an item of `rest` bytes or more closes the bucket
+/// before it and travels alone: a large last tensor (a word embedding)
+/// then does not hold back the smaller ones before it. Indices into `sizes`.
 fn buckets(sizes: impl Iterator<Item = usize>, first: usize, rest: usize) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut cur = Vec::new();
     let mut bytes = 0;
     for (i, s) in sizes.enumerate() {
+        if s >= rest && !cur.is_empty() {
+            out.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
         cur.push(i);
         bytes += s;
         let cap = if out.is_empty() { first } else { rest };
@@ -309,8 +315,11 @@ mod tests {
 
     #[test]
     fn buckets_start_small_and_never_split_a_tensor() {
-        let b = buckets([10, 10, 10, 50, 5, 5, 5].into_iter(), 15, 40);
+        let b = buckets([10, 10, 10, 30, 5, 5, 5].into_iter(), 15, 40);
         assert_eq!(b, vec![vec![0, 1], vec![2, 3], vec![4, 5, 6]]);
+        // A large item travels alone.
+        let b = buckets([10, 10, 10, 50, 5, 5, 5, 60].into_iter(), 15, 40);
+        assert_eq!(b, vec![vec![0, 1], vec![2], vec![3], vec![4, 5, 6], vec![7]]);
         assert!(buckets(std::iter::empty(), 1, 1).is_empty());
     }
 }

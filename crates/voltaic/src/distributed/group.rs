@@ -1,8 +1,9 @@
 //! Several devices in one process: a [`DeviceGroup`], and [`DataParallel`]
-//! training over it (one host thread per device).
+//! training over it (one long-lived host thread per device).
 
 use super::collective::{Collective, LocalGroup};
 use super::ddp::{DistributedDataParallel, SyncStats};
+use super::workers::Workers;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::Module;
@@ -115,6 +116,8 @@ pub struct DataParallel<M> {
     optimizers: Vec<Box<dyn Optimizer + Send>>,
     devices: Vec<Device>,
     failed: Option<String>,
+    /// One long-lived thread per replica.
+    workers: Workers,
 }
 
 impl<M: Module> DataParallel<M> {
@@ -147,12 +150,14 @@ impl<M: Module> DataParallel<M> {
             });
         }
         let modules: Vec<M> = devices.iter().map(|&d| build(d)).collect::<Result<_>>()?;
-        let replicas: Vec<DistributedDataParallel<M>> = on_threads(modules.into_iter().zip(comms).map(|(m, c)| {
+        let workers = Workers::new(devices.len())
+            .map_err(|e| Error::Distributed { op: "DataParallel::with_collectives", msg: format!("starting a thread per replica: {e}") })?;
+        let replicas: Vec<DistributedDataParallel<M>> = on_threads(&workers, modules.into_iter().zip(comms).map(|(m, c)| {
             let abort = c.clone();
             (abort, move || DistributedDataParallel::new(m, c))
         }))?;
         let optimizers = replicas.iter().map(|r| optimizer(r.module())).collect();
-        Ok(DataParallel { replicas, optimizers, devices: devices.to_vec(), failed: None })
+        Ok(DataParallel { replicas, optimizers, devices: devices.to_vec(), failed: None, workers })
     }
 
     /// The first replica's module (every replica holds the same values).
@@ -247,7 +252,7 @@ impl<M: Module> DataParallel<M> {
                 Ok(value)
             })
         });
-        match on_threads(jobs) {
+        match on_threads(&self.workers, jobs) {
             Ok(values) => Ok(values[0]),
             Err(e) => {
                 self.failed = Some(e.to_string());
@@ -257,31 +262,33 @@ impl<M: Module> DataParallel<M> {
     }
 }
 
-/// Run each job on its own thread; when one fails (or panics) its
+/// Run each job on its replica's thread; when one fails (or panics) its
 /// collective is aborted so the others stop waiting. The first root cause
 /// is returned (an error of the failing replica, not the others' "replica
 /// N failed").
-fn on_threads<T: Send, F: FnOnce() -> Result<T> + Send>(jobs: impl Iterator<Item = (Arc<dyn Collective>, F)>) -> Result<Vec<T>> {
-    let results: Vec<Result<T>> = std::thread::scope(|s| {
-        let handles: Vec<_> = jobs
-            .map(|(comm, job)| {
-                s.spawn(move || {
-                    let out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
-                        Ok(r) => r,
-                        Err(p) => {
-                            let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
-                            Err(Error::Distributed { op: "DataParallel", msg: format!("replica {} panicked: {what}", comm.rank()) })
-                        }
-                    };
-                    if let Err(e) = &out {
-                        comm.abort(&e.to_string());
+fn on_threads<'a, T: Send + 'a, F: FnOnce() -> Result<T> + Send + 'a>(workers: &Workers, jobs: impl Iterator<Item = (Arc<dyn Collective>, F)>) -> Result<Vec<T>> {
+    let jobs: Vec<Box<dyn FnOnce() -> Result<T> + Send + 'a>> = jobs
+        .map(|(comm, job)| {
+            Box::new(move || {
+                let out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
+                    Ok(r) => r,
+                    Err(p) => {
+                        let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+                        Err(Error::Distributed { op: "DataParallel", msg: format!("replica {} panicked: {what}", comm.rank()) })
                     }
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Distributed { op: "DataParallel", msg: "a replica thread died".into() }))).collect()
-    });
+                };
+                if let Err(e) = &out {
+                    comm.abort(&e.to_string());
+                }
+                out
+            }) as Box<dyn FnOnce() -> Result<T> + Send + 'a>
+        })
+        .collect();
+    let results: Vec<Result<T>> = workers
+        .run(jobs)
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|_| Err(Error::Distributed { op: "DataParallel", msg: "a replica thread died".into() })))
+        .collect();
     let mut first_any = None;
     let mut out = Vec::with_capacity(results.len());
     for r in results {

@@ -26,6 +26,7 @@ mod ddp;
 mod group;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod workers;
 
 pub use collective::{Collective, LocalGroup};
 pub use ddp::{DistributedDataParallel, SyncStats};
