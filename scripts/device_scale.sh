@@ -26,6 +26,16 @@ if [[ "$what" == *bench* ]]; then
     $V bench --suite scale --json --runs 5 --plot "$OUT/scale.png" > "$OUT/scale.jsonl" 2> "$OUT/scale.err"
     cat "$OUT/scale.jsonl"; tail -n 5 "$OUT/scale.err"
 fi
+if [[ "$what" == *spin* ]]; then
+    # The encoder's rows again with reads that sleep in the driver at once
+    # instead of polling for 2 ms: do the replicas' polls slow each other?
+    VOLTAIC_SPIN_WAIT_US=0 $V bench --suite scale --filter encoder --no-peer --json --runs 5 > "$OUT/scale_nospin.jsonl" 2>> "$OUT/scale.err"
+    cut -c1-400 "$OUT/scale_nospin.jsonl"
+fi
+if [[ "$what" == *stage* ]]; then
+    $V bench --suite dist --filter stage --json --runs 7 > "$OUT/stage.jsonl" 2>> "$OUT/scale.err"
+    cut -c1-300 "$OUT/stage.jsonl"
+fi
 if [[ "$what" == *epochs* ]]; then
     # Whole epochs of `voltaic train` at 256 images per GPU (the data through
     # the host loader everywhere, as the parallel paths take it).

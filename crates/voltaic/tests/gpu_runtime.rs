@@ -250,3 +250,34 @@ fn work_past_32_bit_indices_is_refused_with_a_clear_error() {
     // The device keeps working.
     assert_eq!(Tensor::ones(&[5], DType::F32, g).unwrap().sum_all().unwrap().item::<f32>().unwrap(), 5.0);
 }
+
+/// Large uploads go through staging buffers that are kept mapped and
+/// reused: the values arrive, in order with the work around them, when the
+/// freed buffers of earlier uploads and kernels are handed out again.
+#[test]
+fn large_uploads_reuse_their_staging_and_stay_in_order() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (g, _) = gpu();
+    let n = (1 << 19) + 3; // 2 MiB and a bit: the staged path
+    let host = |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7 + k * 13) % 101) as f32 - 50.0).collect() };
+    let mut prev: Option<Tensor> = None;
+    for k in 0..6 {
+        let t = Tensor::from_vec(host(k), &[n], g).unwrap();
+        // Work on the new upload and on the previous one, queued together
+        // before anything is read; then a read of each.
+        let doubled = t.mul(2.0).unwrap();
+        let other = prev.as_ref().map(|p| p.add(&t).unwrap());
+        assert_eq!(doubled.to_vec::<f32>().unwrap(), host(k).iter().map(|x| x * 2.0).collect::<Vec<_>>(), "step {k}");
+        if let Some(o) = other {
+            let want: Vec<f32> = host(k - 1).iter().zip(&host(k)).map(|(a, b)| a + b).collect();
+            assert_eq!(o.to_vec::<f32>().unwrap(), want, "step {k}");
+        }
+        prev = Some(t);
+    }
+    // Several uploads with no read in between, then one read of their sum.
+    let hosts: Vec<Vec<f32>> = (0..4).map(|k| host(k + 10)).collect();
+    let parts: Vec<Tensor> = hosts.iter().map(|h| Tensor::from_vec(h.clone(), &[n], g).unwrap()).collect();
+    let sum = parts.iter().skip(1).fold(parts[0].clone(), |a, b| a.add(b).unwrap());
+    let want: Vec<f32> = (0..n).map(|i| hosts.iter().map(|h| h[i]).sum()).collect();
+    assert_eq!(sum.to_vec::<f32>().unwrap(), want);
+}

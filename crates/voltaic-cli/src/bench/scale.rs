@@ -22,7 +22,6 @@
 //! samples/s over N times the one-GPU row's samples/s; `--plot` draws it.
 
 use super::dist::{encoder, encoder_loss, Encoder};
-use super::gpu::gpu_median_ms;
 use super::median_ms;
 use anyhow::{bail, Context};
 use serde_json::json;
@@ -187,29 +186,19 @@ fn time_model<M: Module>(
     devices: &[Device],
     comms: Vec<Arc<dyn Collective>>,
     runs: usize,
-    build: impl Fn(Device) -> voltaic::Result<M> + Copy,
-    optimizer: impl Fn(&M) -> Box<dyn Optimizer + Send> + Copy,
+    build: impl Fn(Device) -> voltaic::Result<M> + Copy + Sync,
+    optimizer: impl Fn(&M) -> Box<dyn Optimizer + Send> + Copy + Sync,
     loss: impl Fn(&M, &[Tensor]) -> voltaic::Result<Tensor> + Sync + Copy,
 ) -> anyhow::Result<Measured> {
     let world = comms[0].world_size();
     let per = per_gpu(model);
     let global = batch(model, per * world)?;
     if world == 1 {
-        // The baseline: one device, no gradient synchronisation; the batch
-        // comes from the host every step, as it does for the replicas.
-        voltaic::manual_seed(0);
-        let device = devices[0];
-        let m = build(device)?;
-        let mut opt = optimizer(&m);
-        let ms = gpu_median_ms(device, runs, false, || {
-            let rows: Vec<Tensor> = global.iter().map(|t| t.to_device(device)).collect::<voltaic::Result<_>>()?;
-            opt.zero_grad();
-            loss(&m, &rows)?.backward()?;
-            opt.step()?;
-            m.realize_state()?;
-            Ok(())
-        })?;
-        return Ok((ms, format!("{:.0} samples/s on {device}, batch {per}", per as f64 / (ms / 1e3))));
+        // The baseline: one device, no gradient synchronisation, steps
+        // queued back to back as a training loop runs them (the batch comes
+        // from the host every step, as it does for the replicas).
+        let (ms, _) = time_independent(model, devices, runs, build, optimizer, loss)?;
+        return Ok((ms, format!("{:.0} samples/s on {}, batch {per}, steps queued back to back", per as f64 / (ms / 1e3), devices[0])));
     }
     // Three steps against one device on the same global batch (rank 0 computes it).
     let want = if comms[0].rank() == 0 { one_device_losses(devices[0], &global, 3, build, optimizer, loss)? } else { vec![] };

@@ -78,7 +78,19 @@ struct Pending {
     encoder: wgpu::CommandEncoder,
     pass: Option<wgpu::ComputePass<'static>>,
     dispatches: usize,
+    /// Upload staging buffers the recorded copies read: mapped again for
+    /// the next upload once this work is submitted (see `record_upload`).
+    uploads: Vec<wgpu::Buffer>,
 }
+
+impl Pending {
+    fn new(encoder: wgpu::CommandEncoder, pass: Option<wgpu::ComputePass<'static>>) -> Pending {
+        Pending { encoder, pass, dispatches: 0, uploads: Vec::new() }
+    }
+}
+
+/// Upload staging kept mapped for reuse, at most this many bytes.
+const KEPT_UPLOAD_BYTES: u64 = 256 << 20;
 
 impl Pending {
     fn finish(mut self) -> wgpu::CommandBuffer {
@@ -134,6 +146,9 @@ pub(crate) struct GpuContext {
     pub index_error: wgpu::Buffer,
     /// Mappable buffers kept for reading results back.
     pub staging: Mutex<Vec<wgpu::Buffer>>,
+    /// Upload staging buffers, mapped and ready to be written (see
+    /// `record_upload`).
+    pub upload_staging: Arc<Mutex<Vec<wgpu::Buffer>>>,
     /// Compiled kernels by signature (see `exec::compile`).
     pub compiled_kernels: Mutex<super::exec::KernelCache>,
     /// Matmul plans chosen by measurement.
@@ -240,6 +255,7 @@ impl GpuContext {
         Ok(GpuContext {
             compiled_kernels: Mutex::new(HashMap::new()),
             staging: Mutex::new(Vec::new()),
+            upload_staging: Arc::new(Mutex::new(Vec::new())),
             tuner: super::autotune::Tuner::new(&info),
             pipeline_cache_file,
             last_cache_save: Mutex::new(None),
@@ -402,13 +418,11 @@ impl GpuContext {
     /// last poll), when the batch is full, or when too much memory waits on it.
     pub(crate) fn encode_pending(&self, dispatches: usize, now: bool, encode: impl FnOnce(&mut wgpu::ComputePass<'static>)) -> Result<()> {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let p = pending.get_or_insert_with(|| {
-            // Before anything this work uses can be freed.
-            self.pool.lock().unwrap_or_else(|e| e.into_inner()).defer();
-            let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
-            let pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None }).forget_lifetime();
-            Pending { encoder, pass: Some(pass), dispatches: 0 }
-        });
+        let p = self.pending_or_new(&mut pending);
+        if p.pass.is_none() {
+            // Recorded copies ended the last pass.
+            p.pass = Some(p.encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None }).forget_lifetime());
+        }
         encode(p.pass.as_mut().expect("an open pass"));
         p.dispatches += dispatches;
         let full = p.dispatches >= batch_dispatches()
@@ -420,6 +434,64 @@ impl GpuContext {
             self.submit_locked(&mut pending, None)?;
         }
         Ok(())
+    }
+
+    /// The pending command buffer, begun if there is none.
+    fn pending_or_new<'a>(&self, pending: &'a mut Option<Pending>) -> &'a mut Pending {
+        pending.get_or_insert_with(|| {
+            // Before anything this work uses can be freed.
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).defer();
+            Pending::new(self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }), None)
+        })
+    }
+
+    /// Record a copy of `size` bytes from the upload staging buffer
+    /// `staging` (written and unmapped) into `dst`, in order with the
+    /// pending work, without submitting. Once submitted, `staging` is mapped
+    /// again and kept for the next upload: a large upload through
+    /// `queue.write_buffer` allocates and maps fresh staging memory every
+    /// time, which took most of the time of a data-parallel step's
+    /// gradient uploads.
+    pub(crate) fn record_upload(&self, staging: wgpu::Buffer, dst: &wgpu::Buffer, size: u64) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let p = self.pending_or_new(&mut pending);
+        // Copies go outside compute passes.
+        drop(p.pass.take());
+        p.encoder.copy_buffer_to_buffer(&staging, 0, dst, 0, size);
+        p.uploads.push(staging);
+    }
+
+    /// A mapped upload staging buffer of at least `size` bytes: the
+    /// smallest kept one that fits, or a new one.
+    pub(crate) fn take_upload_staging(&self, size: u64) -> wgpu::Buffer {
+        let mut kept = self.upload_staging.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = kept.iter().enumerate().filter(|(_, b)| b.size() >= size).min_by_key(|(_, b)| b.size()).map(|(i, _)| i) {
+            return kept.swap_remove(i);
+        }
+        drop(kept);
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("voltaic upload"),
+            size: super::pool::bucket(size),
+            usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: true,
+        })
+    }
+
+    /// Map submitted upload staging buffers again; each rejoins the kept
+    /// ones when its mapping completes (the copy that read it has finished).
+    fn recycle_uploads(&self, uploads: Vec<wgpu::Buffer>) {
+        for b in uploads {
+            let (kept, again) = (self.upload_staging.clone(), b.clone());
+            b.map_async(wgpu::MapMode::Write, .., move |r| {
+                if r.is_err() {
+                    return;
+                }
+                let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                if kept.iter().map(|k| k.size()).sum::<u64>() + again.size() <= KEPT_UPLOAD_BYTES {
+                    kept.push(again);
+                }
+            });
+        }
     }
 
     /// Submit the pending command buffer, if any.
@@ -437,11 +509,7 @@ impl GpuContext {
     /// and one submission.
     pub(crate) fn submit_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<wgpu::SubmissionIndex> {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let p = pending.get_or_insert_with(|| Pending {
-            encoder: self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }),
-            pass: None,
-            dispatches: 0,
-        });
+        let p = pending.get_or_insert_with(|| Pending::new(self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }), None));
         // Copies go after the compute pass, which must end first.
         drop(p.pass.take());
         record(&mut p.encoder);
@@ -457,12 +525,14 @@ impl GpuContext {
     }
 
     fn submit_locked(&self, pending: &mut Option<Pending>, cmd: Option<wgpu::CommandBuffer>) -> Result<wgpu::SubmissionIndex> {
+        let uploads = pending.as_mut().map(|p| std::mem::take(&mut p.uploads)).unwrap_or_default();
         let first = pending.take().map(Pending::finish);
         let had_pending = first.is_some();
         let idx = crate::profile::time(crate::profile::Phase::Submit, || self.queue.submit(first.into_iter().chain(cmd)));
         if had_pending {
             self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
         }
+        self.recycle_uploads(uploads);
         let finished = self.finished.clone();
         self.queue.on_submitted_work_done(move || {
             finished.fetch_add(1, Ordering::Release);

@@ -55,6 +55,27 @@ pub(crate) fn upload(ctx: &GpuContext, s: &CpuStorage) -> Result<GpuBuf> {
     check_dtype(&ctx.caps, s.dtype(), "to_device")?;
     let bytes = to_gpu_bytes(s);
     let buf = alloc(ctx, s.dtype(), s.len(), bytes.len() as u64)?;
+    let size = bytes.len() as u64;
+    // Large uploads go through staging buffers kept mapped between uploads
+    // (see `GpuContext::record_upload`); the browser maps asynchronously
+    // and keeps the queue's path.
+    if cfg!(not(target_arch = "wasm32")) && (STAGED_UPLOAD_MIN..=KEPT_STAGING).contains(&size) {
+        let (staging, err) = ctx.scoped(|| ctx.take_upload_staging(size));
+        if let Some(e) = err {
+            return Err(e);
+        }
+        staging
+            .slice(..size)
+            .get_mapped_range_mut()
+            .map_err(|e| Error::Backend(format!("gpu:{}: mapping an upload buffer failed: {e:?}", ctx.index)))?
+            .copy_from_slice(&bytes);
+        staging.unmap();
+        let ((), err) = ctx.scoped(|| ctx.record_upload(staging, buf.raw(), size));
+        if let Some(e) = err {
+            return Err(e);
+        }
+        return Ok(buf);
+    }
     if !bytes.is_empty() {
         let ((), err) = ctx.scoped(|| ctx.queue.write_buffer(buf.raw(), 0, &bytes));
         if let Some(e) = err {
@@ -264,10 +285,15 @@ impl Completion for GpuCompletion {
 /// a fresh mapping costs page faults on both sides).
 const KEPT_STAGING: u64 = 1 << 26;
 
+/// Uploads from this size on go through kept staging buffers.
+const STAGED_UPLOAD_MIN: u64 = 1 << 20;
+
 /// A mappable buffer of at least `size` bytes: a kept one when it fits.
 fn take_staging(ctx: &GpuContext, size: u64) -> wgpu::Buffer {
     let mut kept = ctx.staging.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(i) = kept.iter().position(|b| b.size() >= size) {
+    // The smallest that fits: a small read taking the largest kept buffer
+    // would make the next large one allocate (and map) a new one.
+    if let Some(i) = kept.iter().enumerate().filter(|(_, b)| b.size() >= size).min_by_key(|(_, b)| b.size()).map(|(i, _)| i) {
         return kept.swap_remove(i);
     }
     drop(kept);
