@@ -36,6 +36,20 @@ if [[ "$what" == *stage* ]]; then
     $V bench --suite dist --filter stage --json --runs 7 > "$OUT/stage.jsonl" 2>> "$OUT/scale.err"
     cut -c1-300 "$OUT/stage.jsonl"
 fi
+if [[ "$what" == *profile* ]]; then
+    # Host phases and per-realization lines of the encoder's data-parallel
+    # step (examples/ddp_profile.rs, packed as .bin/ddp_profile).
+    chmod +x .bin/ddp_profile
+    list=$(seq -s, -f "gpu:%g" 0 $((G - 1)))
+    VOLTAIC_PROFILE=1 .bin/ddp_profile $list minilm > "$OUT/ddp_profile.txt" 2> "$OUT/ddp_profile.err"
+    cat "$OUT/ddp_profile.txt"
+fi
+if [[ "$what" == *amp* ]]; then
+    # Issue 19's rows on gpu:0, PyTorch in the same call.
+    $V bench --suite gpu --filter matmul_bf16 --json > "$OUT/amp.jsonl" 2> "$OUT/amp.err"
+    $V bench --suite train --filter encoder --json >> "$OUT/amp.jsonl" 2>> "$OUT/amp.err"
+    cut -c1-420 "$OUT/amp.jsonl"
+fi
 if [[ "$what" == *epochs* ]]; then
     # Whole epochs of `voltaic train` at 256 images per GPU (the data through
     # the host loader everywhere, as the parallel paths take it).

@@ -1,21 +1,23 @@
 //! Kernels, realizations and host time per data-parallel step against a
 //! plain step of the same model: where the gradient exchange costs.
 //!
-//! `cargo run --release -p voltaic --example ddp_profile -- gpu:0 [replicas]`
+//! `cargo run --release -p voltaic --example ddp_profile -- gpu:0,gpu:0 [small|minilm]`
+//! (with `VOLTAIC_PROFILE=1`, a line per realization too).
 use voltaic::distributed::{DataParallel, DeviceGroup};
 use voltaic::models::bert::{BertConfig, BertModel};
 use voltaic::nn::Module;
 use voltaic::optim::{Adam, Optimizer};
 use voltaic::{DType, Device, Tensor};
 
-fn config() -> BertConfig {
+fn config(minilm: bool) -> BertConfig {
+    let (vocab, d, layers, heads, ff) = if minilm { (30522, 384, 6, 12, 1536) } else { (1000, 64, 2, 4, 128) };
     BertConfig {
-        vocab_size: 1000,
-        hidden_size: 64,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        intermediate_size: 128,
-        max_position_embeddings: 64,
+        vocab_size: vocab,
+        hidden_size: d,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        intermediate_size: ff,
+        max_position_embeddings: 512,
         type_vocab_size: 2,
         layer_norm_eps: 1e-12,
         hidden_act: "gelu".into(),
@@ -28,51 +30,74 @@ fn loss(m: &BertModel, rows: &[Tensor]) -> voltaic::Result<Tensor> {
 
 fn main() -> voltaic::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let device = Device::parse(args.get(1).map(String::as_str).unwrap_or("cpu"))?;
-    let replicas: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let (b, t) = (4 * replicas, 16);
-    let ids = Tensor::rand(&[b, t], DType::F32, Device::Cpu)?.mul(1000.0)?.floor()?.to_dtype(DType::I32)?;
-    let mask = Tensor::ones(&[b, t], DType::I32, Device::Cpu)?;
+    let devices: Vec<Device> = args.get(1).map(String::as_str).unwrap_or("cpu,cpu").split(',').map(Device::parse).collect::<voltaic::Result<_>>()?;
+    let minilm = args.get(2).is_some_and(|s| s == "minilm");
+    let cfg = || config(minilm);
+    let (per, t) = if minilm { (32, 128) } else { (4, 16) };
+    let vocab = cfg().vocab_size as f64;
+    let batch = |n: usize| -> voltaic::Result<[Tensor; 2]> {
+        let ids = Tensor::rand(&[n, t], DType::F32, Device::Cpu)?.mul(vocab)?.floor()?.to_dtype(DType::I32)?;
+        Ok([ids, Tensor::ones(&[n, t], DType::I32, Device::Cpu)?])
+    };
     let measure = |what: &str, devices: &[Device], step: &mut dyn FnMut() -> voltaic::Result<()>| -> voltaic::Result<()> {
         for _ in 0..5 {
             step()?;
         }
+        voltaic::backend::finish_tuning();
+        let mut distinct = devices.to_vec();
+        distinct.dedup();
         let stats = |d: &Device| d.stats().map(|s| s.dispatches).unwrap_or(0);
-        let d0: u64 = devices.iter().map(stats).sum();
+        let d0: u64 = distinct.iter().map(stats).sum();
         let h0 = voltaic::host_profile();
         let t0 = std::time::Instant::now();
         let n = 5;
         for _ in 0..n {
             step()?;
         }
-        for d in devices {
+        for d in &distinct {
             d.synchronize()?;
         }
         let ms = t0.elapsed().as_secs_f64() * 1e3 / n as f64;
         let h = voltaic::host_profile().since(&h0);
-        let d1: u64 = devices.iter().map(stats).sum();
-        println!("{what:<28} {ms:>8.1} ms/step  {:>6.1} dispatches/step  {:>5.1} realizations/step", (d1 - d0) as f64 / n as f64, h.realizations as f64 / n as f64);
+        let d1: u64 = distinct.iter().map(stats).sum();
+        let phases: Vec<String> = h.phases().iter().filter(|(_, us)| *us > 0.0).map(|(p, us)| format!("{p} {:.1}", us / 1e3 / n as f64)).collect();
+        println!(
+            "{what:<40} {ms:>8.1} ms/step  {:>6.0} dispatches/step  {:>4.1} realizations/step  host ms/step (all threads): {}",
+            (d1 - d0) as f64 / n as f64,
+            h.realizations as f64 / n as f64,
+            phases.join(", ")
+        );
         Ok(())
     };
     {
         voltaic::manual_seed(0);
-        let m = BertModel::new(config(), device)?;
+        let device = devices[0];
+        let m = BertModel::new(cfg(), device)?;
         let mut opt = Adam::adamw(m.parameters(), 1e-3);
-        let rows = [ids.to_device(device)?, mask.to_device(device)?];
-        measure("plain step, whole batch", &[device], &mut || {
+        let host = batch(per)?;
+        measure("plain step, one replica's batch", &[device], &mut || {
+            let rows = [host[0].to_device(device)?, host[1].to_device(device)?];
             opt.zero_grad();
             loss(&m, &rows)?.backward()?;
             opt.step()?;
             m.realize_state()
         })?;
     }
-    for (n, bucket) in [(1, 25 << 20), (replicas, 25 << 20), (replicas, 16 << 10)] {
-        let group = DeviceGroup::replicas(device, n)?;
-        let mut dp = DataParallel::new(&group, |d| BertModel::new(config(), d), |m| Box::new(Adam::adamw(m.parameters(), 1e-3)))?;
-        dp.set_bucket_bytes(bucket.min(1 << 20), bucket);
-        let devices: Vec<Device> = if device == Device::Cpu { vec![device] } else { group.devices().to_vec() };
-        measure(&format!("DataParallel, {n} replica(s), buckets of {} KiB", bucket >> 10), &devices, &mut || dp.step(&[&ids, &mask], loss).map(|_| ()))?;
-        println!("    last sync: {:?}", dp.last_sync()[0]);
+    for group in [&devices[..1], &devices[..]] {
+        let group = DeviceGroup::new(group)?;
+        let mut dp = DataParallel::new(&group, |d| BertModel::new(cfg(), d), |m| Box::new(Adam::adamw(m.parameters(), 1e-3)))?;
+        let host = batch(per * group.len())?;
+        let names: Vec<String> = group.devices().iter().map(|d| d.to_string()).collect();
+        measure(&format!("DataParallel over {}", names.join(",")), group.devices(), &mut || dp.step(&[&host[0], &host[1]], loss).map(|_| ()))?;
+        let s = dp.last_sync()[0];
+        println!(
+            "    last sync of replica 0: {} buckets, {:.1} MB, {:.1} ms from backward to summed gradients, {:.1} ms all-reduce, {:.1} ms waiting for reads",
+            s.buckets,
+            s.bytes as f64 / 1e6,
+            s.total_seconds * 1e3,
+            s.reduce_seconds * 1e3,
+            s.read_seconds * 1e3
+        );
     }
     Ok(())
 }
