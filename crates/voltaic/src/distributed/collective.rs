@@ -159,6 +159,7 @@ impl LocalGroup {
 /// the longest part of the exchange, and the host has memory bandwidth to
 /// spare for several.
 fn par_chunks(out: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+    #[cfg(not(target_arch = "wasm32"))]
     const CHUNK: usize = 1 << 18;
     #[cfg(not(target_arch = "wasm32"))]
     if out.len() > 2 * CHUNK {
