@@ -25,6 +25,11 @@ fn local(list: &[String]) -> anyhow::Result<Replicas> {
     Ok(Replicas { devices: group.devices().to_vec(), comms: LocalGroup::ranks(group.len()) })
 }
 
+/// Whether this process was started by `mpirun` (Open MPI or MPICH).
+pub(crate) fn under_mpi() -> bool {
+    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
+}
+
 /// `--distributed`: this MPI rank and its device (`--device`, else the
 /// hardware GPU of its local rank, else the CPU).
 #[cfg(feature = "mpi")]

@@ -97,7 +97,7 @@ fn encoder_numel() -> anyhow::Result<usize> {
 /// Run the suite: rows as the other suites print them. Under `mpirun` (a
 /// build with `--features mpi`) only the `*_mpi` rows run, and rank 0 prints.
 pub fn run(args: &super::BenchArgs) -> anyhow::Result<()> {
-    let under_mpi = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some();
+    let under_mpi = crate::parallel::under_mpi();
     let cases: Vec<&str> = CASES
         .iter()
         .copied()

@@ -27,7 +27,7 @@ use anyhow::{bail, Context};
 use serde_json::json;
 use std::collections::HashMap;
 use std::sync::Arc;
-use voltaic::distributed::{Collective, DataParallel, LocalGroup};
+use voltaic::distributed::{Collective, DataParallel, DeviceGroup, LocalGroup};
 use voltaic::nn::{Forward, Module, Sequential};
 use voltaic::optim::{Adam, Optimizer};
 use voltaic::{DType, Device, Reduction, Tensor};
@@ -192,7 +192,6 @@ fn time_model<M: Module>(
 ) -> anyhow::Result<Measured> {
     let world = comms[0].world_size();
     let per = per_gpu(model);
-    let global = batch(model, per * world)?;
     if world == 1 {
         // The baseline: one device, no gradient synchronisation, steps
         // queued back to back as a training loop runs them (the batch comes
@@ -200,6 +199,7 @@ fn time_model<M: Module>(
         let (ms, _) = time_independent(model, devices, runs, build, optimizer, loss)?;
         return Ok((ms, format!("{:.0} samples/s on {}, batch {per}, steps queued back to back", per as f64 / (ms / 1e3), devices[0])));
     }
+    let global = batch(model, per * world)?;
     // Three steps against one device on the same global batch (rank 0 computes it).
     let want = if comms[0].rank() == 0 { one_device_losses(devices[0], &global, 3, build, optimizer, loss)? } else { vec![] };
     voltaic::manual_seed(0);
@@ -237,28 +237,21 @@ fn time_model<M: Module>(
     ))
 }
 
-/// The GPUs the suite spreads over: every hardware GPU, or with `--device`
-/// replicas of that one device (a software adapter or the CPU included),
-/// so that the suite can be tried on a machine with one adapter.
-fn devices(args: &super::BenchArgs) -> anyhow::Result<(Vec<Device>, bool)> {
-    if let Some(d) = &args.device {
-        let d = Device::parse(d)?;
-        return Ok((vec![d; 2], true));
-    }
-    let gpus: Vec<Device> = voltaic::backend::adapters().iter().filter(|a| !a.is_software()).map(|a| Device::Gpu(a.index)).collect();
-    if gpus.is_empty() {
-        bail!("no hardware GPU found for the scale suite; pass --device gpu:N to try it with replicas of one adapter");
-    }
-    Ok((gpus, false))
-}
-
-/// 1, 2, 4 and 8, up to `n`.
-fn counts(n: usize) -> Vec<usize> {
-    [1, 2, 4, 8].into_iter().filter(|&c| c <= n).collect()
-}
-
-fn under_mpi() -> bool {
-    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
+/// The groups the suite runs on, one per GPU count (1, 2, 4, 8 up to what
+/// there is), each opened once: over every hardware GPU, or with
+/// `--device` over replicas of that one device (a software adapter or the
+/// CPU included), so that the suite can be tried on a machine with one
+/// adapter; and whether they are such replicas.
+fn groups(args: &super::BenchArgs) -> anyhow::Result<(Vec<DeviceGroup>, bool)> {
+    let (all, replicas) = match &args.device {
+        Some(d) => (DeviceGroup::replicas(Device::parse(d)?, 2)?, true),
+        None => (
+            DeviceGroup::gpus().context("the scale suite needs hardware GPUs; pass --device gpu:N to try it with replicas of one adapter")?,
+            false,
+        ),
+    };
+    let groups = [1, 2, 4, 8].into_iter().filter(|&n| n <= all.len()).map(|n| DeviceGroup::new(&all.devices()[..n])).collect::<voltaic::Result<_>>()?;
+    Ok((groups, replicas))
 }
 
 fn models(args: &super::BenchArgs) -> Vec<&'static str> {
@@ -268,24 +261,24 @@ fn models(args: &super::BenchArgs) -> Vec<&'static str> {
 /// Run the suite. Under `mpirun` this process is one rank: it measures the
 /// `mpiN` rows and rank 0 prints them as JSON lines.
 pub fn run(args: &super::BenchArgs) -> anyhow::Result<()> {
-    if under_mpi() {
+    if crate::parallel::under_mpi() {
         return run_rank(args);
     }
-    let (devs, replicas) = devices(args)?;
-    let ns = counts(devs.len());
+    let (groups, replicas) = groups(args)?;
+    let ns: Vec<usize> = groups.iter().map(DeviceGroup::len).collect();
     let models = models(args);
     let peer = if args.no_peer || replicas { HashMap::new() } else { torch_ddp(&models, &ns, args.runs).context("running the PyTorch DDP peer")? };
     let mut rows: Vec<(String, usize, Measured)> = vec![];
     for model in &models {
-        for &n in &ns {
-            let group = voltaic::distributed::DeviceGroup::new(&devs[..n])?;
+        for group in &groups {
+            let n = group.len();
             let name = format!("scale_{model}_g{n}");
             let m = measure(model, group.devices(), LocalGroup::ranks(n), args.runs).with_context(|| format!("benchmark {name}"))?;
             rows.push((name, n, m));
         }
-        for &n in ns.iter().filter(|&&n| n > 1) {
+        for group in groups.iter().filter(|g| g.len() > 1) {
+            let n = group.len();
             let name = format!("scale_{model}_indep{n}");
-            let group = voltaic::distributed::DeviceGroup::new(&devs[..n])?;
             rows.push((name.clone(), n, independent(model, group.devices(), args.runs).with_context(|| format!("benchmark {name}"))?));
         }
         for &n in ns.iter().filter(|&&n| n > 1 && !replicas) {

@@ -461,22 +461,6 @@ impl GpuContext {
         p.uploads.push(staging);
     }
 
-    /// A mapped upload staging buffer of at least `size` bytes: the
-    /// smallest kept one that fits, or a new one.
-    pub(crate) fn take_upload_staging(&self, size: u64) -> wgpu::Buffer {
-        let mut kept = self.upload_staging.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = kept.iter().enumerate().filter(|(_, b)| b.size() >= size).min_by_key(|(_, b)| b.size()).map(|(i, _)| i) {
-            return kept.swap_remove(i);
-        }
-        drop(kept);
-        self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("voltaic upload"),
-            size: super::pool::bucket(size),
-            usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: true,
-        })
-    }
-
     /// Map submitted upload staging buffers again; each rejoins the kept
     /// ones when its mapping completes (the copy that read it has finished).
     fn recycle_uploads(&self, uploads: Vec<wgpu::Buffer>) {

@@ -60,7 +60,7 @@ pub(crate) fn upload(ctx: &GpuContext, s: &CpuStorage) -> Result<GpuBuf> {
     // (see `GpuContext::record_upload`); the browser maps asynchronously
     // and keeps the queue's path.
     if cfg!(not(target_arch = "wasm32")) && (STAGED_UPLOAD_MIN..=KEPT_STAGING).contains(&size) {
-        let (staging, err) = ctx.scoped(|| ctx.take_upload_staging(size));
+        let (staging, err) = ctx.scoped(|| take_upload_staging(ctx, size));
         if let Some(e) = err {
             return Err(e);
         }
@@ -288,15 +288,33 @@ const KEPT_STAGING: u64 = 1 << 26;
 /// Uploads from this size on go through kept staging buffers.
 const STAGED_UPLOAD_MIN: u64 = 1 << 20;
 
+/// The smallest of `kept` holding at least `size` bytes, taken out: a
+/// small transfer taking the largest kept buffer would make the next large
+/// one allocate (and map) a new one.
+fn take_best_fit(kept: &Mutex<Vec<wgpu::Buffer>>, size: u64) -> Option<wgpu::Buffer> {
+    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+    let i = kept.iter().enumerate().filter(|(_, b)| b.size() >= size).min_by_key(|(_, b)| b.size())?.0;
+    Some(kept.swap_remove(i))
+}
+
+/// A mapped upload staging buffer of at least `size` bytes: a kept one
+/// (see `GpuContext::record_upload`) when one fits, else a new one.
+fn take_upload_staging(ctx: &GpuContext, size: u64) -> wgpu::Buffer {
+    take_best_fit(&ctx.upload_staging, size).unwrap_or_else(|| {
+        ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("voltaic upload"),
+            size: super::pool::bucket(size),
+            usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: true,
+        })
+    })
+}
+
 /// A mappable buffer of at least `size` bytes: a kept one when it fits.
 fn take_staging(ctx: &GpuContext, size: u64) -> wgpu::Buffer {
-    let mut kept = ctx.staging.lock().unwrap_or_else(|e| e.into_inner());
-    // The smallest that fits: a small read taking the largest kept buffer
-    // would make the next large one allocate (and map) a new one.
-    if let Some(i) = kept.iter().enumerate().filter(|(_, b)| b.size() >= size).min_by_key(|(_, b)| b.size()).map(|(i, _)| i) {
-        return kept.swap_remove(i);
+    if let Some(b) = take_best_fit(&ctx.staging, size) {
+        return b;
     }
-    drop(kept);
     let size = if size <= KEPT_STAGING { super::pool::bucket(size) } else { size };
     ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("voltaic readback"),
