@@ -4,7 +4,7 @@
 //! of `voltaic train` (`epoch_*`) against two PyTorch loops, the idiomatic
 //! DataLoader one and the GPU-resident one an expert writes.
 
-use super::gpu::gpu_median_ms;
+use super::gpu::gpu_median_ms_over;
 use anyhow::{bail, Context};
 use std::collections::HashMap;
 use std::process::Command;
@@ -135,7 +135,8 @@ fn epoch_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, S
 /// phase of one step, counted over a few more steps (the timing itself also
 /// waits for the autotuner, which the counters would include).
 fn time_steps(device: Device, runs: usize, step: &mut dyn FnMut() -> anyhow::Result<()>) -> anyhow::Result<(f64, f64, String)> {
-    let ms = gpu_median_ms(device, runs, false, &mut *step)?;
+    // As the peer (train_peer.py): runs of about 0.3 s of steps, at most 200.
+    let ms = gpu_median_ms_over(device, runs, false, 0.3, 200, &mut *step)?;
     let steps = 3;
     let before = voltaic::host_profile();
     for _ in 0..steps {
