@@ -6,7 +6,7 @@
 #   with the Fashion-MNIST files in .bin/data (see scripts/device_pack.sh)
 # then call with carry [".gl", ".bin"] (and the MiniLM parts, see
 # scripts/device_run.sh, for "embed"):
-#   bash scripts/device_amp.sh tests,bench,train,embed
+#   bash scripts/device_amp.sh tests,bench,profile,train,embed
 set -uo pipefail
 source .gl/env.sh
 export RUST_BACKTRACE=1 VOLTAIC_FASHION_MNIST=$PWD/.bin/data
@@ -29,6 +29,23 @@ fi
 if [[ "$what" == *bench* ]]; then
     .bin/voltaic bench --suite gpu --filter matmul_ --json 2> "$OUT/bench.err" | tee "$OUT/bench.jsonl"
     .bin/voltaic bench --suite train --filter encoder --json 2>> "$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
+fi
+if [[ "$what" == *tune* ]]; then
+    # Every candidate's time for the encoder's products (the tuner's view).
+    # An empty cache, so that every shape is tuned again here.
+    VOLTAIC_CACHE_DIR=$(mktemp -d) VOLTAIC_AUTOTUNE_LOG=2 .bin/voltaic bench --suite train --filter encoder_f16 --runs 1 --no-peer > "$OUT/tune-f16.out" 2> "$OUT/tune-f16.txt"
+    grep "autotune" "$OUT/tune-f16.txt" | grep -- "->" | sort | uniq
+    cat ~/.cache/voltaic/matmul-*.txt > "$OUT/tuned-plans.txt" 2>/dev/null
+fi
+if [[ "$what" == *profile* ]]; then
+    # Kernel and host time of the encoder steps, summed by kind of kernel
+    # over the last realizations (the last steps).
+    for p in f32 f16; do
+        VOLTAIC_PROFILE=1 .bin/voltaic bench --suite train --filter encoder_$p --runs 1 --no-peer > "$OUT/profile-$p.out" 2> "$OUT/profile-$p.txt"
+        python3 scripts/profile_sum.py "$OUT/profile-$p.txt" --last 12 --top 30 > "$OUT/profile-$p.sum" 2>&1
+        cat "$OUT/profile-$p.sum"
+        gzip -f "$OUT/profile-$p.txt"
+    done
 fi
 if [[ "$what" == *train* ]]; then
     for p in f32 f16 bf16; do

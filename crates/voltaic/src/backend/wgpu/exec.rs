@@ -432,7 +432,13 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
             encoded.push((e, ki));
         }
         if crate::backend::profiling() {
-            labels.push(compiled.label().unwrap_or(k.kind.name()).to_string());
+            let mut label = compiled.label().unwrap_or(k.kind.name()).to_string();
+            // Which types a product ran in: an f32 operand keeps it off the tensor cores.
+            if let KernelKind::Matmul { a, b, .. } = &k.kind {
+                let dt = |i: usize| k.inputs.get(i).map_or(k.dtype, |&s| plan.slots[s].dtype);
+                label.push_str(&format!(" [{} x {} -> {}]", dt(a.input), dt(b.input), k.dtype));
+            }
+            labels.push(label);
         }
         for (o, &slot) in outs.iter_mut().zip(&plan.outputs) {
             if slot == k.out {
