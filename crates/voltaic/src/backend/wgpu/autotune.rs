@@ -48,6 +48,7 @@ fn plan_text(p: &Variant) -> String {
         Variant::Columns { splits } => format!("columns {splits}"),
         Variant::Coop => "coop".into(),
         Variant::CoopWide => "coopwide".into(),
+        Variant::CoopSplitK { splits } => format!("coopsplitk {splits}"),
         Variant::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
     }
 }
@@ -73,6 +74,7 @@ fn parse_line(line: &str) -> Option<(Key, Variant)> {
         "columns" => Variant::Columns { splits: num(8)? },
         "coop" => Variant::Coop,
         "coopwide" => Variant::CoopWide,
+        "coopsplitk" => Variant::CoopSplitK { splits: num(8)?.max(1) },
         "splitk" => Variant::SplitK { tile: Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
         _ => return None,
     };
@@ -250,7 +252,10 @@ pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)
     let wide_tiles = key.batch * key.m.div_ceil(256) * key.n.div_ceil(128);
     let default = match coop {
         true if wide_tiles >= 256 => Variant::CoopWide,
-        true => Variant::Coop,
+        true => match super::matmul::coop_splits(key.batch, key.m, key.k, key.n) {
+            1 => Variant::Coop,
+            splits => Variant::CoopSplitK { splits },
+        },
         false => default_variant(key.batch, key.m, key.k, key.n, key.b_nfast),
     };
     let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
@@ -281,7 +286,7 @@ fn log_choice(key: &Key, best: &Variant) {
 fn is_heavy(v: &Variant) -> bool {
     match v {
         Variant::Tiled(t) | Variant::SplitK { tile: t, .. } => t.tm * t.tn > 16 || t.double,
-        Variant::Coop | Variant::CoopWide => true,
+        Variant::Coop | Variant::CoopWide | Variant::CoopSplitK { .. } => true,
         Variant::Columns { .. } => false,
     }
 }
@@ -417,6 +422,12 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
     if matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16 {
         c.push(Variant::Coop);
         c.push(Variant::CoopWide);
+        let tiles = key.batch * key.m.div_ceil(128) * key.n.div_ceil(128);
+        for s in [2, 4, 8, 16] {
+            if tiles < 132 && key.k / s >= 128 {
+                c.push(Variant::CoopSplitK { splits: s });
+            }
+        }
     }
     for t in TILES {
         let threads = (t.bm / t.tm) * (t.bn / t.tn);

@@ -88,6 +88,15 @@ fn bf16_unscale(x: f32, shift: i32) -> f32 {
     return ldexp(ldexp(x, -h), h - shift);
 }";
 
+/// Four bf16 values (two packed words, the even element in the low half)
+/// as f16 after scaling by `s`, a power of two per value (`pow2i`, exact for
+/// the shifts `bf16_shift` gives).
+const BF16_WORDS: &str = "fn pow2i(e: i32) -> f32 { return bitcast<f32>(u32(e + 127) << 23u); }
+fn bf16x4_scaled(w: vec2<u32>, s: vec4<f32>) -> vec4<f16> {
+    let v = vec4<f32>(bitcast<f32>(w.x << 16u), bitcast<f32>(w.x & 0xffff0000u), bitcast<f32>(w.y << 16u), bitcast<f32>(w.y & 0xffff0000u));
+    return vec4<f16>(v * s);
+}";
+
 /// Which kernel a matmul uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Variant {
@@ -100,6 +109,11 @@ pub(crate) enum Variant {
     /// `Coop` on 256x128 tiles, each subgroup 64x64, for whole aligned
     /// tiles; else `Coop`.
     CoopWide,
+    /// `Coop` with the inner dim cut into `splits` chunks, each its own
+    /// workgroup, then a pass that adds the f32 partial products: weight
+    /// gradients (a 384x384 output over 4096 tokens is 9 tiles, for 132
+    /// SMs on an H100).
+    CoopSplitK { splits: usize },
     /// Tiles whose inner dim is cut into `splits` chunks, each its own
     /// workgroup, then a pass that adds the partial products: small outputs
     /// with a long inner dim (a Linear layer on a small batch) fill the GPU.
@@ -133,6 +147,29 @@ pub(crate) fn default_variant(batch: usize, m: usize, k: usize, n: usize, b_nfas
     Variant::Tiled(TILES[6])
 }
 
+/// A thread's 16 positions of its line in a tile of 16 lines x 256
+/// positions (see [`Gen::line_tile_head`]), each running `body`.
+fn line_tile_each(len: usize, body: &str) -> String {
+    format!("    for (var r = 0u; r < 16u; r = r + 1u) {{\n        let q = pb * 256u + lj + r * 16u;\n        if (q < {len}u) {{ {body} }}\n    }}")
+}
+
+/// How many ways a tensor-core product splits its inner dim by default:
+/// where its 128x128 output tiles are too few to fill a large GPU (under
+/// half of an H100's 132 SMs) and the inner dim is long (a weight gradient
+/// over a batch of tokens), enough chunks of at least 256 to reach about
+/// one workgroup per SM; else 1.
+pub(crate) fn coop_splits(batch: usize, m: usize, k: usize, n: usize) -> usize {
+    let tiles = batch * m.div_ceil(128) * n.div_ceil(128);
+    if tiles == 0 || tiles >= 66 || k < 1024 {
+        return 1;
+    }
+    let mut s = (132 / tiles).next_power_of_two().clamp(2, 16);
+    while s > 1 && k / s < 256 {
+        s /= 2;
+    }
+    s
+}
+
 /// Per-batch offset of a `[..., r, c]` layout for batch index `z` (a WGSL expression).
 fn batch_offset(digits: &[String], l: &Layout) -> String {
     let r = l.dims().len();
@@ -153,7 +190,7 @@ impl Gen<'_> {
             // The plan follows the output's dtype; the tensor cores need f16
             // operands, or bf16 ones scaled into f16 (a fused cast can make
             // an f32 product's output 16-bit).
-            Variant::Coop | Variant::CoopWide if !(self.inputs[a.input].0 == DType::F16 && self.inputs[b.input].0 == DType::F16) => {
+            Variant::Coop | Variant::CoopWide | Variant::CoopSplitK { .. } if !(self.inputs[a.input].0 == DType::F16 && self.inputs[b.input].0 == DType::F16) => {
                 if self.bf16_on_tensor_cores(a, b, epi) {
                     self.matmul_bf16_coop(p, a, b, m, k, n, epi, plan == Variant::CoopWide)?
                 } else {
@@ -164,8 +201,16 @@ impl Gen<'_> {
                     self.matmul(p, a, b, m, k, n, default_variant(batch, m, k, n, sbn == 1 || sbk != 1), epi)?
                 }
             }
-            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None)?),
-            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, None)?),
+            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None, false)?),
+            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, None, false)?),
+            Variant::CoopSplitK { splits } if splits > 1 => {
+                let batch: usize = a.layout.dims()[..a.layout.dims().len() - 2].iter().product();
+                p.scratch.push((DType::F32, batch * splits * m * n));
+                let part = p.scratch.len() - 1;
+                p.dispatches.push(self.matmul_coop_split(a, b, m, k, n, (splits, part))?);
+                p.dispatches.push(self.split_sum(part, batch, m, n, splits, epi)?);
+            }
+            Variant::CoopSplitK { .. } => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None, false)?),
         }
         Ok(())
     }
@@ -176,27 +221,69 @@ impl Gen<'_> {
     /// block (4x4: 8 loads from shared memory per 16 products, not 6 per 8)
     /// of a 256x128 tile; results leave through a per-subgroup 16x16 f32
     /// staging tile so the epilogue sees single values.
-    #[allow(clippy::too_many_arguments)]
     ///
     /// `scales`: scratch buffers of the largest magnitudes of A's rows and
     /// B's columns (see [`Gen::matmul_bf16_coop`]); each product is scaled
-    /// back by their shifts before the epilogue.
+    /// back by their shifts before the epilogue. With `fused_bf16` the
+    /// operands are the bf16 tensors themselves, scaled into f16 as their
+    /// tiles load (whole tiles only, see [`Gen::coop_whole_tiles`]).
     #[allow(clippy::too_many_arguments)]
-    fn matmul_coop(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, wide: bool, scales: Option<(usize, usize)>) -> Result<Dispatch> {
+    fn matmul_coop(
+        &self,
+        a: &View,
+        bv: &View,
+        m: usize,
+        k: usize,
+        n: usize,
+        epi: Option<&Epilogue>,
+        wide: bool,
+        scales: Option<(usize, usize)>,
+        fused_bf16: bool,
+    ) -> Result<Dispatch> {
+        self.coop_kernel(a, bv, m, k, n, epi, wide, scales, fused_bf16, None)
+    }
+
+    /// The first pass of [`Variant::CoopSplitK`]: `split.0` chunks of the
+    /// inner dim, each product's f32 partial sum into scratch `split.1`
+    /// (`[batch, splits, m, n]`) for [`Gen::split_sum`].
+    fn matmul_coop_split(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, split: (usize, usize)) -> Result<Dispatch> {
+        self.coop_kernel(a, bv, m, k, n, None, false, None, false, Some(split))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn coop_kernel(
+        &self,
+        a: &View,
+        bv: &View,
+        m: usize,
+        k: usize,
+        n: usize,
+        epi: Option<&Epilogue>,
+        wide: bool,
+        scales: Option<(usize, usize)>,
+        fused_bf16: bool,
+        split: Option<(usize, usize)>,
+    ) -> Result<Dispatch> {
         // Subgroups and the 16x16 matrices of C each owns (fm x fn_).
         let (warps, fm, fn_) = if wide { (8usize, 4usize, 4usize) } else { (8, 4, 2) };
         let threads = warps * 32;
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
-        self.bind_out(&mut sh);
-        self.epilogue(&mut sh, epi)?;
         let (la, lb) = (&a.layout, &bv.layout);
         let r = la.dims().len();
         let bdims = &la.dims()[..r - 2];
         let batch: usize = bdims.iter().product();
+        let splits = split.map_or(1, |s| s.0);
+        match split {
+            None => {
+                self.bind_out(&mut sh);
+                self.epilogue(&mut sh, epi)?;
+            }
+            Some((_, part)) => sh.array(Src::Scratch(part), "part", DType::F32, batch * splits * m * n, true),
+        }
         let (bm, bn) = if wide { (256usize, 128usize) } else { (128, 128) };
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
-        let total = batch * tiles_m * tiles_n;
+        let total = batch * splits * tiles_m * tiles_n;
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
         let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
         // Whole tiles of plain row-major operands, 16-byte aligned: each thread
@@ -205,22 +292,21 @@ impl Gen<'_> {
         // single-half stores than the tensor cores take to multiply), and
         // takes 64 of k per step where the shared tiles fit (half the
         // barriers of 32).
-        let batch_aligned = |l: &Layout| l.offset().is_multiple_of(8) && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
-        let fits = |v: &View| (self.inputs[v.input].1 as u64) * 2 <= self.caps.chunk_bytes();
         // Operands whose other dim is the contiguous one (A = x^T of a
         // weight gradient, B = W^T of a Linear layer) are read four halves at
         // a time along that dim and kept in shared memory as they lie, and
         // the tensor cores load those tiles column-major.
         let a_t = sam == 1 && sak % 8 == 0 && sak != 1;
         let b_t = sbk == 1 && sbn % 8 == 0 && sbn != 1;
-        let a_ok = (sak == 1 && sam % 8 == 0) || a_t;
-        let b_ok = (sbn == 1 && sbk % 8 == 0) || b_t;
         let shared = |bk: usize| {
             let a_tile = if a_t { bk * (bm + 8) } else { bm * (bk + 8) };
             let b_tile = if b_t { bn * (bk + 8) } else { bk * (bn + 8) };
             (a_tile + b_tile) * 2 + warps * 256 * 4
         };
-        let fast = m.is_multiple_of(bm) && n.is_multiple_of(bn) && k.is_multiple_of(32) && a_ok && b_ok && batch_aligned(la) && batch_aligned(lb) && fits(a) && fits(bv);
+        let fast = self.coop_whole_tiles(a, bv, m, k, n, bm, bn);
+        if fused_bf16 && !fast && !wide {
+            return Err(crate::error::Error::Backend(format!("internal: bf16 tiles scaled as they load need whole {bm}x{bn} tiles, got {m}x{k}x{n}")));
+        }
         let (a_t, b_t) = (a_t && fast, b_t && fast);
         let bk = if fast && k.is_multiple_of(64) && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
         // Row strides of the shared tiles (padded by 8 halves against bank conflicts).
@@ -230,7 +316,7 @@ impl Gen<'_> {
         sh.enable("wgpu_cooperative_matrix");
         if wide && !fast {
             // Not whole 256-row tiles: 128x128 tiles.
-            return self.matmul_coop(a, bv, m, k, n, epi, false, scales);
+            return self.coop_kernel(a, bv, m, k, n, epi, false, scales, fused_bf16, split);
         }
         // Whole tiles: shared tiles of vec4<f16> (cooperative loads read them
         // with strides in vec4s: the pointer may be to a vector of the
@@ -243,8 +329,12 @@ impl Gen<'_> {
             b_rows * ldb / unit,
             warps * 256
         ));
+        // Each split covers a whole number of k-steps (of 64 at most).
+        let chunk = k.div_ceil(splits).div_ceil(64) * 64;
         let mut s = format!("    if (group >= {total}u) {{ return; }}\n");
-        let _ = writeln!(s, "    let z = group / {}u;\n    let rest = group % {}u;", tiles_m * tiles_n, tiles_m * tiles_n);
+        let _ = writeln!(s, "    let z = group / {}u;\n    let rest = group % {}u;", splits * tiles_m * tiles_n, tiles_m * tiles_n);
+        let _ = writeln!(s, "    let ks = (group / {}u) % {splits}u;", tiles_m * tiles_n);
+        let _ = writeln!(s, "    let k0 = ks * {chunk}u;\n    let k1 = min(k0 + {chunk}u, {k}u);");
         let _ = writeln!(s, "    let row0 = (rest / {tiles_n}u) * {bm}u;\n    let col0 = (rest % {tiles_n}u) * {bn}u;");
         let zd = unravel(&mut s, &mut sh, "z", bdims);
         let _ = writeln!(s, "    let abase = {};\n    let bbase = {};", batch_offset(&zd, la), batch_offset(&zd, lb));
@@ -254,12 +344,20 @@ impl Gen<'_> {
                 let _ = writeln!(s, "    var c{i}{j} = coop_mat16x16<f32, C>();");
             }
         }
-        let steps = k.div_ceil(bk);
         let a_kfast = sak == 1;
         let b_nfast = sbn == 1 || sbk != 1;
         if fast {
-            sh.bind_raw(Src::Input(a.input), "a4", "array<vec4<f16>>", false);
-            sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f16>>", false);
+            // bf16 operands: four halves are two words, widened, scaled by
+            // their line's power of two and rounded to f16 on the way in.
+            // The raw words wait in registers while the tensor cores work
+            // (converting them as they arrive would stall on the load).
+            let (ty, reg) = if fused_bf16 { ("array<vec2<u32>>", "vec2<u32>") } else { ("array<vec4<f16>>", "vec4<f16>") };
+            sh.bind_raw(Src::Input(a.input), "a4", ty, false);
+            sh.bind_raw(Src::Input(bv.input), "b4", ty, false);
+            if fused_bf16 {
+                sh.enable("f16");
+                sh.decl(BF16_WORDS);
+            }
             // A: bm rows of bk / 4 vec4s (or bk rows of bm / 4 where m is
             // contiguous); B: bk rows of bn / 4 vec4s (or bn rows of bk / 4).
             let (per_a, per_b) = (bm * bk / 4 / threads, bk * bn / 4 / threads);
@@ -267,11 +365,32 @@ impl Gen<'_> {
             // Thread q's (row, column) in the tile as it lies in shared memory.
             for q in 0..per_a {
                 let e = format!("(lid + {}u)", q * threads);
-                let _ = writeln!(s, "    let ar{q} = {e} / {a_run}u;\n    let ak{q} = ({e} % {a_run}u) * 4u;\n    var ra{q}: vec4<f16>;");
+                let _ = writeln!(s, "    let ar{q} = {e} / {a_run}u;\n    let ak{q} = ({e} % {a_run}u) * 4u;\n    var ra{q}: {reg};");
             }
             for q in 0..per_b {
                 let e = format!("(lid + {}u)", q * threads);
-                let _ = writeln!(s, "    let bk{q} = {e} / {b_run}u;\n    let bc{q} = ({e} % {b_run}u) * 4u;\n    var rb{q}: vec4<f16>;");
+                let _ = writeln!(s, "    let bk{q} = {e} / {b_run}u;\n    let bc{q} = ({e} % {b_run}u) * 4u;\n    var rb{q}: {reg};");
+            }
+            if fused_bf16 {
+                // A thread's lines stay the same for the whole inner dim: their
+                // scale factors are read once. A's vec4 runs along m where A
+                // is transposed (four rows), else along one row's k; B's along
+                // n (four columns) unless B is transposed.
+                let four = |arr: &str, base: &str, first: &str| {
+                    let f = |i: usize| format!("pow2i(bf16_shift(ld_{arr}({base} + {first} + {i}u)))");
+                    format!("vec4<f32>({}, {}, {}, {})", f(0), f(1), f(2), f(3))
+                };
+                // One line's factor is kept as a scalar (a register, not four).
+                let one = |arr: &str, base: &str, line: &str| format!("pow2i(bf16_shift(ld_{arr}({base} + {line})))");
+                let (abase_l, bbase_l) = (format!("z * {m}u"), format!("z * {n}u"));
+                for q in 0..per_a {
+                    let v = if a_t { four("max_a", &abase_l, &format!("row0 + ak{q}")) } else { one("max_a", &abase_l, &format!("row0 + ar{q}")) };
+                    let _ = writeln!(s, "    let sa{q} = {v};");
+                }
+                for q in 0..per_b {
+                    let v = if b_t { one("max_b", &bbase_l, &format!("col0 + bk{q}")) } else { four("max_b", &bbase_l, &format!("col0 + bc{q}")) };
+                    let _ = writeln!(s, "    let sb{q} = {v};");
+                }
             }
             let load = |s: &mut String, kt: &str| {
                 for q in 0..per_a {
@@ -284,15 +403,18 @@ impl Gen<'_> {
                     let _ = writeln!(s, "    rb{q} = b4[(bbase + {ix}) / 4u];");
                 }
             };
-            load(&mut s, "0u");
-            let _ = writeln!(s, "    for (var kt = 0u; kt < {k}u; kt = kt + {bk}u) {{");
+            let _ = writeln!(s, "    if (k0 < k1) {{");
+            load(&mut s, "k0");
+            let _ = writeln!(s, "    }}\n    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{");
             for q in 0..per_a {
-                let _ = writeln!(s, "    As[(ar{q} * {lda}u + ak{q}) / 4u] = ra{q};");
+                let v = if fused_bf16 { format!("bf16x4_scaled(ra{q}, {})", if a_t { format!("sa{q}") } else { format!("vec4<f32>(sa{q})") }) } else { format!("ra{q}") };
+                let _ = writeln!(s, "    As[(ar{q} * {lda}u + ak{q}) / 4u] = {v};");
             }
             for q in 0..per_b {
-                let _ = writeln!(s, "    Bs[(bk{q} * {ldb}u + bc{q}) / 4u] = rb{q};");
+                let v = if fused_bf16 { format!("bf16x4_scaled(rb{q}, {})", if b_t { format!("vec4<f32>(sb{q})") } else { format!("sb{q}") }) } else { format!("rb{q}") };
+                let _ = writeln!(s, "    Bs[(bk{q} * {ldb}u + bc{q}) / 4u] = {v};");
             }
-            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {k}u) {{");
+            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < k1) {{");
             load(&mut s, &format!("(kt + {bk}u)"));
             let _ = writeln!(s, "    }}");
         } else {
@@ -311,22 +433,22 @@ impl Gen<'_> {
                 for q in 0..bm * bk / threads {
                     let _ = writeln!(
                         s,
-                        "    ra{q} = f16(0.0);\n    if (row0 + ar{q} < {m}u && {kt} + ak{q} < {k}u) {{ ra{q} = f16(ld_in{ai}(abase + (row0 + ar{q}) * {sam}u + ({kt} + ak{q}) * {sak}u)); }}",
+                        "    ra{q} = f16(0.0);\n    if (row0 + ar{q} < {m}u && {kt} + ak{q} < k1) {{ ra{q} = f16(ld_in{ai}(abase + (row0 + ar{q}) * {sam}u + ({kt} + ak{q}) * {sak}u)); }}",
                         ai = a.input
                     );
                     let _ = writeln!(
                         s,
-                        "    rb{q} = f16(0.0);\n    if ({kt} + bk{q} < {k}u && col0 + bc{q} < {n}u) {{ rb{q} = f16(ld_in{bi}(bbase + ({kt} + bk{q}) * {sbk}u + (col0 + bc{q}) * {sbn}u)); }}",
+                        "    rb{q} = f16(0.0);\n    if ({kt} + bk{q} < k1 && col0 + bc{q} < {n}u) {{ rb{q} = f16(ld_in{bi}(bbase + ({kt} + bk{q}) * {sbk}u + (col0 + bc{q}) * {sbn}u)); }}",
                         bi = bv.input
                     );
                 }
             };
-            load(&mut s, "0u");
-            let _ = writeln!(s, "    for (var kt = 0u; kt < {}u; kt = kt + {bk}u) {{", steps * bk);
+            load(&mut s, "k0");
+            let _ = writeln!(s, "    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{");
             for q in 0..bm * bk / threads {
                 let _ = writeln!(s, "    As[ar{q} * {lda}u + ak{q}] = ra{q};\n    Bs[bk{q} * {ldb}u + bc{q}] = rb{q};");
             }
-            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < {}u) {{", steps * bk);
+            let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < k1) {{");
             load(&mut s, &format!("(kt + {bk}u)"));
             let _ = writeln!(s, "    }}");
         }
@@ -362,7 +484,12 @@ impl Gen<'_> {
         }
         // Packed 16-bit outputs (bf16) store two neighbours per thread as one
         // word: one plain store where single elements take two atomics.
-        let pairs = packed16(self.caps, self.out.0) && n.is_multiple_of(2);
+        let pairs = split.is_none() && packed16(self.caps, self.out.0) && n.is_multiple_of(2);
+        // A split's partial product goes to its own slice of the scratch.
+        let store = |p: &str| match split {
+            None => format!("let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {p}));", m * n),
+            Some(_) => format!("st_part((z * {splits}u + ks) * {}u + gi * {n}u + gj, {p});", m * n),
+        };
         for i in 0..fm {
             for j in 0..fn_ {
                 let _ = writeln!(s, "    coopStoreT(c{i}{j}, &Cs[cbase], 16u);\n    workgroupBarrier();");
@@ -388,18 +515,33 @@ impl Gen<'_> {
         let e = lane + q * 32u;
         let gi = row0 + wr + {}u + e / 16u;
         let gj = col0 + wc + {}u + e % 16u;
-        if (gi < {m}u && gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {})); }}
+        if (gi < {m}u && gj < {n}u) {{ {} }}
     }}",
                         i * 16,
                         j * 16,
-                        m * n,
-                        product("e", "gj")
+                        store(&product("e", "gj"))
                     );
                 }
                 let _ = writeln!(s, "    workgroupBarrier();");
             }
         }
         Ok(sh.finish(format!("matmul_coop{} {batch}x{m}x{k}x{n}", if wide { " wide" } else { "" }), threads as u32, total as u64, &s))
+    }
+
+    /// Whether the tensor-core kernel on `bm x bn` tiles takes its fast
+    /// path: whole tiles, 16-byte aligned rows of plain row-major or
+    /// transposed operands that each fit one binding.
+    #[allow(clippy::too_many_arguments)]
+    fn coop_whole_tiles(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, bm: usize, bn: usize) -> bool {
+        let (la, lb) = (&a.layout, &bv.layout);
+        let r = la.dims().len();
+        let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
+        let (sbk, sbn) = (lb.strides()[r - 2], lb.strides()[r - 1]);
+        let batch_aligned = |l: &Layout| l.offset().is_multiple_of(8) && l.strides()[..r - 2].iter().all(|s| s % 8 == 0);
+        let fits = |v: &View| (self.inputs[v.input].1 as u64) * 2 <= self.caps.chunk_bytes();
+        let a_ok = (sak == 1 && sam % 8 == 0) || (sam == 1 && sak % 8 == 0 && sak != 1);
+        let b_ok = (sbn == 1 && sbk % 8 == 0) || (sbk == 1 && sbn % 8 == 0 && sbn != 1);
+        m.is_multiple_of(bm) && n.is_multiple_of(bn) && k.is_multiple_of(32) && a_ok && b_ok && batch_aligned(la) && batch_aligned(lb) && fits(a) && fits(bv)
     }
 
     /// Whether a bf16 product runs on the f16 tensor cores: both operands
@@ -428,12 +570,26 @@ impl Gen<'_> {
             p.scratch.push((dt, len));
             p.scratch.len() - 1
         };
-        let (a16, b16) = (scratch(p, DType::F16, batch * m * k), scratch(p, DType::F16, batch * k * n));
         let (sa, sb) = (scratch(p, DType::U32, batch * m), scratch(p, DType::U32, batch * n));
         let (la, lb) = (&a.layout, &b.layout);
         // A's lines are its rows (along k), B's its columns (along k).
-        self.scale_to_f16(p, a, (m, la.strides()[r - 2]), (k, la.strides()[r - 1]), (a16, sa), (k, 1), "rows of A");
-        self.scale_to_f16(p, b, (n, lb.strides()[r - 1]), (k, lb.strides()[r - 2]), (b16, sb), (1, n), "columns of B");
+        let (a_lines, a_len) = ((m, la.strides()[r - 2]), (k, la.strides()[r - 1]));
+        let (b_lines, b_len) = ((n, lb.strides()[r - 1]), (k, lb.strides()[r - 2]));
+        // Whole tiles: the product reads the bf16 operands and scales them
+        // as its tiles go to shared memory; no f16 copies (on the H100,
+        // 4096^3: 0.844 ms against 0.865 with the copies, in one call).
+        let wide_fits = wide && self.coop_whole_tiles(a, b, m, k, n, 256, 128);
+        if wide_fits || self.coop_whole_tiles(a, b, m, k, n, 128, 128) {
+            self.line_maxima(p, a, a_lines, a_len, sa, "rows of A");
+            self.line_maxima(p, b, b_lines, b_len, sb, "columns of B");
+            let mut d = self.matmul_coop(a, b, m, k, n, epi, wide_fits, Some((sa, sb)), true)?;
+            d.label = format!("bf16 {}", d.label);
+            p.dispatches.push(d);
+            return Ok(());
+        }
+        let (a16, b16) = (scratch(p, DType::F16, batch * m * k), scratch(p, DType::F16, batch * k * n));
+        self.scale_to_f16(p, a, a_lines, a_len, (a16, sa), (k, 1), "rows of A");
+        self.scale_to_f16(p, b, b_lines, b_len, (b16, sb), (1, n), "columns of B");
         let mut inputs = self.inputs.to_vec();
         inputs[a.input] = (DType::F16, batch * m * k);
         inputs[b.input] = (DType::F16, batch * k * n);
@@ -441,7 +597,7 @@ impl Gen<'_> {
         let dims = |x: usize, y: usize| bdims.iter().copied().chain([x, y]).collect::<Vec<_>>();
         let a2 = View { input: a.input, layout: Layout::contiguous(&dims(m, k)) };
         let b2 = View { input: b.input, layout: Layout::contiguous(&dims(k, n)) };
-        let mut d = g.matmul_coop(&a2, &b2, m, k, n, epi, wide, Some((sa, sb)))?;
+        let mut d = g.matmul_coop(&a2, &b2, m, k, n, epi, wide, Some((sa, sb)), false)?;
         for bind in &mut d.binds {
             if bind.src == Src::Input(a.input) {
                 bind.src = Src::Scratch(a16);
@@ -465,30 +621,61 @@ impl Gen<'_> {
     /// stay coalesced either way.
     #[allow(clippy::too_many_arguments)]
     fn scale_to_f16(&self, p: &mut WgslProgram, v: &View, lines: (usize, usize), len: (usize, usize), (dst, maxes): (usize, usize), dst_strides: (usize, usize), what: &str) {
+        self.line_maxima(p, v, lines, len, maxes, what);
+        let total = self.bf16_lines(v, lines);
+        let groups = (total.div_ceil(16) * len.0.div_ceil(256)) as u64;
+        let mut sh = Shader::new(self.caps);
+        self.bind_inputs(&mut sh, &[v.input]);
+        sh.array(Src::Scratch(dst), "dst", DType::F16, total * len.0, true);
+        sh.array(Src::Scratch(maxes), "mx", DType::U32, total, false);
+        sh.decl(BF16_SHIFT);
+        let (mut s, in_ix) = self.line_tile_head(&mut sh, v, lines, len);
+        let out_ix = format!("z * {}u + w * {}u + q * {}u", lines.0 * len.0, dst_strides.0, dst_strides.1);
+        let _ = writeln!(
+            s,
+            "    if (live) {{\n    let sft = bf16_shift(ld_mx(line));\n{}\n    }}",
+            line_tile_each(len.0, &format!("st_dst({out_ix}, ldexp(ld_in{}({in_ix}), sft));", v.input))
+        );
+        p.dispatches.push(sh.finish(format!("bf16 to scaled f16, {what} {}x{}", total, len.0), 256, groups, &s));
+    }
+
+    /// Lines of a bf16 operand over all its batches.
+    fn bf16_lines(&self, v: &View, lines: (usize, usize)) -> usize {
+        let r = v.layout.dims().len();
+        v.layout.dims()[..r - 2].iter().product::<usize>() * lines.0
+    }
+
+    /// The start of a kernel over tiles of 16 lines x 256 positions: each
+    /// thread's line (`line`, batch `z`, line in batch `w`, `live`) and
+    /// position block `pb`; and the input index of position `q` of it.
+    fn line_tile_head(&self, sh: &mut Shader, v: &View, lines: (usize, usize), len: (usize, usize)) -> (String, String) {
         let r = v.layout.dims().len();
         let bdims = &v.layout.dims()[..r - 2];
-        let batch: usize = bdims.iter().product();
-        let total = batch * lines.0;
+        let total = self.bf16_lines(v, lines);
         let npos = len.0.div_ceil(256);
-        let groups = (total.div_ceil(16) * npos) as u64;
+        // Where each thread is: its line, and positions `pb * 256 + lj + 16 * r`.
+        let (li, lj) = if len.1 == 1 { ("lid / 16u", "lid % 16u") } else { ("lid % 16u", "lid / 16u") };
+        let mut s = format!("    let li = {li};\n    let lj = {lj};\n    let line = (group / {npos}u) * 16u + li;\n    let pb = group % {npos}u;\n    let live = line < {total}u;\n");
+        let _ = writeln!(s, "    let z = min(line, {}u) / {}u;\n    let w = line % {}u;", total - 1, lines.0, lines.0);
+        let zd = unravel(&mut s, sh, "z", bdims);
+        let in_ix = format!("{} + w * {}u + q * {}u", batch_offset(&zd, &v.layout), lines.1, len.1);
+        (s, in_ix)
+    }
+
+    /// Each line's largest magnitude of bf16 operand `v` (as f32 bits) into
+    /// scratch `maxes`: a pass that clears them, then an atomic max per
+    /// line from each tile of 16 lines x 256 positions.
+    fn line_maxima(&self, p: &mut WgslProgram, v: &View, lines: (usize, usize), len: (usize, usize), maxes: usize, what: &str) {
+        let total = self.bf16_lines(v, lines);
+        let groups = (total.div_ceil(16) * len.0.div_ceil(256)) as u64;
         let mut sh = Shader::new(self.caps);
         sh.array(Src::Scratch(maxes), "mx", DType::U32, total, true);
         p.dispatches.push(sh.finish(format!("bf16 maxima, {what}"), 256, total.div_ceil(256) as u64, &format!("    let i = group * 256u + lid;\n    if (i < {total}u) {{ st_mx(i, 0u); }}\n")));
-        // Where each thread is: its line, and positions `pb * 256 + lj + 16 * r`.
-        let (li, lj) = if len.1 == 1 { ("lid / 16u", "lid % 16u") } else { ("lid % 16u", "lid / 16u") };
-        let head = |sh: &mut Shader| {
-            let mut s = format!("    let li = {li};\n    let lj = {lj};\n    let line = (group / {npos}u) * 16u + li;\n    let pb = group % {npos}u;\n    let live = line < {total}u;\n");
-            let _ = writeln!(s, "    let z = min(line, {}u) / {}u;\n    let w = line % {}u;", total - 1, lines.0, lines.0);
-            let zd = unravel(&mut s, sh, "z", bdims);
-            let in_ix = format!("{} + w * {}u + q * {}u", batch_offset(&zd, &v.layout), lines.1, len.1);
-            (s, in_ix)
-        };
-        let each = |body: &str| format!("    for (var r = 0u; r < 16u; r = r + 1u) {{\n        let q = pb * 256u + lj + r * 16u;\n        if (q < {}u) {{ {body} }}\n    }}", len.0);
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[v.input]);
         sh.bind_raw(Src::Scratch(maxes), "mxa", "array<atomic<u32>>", true);
         sh.decl("var<workgroup> part: array<f32, 256>;");
-        let (mut s, in_ix) = head(&mut sh);
+        let (mut s, in_ix) = self.line_tile_head(&mut sh, v, lines, len);
         let _ = writeln!(
             s,
             "    var m = 0.0;\n    if (live) {{\n{}\n    }}
@@ -499,22 +686,9 @@ impl Gen<'_> {
         for (var t = 0u; t < 16u; t = t + 1u) {{ top = max(top, part[li * 16u + t]); }}
         atomicMax(&mxa[line], bitcast<u32>(top));
     }}",
-            each(&format!("m = max(m, abs(ld_in{}({in_ix})));", v.input))
+            line_tile_each(len.0, &format!("m = max(m, abs(ld_in{}({in_ix})));", v.input))
         );
-        p.dispatches.push(sh.finish(format!("bf16 maxima, {what} {batch}x{}x{}", lines.0, len.0), 256, groups, &s));
-        let mut sh = Shader::new(self.caps);
-        self.bind_inputs(&mut sh, &[v.input]);
-        sh.array(Src::Scratch(dst), "dst", DType::F16, total * len.0, true);
-        sh.array(Src::Scratch(maxes), "mx", DType::U32, total, false);
-        sh.decl(BF16_SHIFT);
-        let (mut s, in_ix) = head(&mut sh);
-        let out_ix = format!("z * {}u + w * {}u + q * {}u", lines.0 * len.0, dst_strides.0, dst_strides.1);
-        let _ = writeln!(
-            s,
-            "    if (live) {{\n    let sft = bf16_shift(ld_mx(line));\n{}\n    }}",
-            each(&format!("st_dst({out_ix}, ldexp(ld_in{}({in_ix}), sft));", v.input))
-        );
-        p.dispatches.push(sh.finish(format!("bf16 to scaled f16, {what} {batch}x{}x{}", lines.0, len.0), 256, groups, &s));
+        p.dispatches.push(sh.finish(format!("bf16 maxima, {what} {}x{}", total, len.0), 256, groups, &s));
     }
 
     /// Bind what the epilogue reads and define `fn epi(lin, acc)`, which gives
@@ -928,6 +1102,18 @@ mod tests {
     }
 
     #[test]
+    fn tensor_core_products_split_only_few_tiles_over_a_long_inner_dim() {
+        // MiniLM's weight gradients over 4096 tokens: 9 and 36 output tiles.
+        assert_eq!(coop_splits(1, 384, 4096, 384), 16);
+        assert_eq!(coop_splits(1, 1536, 4096, 384), 4);
+        // Enough tiles, a short inner dim, or chunks that would fall under 256.
+        assert_eq!(coop_splits(1, 4096, 384, 1536), 1);
+        assert_eq!(coop_splits(1, 384, 512, 384), 1);
+        assert_eq!(coop_splits(1, 128, 1024, 128), 4);
+        assert_eq!(coop_splits(0, 128, 4096, 128), 1);
+    }
+
+    #[test]
     fn every_plan_matches_the_cpu() {
         assert!(!crate::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
         let shapes: &[(&[usize], &[usize])] = &[(&[3, 5], &[5, 7]), (&[2, 33, 17], &[2, 17, 70]), (&[130, 40], &[40, 129])];
@@ -1016,6 +1202,22 @@ mod tests {
             for (da, db) in [(&[128usize, 64][..], &[64usize, 256][..]), (&[2, 256, 96], &[2, 96, 128]), (&[130, 40], &[40, 129]), (&[512, 64], &[64, 128])] {
                 check(Variant::CoopWide, da, db, false, false, DType::F16);
             }
+            // The inner dim in chunks: ragged (k = 300), whole tiles with
+            // A = x^T (a weight gradient), and more splits than chunks.
+            check(Variant::CoopSplitK { splits: 3 }, &[130, 300], &[300, 129], false, false, DType::F16);
+            check(Variant::CoopSplitK { splits: 4 }, &[128, 512], &[512, 128], true, false, DType::F16);
+            check(Variant::CoopSplitK { splits: 16 }, &[2, 128, 256], &[2, 256, 128], false, true, DType::F16);
+            // ...the epilogue runs once, in the pass that adds the chunks.
+            let x = Tensor::randn(&[130, 300], DType::F32, Device::Cpu).unwrap().to_dtype(DType::F16).unwrap();
+            let w = Tensor::randn(&[300, 129], DType::F32, Device::Cpu).unwrap().to_dtype(DType::F16).unwrap();
+            let f = |a: &Tensor, b: &Tensor| a.matmul(b).unwrap().add(0.25).unwrap().gelu().unwrap();
+            let want = f(&x, &w).to_f64_vec().unwrap();
+            FORCE.with(|c| c.set(Some(Variant::CoopSplitK { splits: 3 })));
+            let got = f(&x.to_device(Device::Gpu(0)).unwrap(), &w.to_device(Device::Gpu(0)).unwrap()).to_f64_vec();
+            FORCE.with(|c| c.set(None));
+            for (g, w) in got.unwrap().iter().zip(&want) {
+                assert!((g - w).abs() < 2e-2 * (1.0 + w.abs()), "split tensor-core product with an epilogue: {g} vs {w}");
+            }
             // bf16, scaled into f16 for the tensor cores: exact on small integers...
             for &(da, db) in shapes {
                 for (ta, tb) in [(false, false), (true, true), (false, true)] {
@@ -1024,6 +1226,11 @@ mod tests {
             }
             check(Variant::CoopWide, &[2, 256, 96], &[2, 96, 128], false, false, DType::BF16);
             check(Variant::Coop, &[256, 96], &[96, 128], true, false, DType::BF16);
+            // Whole tiles read the bf16 operands themselves, scaled as they
+            // load: B = W^T, and both transposed and batched.
+            check(Variant::Coop, &[128, 64], &[64, 256], false, true, DType::BF16);
+            check(Variant::Coop, &[2, 128, 64], &[2, 64, 128], true, true, DType::BF16);
+            check(Variant::CoopWide, &[512, 128], &[128, 256], true, true, DType::BF16);
             // ...and within bf16's rounding on rows and columns far outside f16's range.
             for plan in [Variant::Coop, Variant::CoopWide] {
                 bf16_wide_range(plan, 130, 70, 129, (-40, 40), (-40, 40));

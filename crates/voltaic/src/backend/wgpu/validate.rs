@@ -89,6 +89,7 @@ fn check(t: &Tensor, caps: &Caps, seen: &mut Vec<&'static str>) -> usize {
             if matches!(k.dtype, DType::F16 | DType::BF16) && caps.coop_f16 {
                 variants.push(Some(Variant::Coop));
                 variants.push(Some(Variant::CoopWide));
+                variants.push(Some(Variant::CoopSplitK { splits: 3 }));
             }
         }
         for v in variants {
