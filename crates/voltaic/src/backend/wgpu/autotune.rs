@@ -253,6 +253,7 @@ pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)
     let default = match coop {
         true if wide_tiles >= 256 => Variant::CoopWide,
         true => match super::matmul::coop_splits(key.batch, key.m, key.k, key.n) {
+            _ if key.dtype != DType::F16 => Variant::Coop,
             1 => Variant::Coop,
             splits => Variant::CoopSplitK { splits },
         },
@@ -422,9 +423,10 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
     if matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16 {
         c.push(Variant::Coop);
         c.push(Variant::CoopWide);
+        // bf16 products split their scaling passes, not the product: f16 only.
         let tiles = key.batch * key.m.div_ceil(128) * key.n.div_ceil(128);
         for s in [2, 4, 8, 16] {
-            if tiles < 132 && key.k / s >= 128 {
+            if key.dtype == DType::F16 && tiles < 132 && key.k / s >= 128 {
                 c.push(Variant::CoopSplitK { splits: s });
             }
         }
@@ -549,4 +551,20 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
         }
     }
     Ok(best.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_line, plan_text, SHIPPED};
+
+    #[test]
+    fn every_shipped_plan_parses_and_reads_back_the_same() {
+        for (name, _, text) in SHIPPED {
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                let (key, plan) = parse_line(line).unwrap_or_else(|| panic!("{name}: a shipped plan that does not parse: {line:?}"));
+                let again = format!("{} {}", key.line(), plan_text(&plan));
+                assert_eq!(again.split_whitespace().collect::<Vec<_>>(), line.split_whitespace().collect::<Vec<_>>(), "{name}");
+            }
+        }
+    }
 }
