@@ -250,6 +250,9 @@ impl Gen<'_> {
         self.coop_kernel(a, bv, m, k, n, None, false, None, false, Some(split))
     }
 
+    /// The tensor-core kernel behind [`Gen::matmul_coop`] and
+    /// [`Gen::matmul_coop_split`]: with `split`, no epilogue and partial
+    /// products out; without, the epilogue and the output.
     #[allow(clippy::too_many_arguments)]
     fn coop_kernel(
         &self,
