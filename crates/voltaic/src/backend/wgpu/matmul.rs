@@ -201,16 +201,16 @@ impl Gen<'_> {
                     self.matmul(p, a, b, m, k, n, default_variant(batch, m, k, n, sbn == 1 || sbk != 1), epi)?
                 }
             }
-            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None, false)?),
-            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, None, false)?),
+            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None, false, None)?),
+            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, None, false, None)?),
             Variant::CoopSplitK { splits } if splits > 1 => {
                 let batch: usize = a.layout.dims()[..a.layout.dims().len() - 2].iter().product();
                 p.scratch.push((DType::F32, batch * splits * m * n));
                 let part = p.scratch.len() - 1;
-                p.dispatches.push(self.matmul_coop_split(a, b, m, k, n, (splits, part))?);
+                p.dispatches.push(self.matmul_coop(a, b, m, k, n, None, false, None, false, Some((splits, part)))?);
                 p.dispatches.push(self.split_sum(part, batch, m, n, splits, epi)?);
             }
-            Variant::CoopSplitK { .. } => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None, false)?),
+            Variant::CoopSplitK { .. } => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None, false, None)?),
         }
         Ok(())
     }
@@ -226,35 +226,13 @@ impl Gen<'_> {
     /// B's columns (see [`Gen::matmul_bf16_coop`]); each product is scaled
     /// back by their shifts before the epilogue. With `fused_bf16` the
     /// operands are the bf16 tensors themselves, scaled into f16 as their
-    /// tiles load (whole tiles only, see [`Gen::coop_whole_tiles`]).
+    /// tiles load (whole tiles only, see [`Gen::coop_whole_tiles`]). With
+    /// `split` (`(splits, scratch)`, [`Variant::CoopSplitK`]'s first pass)
+    /// the inner dim is cut into `splits` chunks and each chunk's f32 partial
+    /// product goes to the scratch (`[batch, splits, m, n]`) for
+    /// [`Gen::split_sum`], with no epilogue.
     #[allow(clippy::too_many_arguments)]
     fn matmul_coop(
-        &self,
-        a: &View,
-        bv: &View,
-        m: usize,
-        k: usize,
-        n: usize,
-        epi: Option<&Epilogue>,
-        wide: bool,
-        scales: Option<(usize, usize)>,
-        fused_bf16: bool,
-    ) -> Result<Dispatch> {
-        self.coop_kernel(a, bv, m, k, n, epi, wide, scales, fused_bf16, None)
-    }
-
-    /// The first pass of [`Variant::CoopSplitK`]: `split.0` chunks of the
-    /// inner dim, each product's f32 partial sum into scratch `split.1`
-    /// (`[batch, splits, m, n]`) for [`Gen::split_sum`].
-    fn matmul_coop_split(&self, a: &View, bv: &View, m: usize, k: usize, n: usize, split: (usize, usize)) -> Result<Dispatch> {
-        self.coop_kernel(a, bv, m, k, n, None, false, None, false, Some(split))
-    }
-
-    /// The tensor-core kernel behind [`Gen::matmul_coop`] and
-    /// [`Gen::matmul_coop_split`]: with `split`, no epilogue and partial
-    /// products out; without, the epilogue and the output.
-    #[allow(clippy::too_many_arguments)]
-    fn coop_kernel(
         &self,
         a: &View,
         bv: &View,
@@ -319,7 +297,7 @@ impl Gen<'_> {
         sh.enable("wgpu_cooperative_matrix");
         if wide && !fast {
             // Not whole 256-row tiles: 128x128 tiles.
-            return self.coop_kernel(a, bv, m, k, n, epi, false, scales, fused_bf16, split);
+            return self.matmul_coop(a, bv, m, k, n, epi, false, scales, fused_bf16, split);
         }
         // Whole tiles: shared tiles of vec4<f16> (cooperative loads read them
         // with strides in vec4s: the pointer may be to a vector of the
@@ -585,7 +563,7 @@ impl Gen<'_> {
         if wide_fits || self.coop_whole_tiles(a, b, m, k, n, 128, 128) {
             self.line_maxima(p, a, a_lines, a_len, sa, "rows of A");
             self.line_maxima(p, b, b_lines, b_len, sb, "columns of B");
-            let mut d = self.matmul_coop(a, b, m, k, n, epi, wide_fits, Some((sa, sb)), true)?;
+            let mut d = self.matmul_coop(a, b, m, k, n, epi, wide_fits, Some((sa, sb)), true, None)?;
             d.label = format!("bf16 {}", d.label);
             p.dispatches.push(d);
             return Ok(());
@@ -600,7 +578,7 @@ impl Gen<'_> {
         let dims = |x: usize, y: usize| bdims.iter().copied().chain([x, y]).collect::<Vec<_>>();
         let a2 = View { input: a.input, layout: Layout::contiguous(&dims(m, k)) };
         let b2 = View { input: b.input, layout: Layout::contiguous(&dims(k, n)) };
-        let mut d = g.matmul_coop(&a2, &b2, m, k, n, epi, wide, Some((sa, sb)), false)?;
+        let mut d = g.matmul_coop(&a2, &b2, m, k, n, epi, wide, Some((sa, sb)), false, None)?;
         for bind in &mut d.binds {
             if bind.src == Src::Input(a.input) {
                 bind.src = Src::Scratch(a16);
