@@ -143,6 +143,14 @@ pub(crate) enum KernelKind {
     Matmul { a: Strided, b: Strided, batch: usize, m: usize, k: usize, n: usize, epilogue: Option<Epilogue>, quant: Option<crate::quant::GgmlType> },
     /// An index-like primitive over its operands (see [`IndexOp`]).
     Index { op: IndexOp, args: Vec<Strided> },
+    /// Elementwise work with several outputs over one `shape`: output `j`
+    /// (the kernel's `out` first, then its `also`) stores the value of
+    /// instruction `stores[j]`, in that instruction's dtype. Made from
+    /// elementwise kernels that read the same buffers or each other's
+    /// results (an optimizer's new weight and moments), for executors that
+    /// run them (`Capabilities::multi_output`): one pass over the shared
+    /// inputs and one dispatch instead of several.
+    Multi { expr: Expr, shape: Vec<usize>, stores: Vec<usize> },
     /// Row-wise work in one pass (softmax, layer norm): for each of `outer`
     /// rows of `inner` elements, the `stages` in order, then `out` at every
     /// element of the row. A lowering of reductions and the elementwise work
@@ -155,7 +163,7 @@ impl KernelKind {
     /// A short kind name.
     pub fn name(&self) -> &'static str {
         match self {
-            KernelKind::Elementwise { .. } => "elementwise",
+            KernelKind::Elementwise { .. } | KernelKind::Multi { .. } => "elementwise",
             KernelKind::Reduce { .. } => "reduce",
             KernelKind::Matmul { .. } => "matmul",
             KernelKind::Index { op, .. } => op.name(),
@@ -167,7 +175,7 @@ impl KernelKind {
     /// order, are the kernel's constants.
     pub fn exprs(&self) -> Vec<&Expr> {
         match self {
-            KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => vec![expr],
+            KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } | KernelKind::Multi { expr, .. } => vec![expr],
             KernelKind::Matmul { epilogue: Some(e), .. } => vec![&e.expr],
             KernelKind::Rows { stages, out, .. } => stages.iter().chain([out]).map(|s| &s.expr).collect(),
             _ => vec![],
@@ -177,7 +185,7 @@ impl KernelKind {
     /// The kernel's expressions, mutably, in [`KernelKind::exprs`] order.
     pub fn exprs_mut(&mut self) -> Vec<&mut Expr> {
         match self {
-            KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } => vec![expr],
+            KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } | KernelKind::Multi { expr, .. } => vec![expr],
             KernelKind::Matmul { epilogue: Some(e), .. } => vec![&mut e.expr],
             KernelKind::Rows { stages, out, .. } => stages.iter_mut().chain([out]).map(|s| &mut s.expr).collect(),
             _ => vec![],
@@ -205,6 +213,8 @@ pub(crate) struct Kernel {
     /// Slots read, indexed by `Load::input` / `Strided::input`.
     pub inputs: Vec<Slot>,
     pub out: Slot,
+    /// Further outputs, of a [`KernelKind::Multi`] kernel (empty otherwise).
+    pub also: Vec<Slot>,
     pub dtype: DType,
     pub numel: usize,
     /// Names of the graph ops fused into this kernel, for schedules and profiles.

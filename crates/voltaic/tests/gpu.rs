@@ -755,3 +755,63 @@ fn graphs_reading_more_buffers_than_a_kernel_binds_are_split() {
         acc.sum(&[1], false)
     });
 }
+
+/// [`same`] for several results realized together (one plan), each
+/// compared with the CPU's.
+fn same_all(what: &str, inputs: &[Tensor], rtol: f64, atol: f64, f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>>) -> Vec<voltaic::KernelSummary> {
+    let want = f(inputs).unwrap_or_else(|e| panic!("{what} on cpu: {e}"));
+    let got = f(&to_gpu(inputs)).unwrap_or_else(|e| panic!("{what} on gpu: {e}"));
+    let plan = voltaic::inspect(&got.iter().collect::<Vec<_>>());
+    Tensor::realize_all(&got.iter().collect::<Vec<_>>()).unwrap_or_else(|e| panic!("{what} on gpu: {e}"));
+    for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!((g.dims(), g.dtype()), (w.dims(), w.dtype()), "{what}: result {j}");
+        assert_close(&g.to_f64_vec().expect("gpu read"), &w.to_f64_vec().expect("cpu read"), rtol, atol, &format!("{what}: result {j} (gpu vs cpu)"));
+    }
+    plan
+}
+
+#[test]
+fn results_of_one_shape_computed_in_one_kernel_match_cpu() {
+    let mut rng = Rng::new(31);
+    // An Adam update (weight, both moments from one gradient): one kernel
+    // with three outputs on the GPU, at odd sizes, a 2-D shape, and the
+    // vec4 size; the gradient also read transposed.
+    for dims in [vec![37], vec![300, 19], vec![70_000]] {
+        let ins: Vec<Tensor> = (0..4).map(|_| randn(&mut rng, &dims, DType::F32)).collect();
+        let ins = [ins[0].clone(), ins[1].clone(), ins[2].abs().unwrap(), ins[3].clone()];
+        let plan = same_all(&format!("adam {dims:?}"), &ins, 1e-5, 1e-6, |t| {
+            let m = t[1].mul(0.9)?.add(&t[3].mul(0.1)?)?;
+            let v = t[2].mul(0.999)?.add(&t[3].sqr()?.mul(0.001)?)?;
+            let w = t[0].mul(0.99)?.sub(&m.div(&v.sqrt()?.add(1e-8)?)?.mul(0.01)?)?;
+            Ok(vec![w, m, v])
+        });
+        assert_eq!(plan.len(), 1, "adam {dims:?}: {plan:?}");
+    }
+    // Outputs of several dtypes (an f32 master weight and its f16/bf16
+    // copy), a shared intermediate that is not stored, a broadcast row.
+    for dt in half_dtypes() {
+        let (x, y, r) = (randn(&mut rng, &[33, 70], DType::F32), randn(&mut rng, &[33, 70], DType::F32), randn(&mut rng, &[1, 70], DType::F32));
+        same_all(&format!("{dt} copies"), &[x, y, r], 1e-2, 1e-2, |t| {
+            let e = t[0].tanh()?.mul(&t[2])?;
+            let a = e.add(&t[1])?;
+            Ok(vec![a.clone(), a.to_dtype(dt)?, e.sub(&t[1])?.to_dtype(dt)?])
+        });
+    }
+    // Integer and bool results beside float ones; a read of a sibling's
+    // result transposed (which must not join it).
+    let (a, b) = (randn(&mut rng, &[24, 24], DType::F32), randn(&mut rng, &[24, 24], DType::F32));
+    same_all("mixed types and a transposed read", &[a, b], 1e-6, 1e-6, |t| {
+        let e = t[0].exp()?;
+        Ok(vec![e.clone(), t[0].gt(&t[1])?, t[1].mul(100.0)?.to_dtype(DType::I32)?, e.t()?.add(&t[1])?])
+    });
+    // A step that keeps the old values where `skip` is set, both ways.
+    for skip in [false, true] {
+        let (w, g) = (randn(&mut rng, &[129], DType::F32), randn(&mut rng, &[129], DType::F32));
+        let s = Tensor::from_vec(vec![skip], &[], Device::Cpu).unwrap();
+        same_all(&format!("skip {skip}"), &[w, g, s], 1e-6, 1e-6, |t| {
+            let m = t[1].mul(0.1)?;
+            let w = t[0].sub(&m)?;
+            Ok(vec![t[2].where_cond(&t[0], &w)?, t[2].where_cond(&t[1], &m)?])
+        });
+    }
+}

@@ -48,6 +48,10 @@ pub(crate) struct Capabilities {
     /// dequantizing tiled kernel on an H100); the CPU dequantizes a tile at
     /// a time inside its product instead.
     pub dense_wide_qmatmul: bool,
+    /// Runs [`crate::ir::KernelKind::Multi`] kernels: elementwise work of one
+    /// shape with several outputs (a GPU, where each dispatch costs the host
+    /// microseconds; the CPU runs such work as separate kernels).
+    pub multi_output: bool,
     /// The most buffers one kernel may read (an executor's binding limit
     /// less what a kernel binds besides its inputs): fusion stops there.
     pub max_inputs: usize,

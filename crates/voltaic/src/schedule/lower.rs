@@ -232,7 +232,7 @@ fn build_kernel(g: &Dag, inline: &[bool], l: &mut Lowered, i: usize) -> Kernel {
         }
         OpKind::Const(_) | OpKind::Map(_) | OpKind::Copy => unreachable!("elementwise ops are matched first"),
     };
-    Kernel { kind, inputs: b.inputs, out: 0, dtype: node.dtype, numel: node.numel(), ops: b.ops }
+    Kernel { kind, inputs: b.inputs, out: 0, also: vec![], dtype: node.dtype, numel: node.numel(), ops: b.ops }
 }
 
 #[cfg(test)]

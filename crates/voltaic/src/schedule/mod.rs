@@ -8,7 +8,10 @@
 //! 5. [`epilogue`]: elementwise work after a matmul runs in its stores.
 //! 6. [`rows`]: row-wise work becomes one-pass kernels, where the executor
 //!    asks for them (`Capabilities::row_kernels`).
-//! 7. [`lifetimes`]: which buffers are kept, and when the others are freed.
+//! 7. [`siblings`]: elementwise kernels of one shape that share buffers
+//!    become one kernel with several outputs, where the executor runs them
+//!    (`Capabilities::multi_output`).
+//! 8. [`lifetimes`]: which buffers are kept, and when the others are freed.
 
 pub(crate) mod cache;
 pub(crate) mod collect;
@@ -18,6 +21,7 @@ pub(crate) mod lifetimes;
 pub(crate) mod lower;
 pub(crate) mod refine;
 pub(crate) mod rows;
+pub(crate) mod siblings;
 #[cfg(test)]
 pub(crate) mod testing;
 
@@ -67,6 +71,9 @@ fn schedule_dag(dag: &collect::Dag, caps: Capabilities) -> (Scheduled, cache::En
     epilogue::fuse_epilogues(&mut plan, &kept, caps.max_inputs);
     if caps.row_kernels {
         rows::fuse_rows(&mut plan, &kept, caps.max_inputs);
+    }
+    if caps.multi_output {
+        siblings::fuse_siblings(&mut plan, &kept, caps.max_inputs);
     }
     lifetimes::plan_lifetimes(&mut plan, &kept, &store);
     let store_nodes = store.iter().map(|(_, n)| dag.index[&n.id]).collect();

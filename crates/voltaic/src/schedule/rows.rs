@@ -209,7 +209,7 @@ fn fuse_rows_at(plan: &mut Plan, k: usize, kept: &HashSet<Slot>, writer: &HashMa
     }
     let e = &plan.kernels[k];
     ops.extend(e.ops.iter().copied());
-    let fused = Kernel { kind: KernelKind::Rows { outer, inner, stages, out }, inputs, out: e.out, dtype: e.dtype, numel: e.numel, ops };
+    let fused = Kernel { kind: KernelKind::Rows { outer, inner, stages, out }, inputs, out: e.out, also: vec![], dtype: e.dtype, numel: e.numel, ops };
     plan.kernels[k] = fused;
     for &m in members.iter().rev() {
         plan.kernels.remove(m);

@@ -10,7 +10,7 @@ use crate::storage::CpuStorage;
 
 /// Capabilities of an executor without row kernels.
 pub(crate) fn cpu_caps() -> Capabilities {
-    Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, max_inputs: usize::MAX }
+    Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX }
 }
 
 /// A realized f32 input of zeros on the CPU.
@@ -70,6 +70,6 @@ pub(crate) fn matmul(a: &Value, b: &Value) -> Value {
 
 /// Kind names of the kernels that would realize `targets`.
 pub(crate) fn kinds(targets: &[&Value], row_kernels: bool) -> Vec<&'static str> {
-    let caps = Capabilities { row_kernels, strided_reads: true, dense_wide_qmatmul: false, max_inputs: usize::MAX };
+    let caps = Capabilities { row_kernels, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX };
     super::summarize(targets, caps).into_iter().map(|k| k.kind).collect()
 }

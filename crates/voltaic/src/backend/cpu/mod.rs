@@ -91,7 +91,7 @@ impl CpuExecutor {
 
 impl Executor for CpuExecutor {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, max_inputs: usize::MAX }
+        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
@@ -170,6 +170,8 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
         KernelKind::Index { op, args } => index::run(op, args, &inputs, k.dtype, k.numel)?,
         // The CPU keeps reductions as their own kernels (rows are in cache anyway).
         KernelKind::Rows { .. } => bail!(Device, "realize", "a row-fused kernel reached the CPU executor"),
+        // The CPU does not ask for them (`Capabilities::multi_output`).
+        KernelKind::Multi { .. } => bail!(Device, "realize", "a kernel of several outputs reached the CPU executor"),
     };
     debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
     Ok(out)

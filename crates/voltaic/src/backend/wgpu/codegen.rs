@@ -23,6 +23,8 @@ pub(crate) enum Src {
     Input(usize),
     /// The kernel's output.
     Output,
+    /// The kernel's further output with this index (`Kernel::also`).
+    Also(usize),
     /// A scratch buffer of the kernel's program.
     Scratch(usize),
     /// The device's index-error flags.

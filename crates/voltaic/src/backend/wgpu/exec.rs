@@ -128,7 +128,7 @@ pub(crate) fn bind<'b>(
     out: &'b wgpu::Buffer,
     consts: &[(f64, DType)],
 ) -> Result<Vec<Encoded>> {
-    bind_cached(ctx, c, &Mutex::new(None), input, out, consts)
+    bind_cached(ctx, c, &Mutex::new(None), input, &[out], consts)
 }
 
 /// The scratch buffers of kernel `c`, from the pool.
@@ -151,7 +151,7 @@ fn entries<'s, 'b: 's>(
     ctx: &'s GpuContext,
     d: &CompiledDispatch,
     input: &dyn Fn(usize) -> &'b wgpu::Buffer,
-    out: &'s wgpu::Buffer,
+    outs: &[&'s wgpu::Buffer],
     scratch: &'s [GpuBuf],
     consts_at: Option<usize>,
 ) -> Result<Vec<Entry<'s>>> {
@@ -163,7 +163,8 @@ fn entries<'s, 'b: 's>(
         .map(|b| {
             let buf: &wgpu::Buffer = match b.src {
                 Src::Input(i) => input(i),
-                Src::Output => out,
+                Src::Output => outs[0],
+                Src::Also(j) => outs[j + 1],
                 Src::Scratch(i) => scratch[i].raw(),
                 Src::IndexError => &ctx.index_error,
                 // Checked above: a kernel that reads constants has them.
@@ -221,7 +222,7 @@ fn bind_cached<'b>(
     c: &Compiled,
     cell: &Mutex<Option<Bound>>,
     input: &dyn Fn(usize) -> &'b wgpu::Buffer,
-    out: &'b wgpu::Buffer,
+    outs: &[&'b wgpu::Buffer],
     consts: &[(f64, DType)],
 ) -> Result<Vec<Encoded>> {
     // Taken out while in use: a second thread running the same plan binds afresh.
@@ -250,7 +251,7 @@ fn bind_cached<'b>(
     let consts_at = (!consts.is_empty()).then(|| scratch.len() - 1);
     let mut encoded = Vec::with_capacity(c.dispatches.len());
     for (i, d) in c.dispatches.iter().enumerate() {
-        let entries = entries(ctx, d, input, out, &scratch, consts_at)?;
+        let entries = entries(ctx, d, input, outs, &scratch, consts_at)?;
         let mut kept = if i < old_groups.len() { std::mem::take(&mut old_groups[i]) } else { vec![] };
         let same = |bound: &[OwnedEntry]| bound.len() == entries.len() && bound.iter().zip(&entries).all(|(a, b)| &a.0 == b.0 && a.1 == b.1 && a.2 == b.2);
         match kept.iter().position(|(bound, _)| same(bound)) {
@@ -421,14 +422,21 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
     let mut encoded: Vec<(Encoded, usize)> = Vec::new();
     let mut labels: Vec<String> = Vec::new();
     for (ki, k) in plan.kernels.iter().enumerate() {
-        let bytes = k.numel as u64 * elem_bytes(&ctx.caps, k.dtype);
-        let out = Arc::new(match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {
-            Some(i) => retired.swap_remove(i).reuse(k.dtype, k.numel),
-            None => alloc_in_pass(ctx, k.dtype, k.numel, bytes)?,
-        });
+        // The kernel's outputs: its own, then those of a `Multi` kernel.
+        let mut written: Vec<(usize, Arc<GpuBuf>)> = Vec::with_capacity(1 + k.also.len());
+        for slot in std::iter::once(k.out).chain(k.also.iter().copied()) {
+            let dt = plan.slots[slot].dtype;
+            let bytes = k.numel as u64 * elem_bytes(&ctx.caps, dt);
+            let buf = match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {
+                Some(i) => retired.swap_remove(i).reuse(dt, k.numel),
+                None => alloc_in_pass(ctx, dt, k.numel, bytes)?,
+            };
+            written.push((slot, Arc::new(buf)));
+        }
         let compiled = &compiled_plan.kernels[ki];
         let input_buf = |i: usize| bufs[k.inputs[i]].as_ref().expect("inputs are live").raw();
-        for e in bind_cached(ctx, compiled, &compiled_plan.bound[ki], &input_buf, out.raw(), &k.kind.consts())? {
+        let out_bufs: Vec<&wgpu::Buffer> = written.iter().map(|(_, b)| b.raw()).collect();
+        for e in bind_cached(ctx, compiled, &compiled_plan.bound[ki], &input_buf, &out_bufs, &k.kind.consts())? {
             encoded.push((e, ki));
         }
         if crate::backend::profiling() {
@@ -440,12 +448,14 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
             }
             labels.push(label);
         }
-        for (o, &slot) in outs.iter_mut().zip(&plan.outputs) {
-            if slot == k.out {
-                *o = Some(out.clone());
+        for (slot, buf) in written {
+            for (o, &s) in outs.iter_mut().zip(&plan.outputs) {
+                if s == slot {
+                    *o = Some(buf.clone());
+                }
             }
+            bufs[slot] = Some(buf);
         }
-        bufs[k.out] = Some(out);
         // A buffer whose last reader is encoded may hold the output of a later
         // kernel of this same pass (wgpu orders that write after these reads).
         // It must not reach the shared pool before this submission does: another

@@ -371,7 +371,7 @@ pub(crate) fn finish_tuning() {
 
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, max_inputs: self.caps.max_inputs() }
+        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: true, max_inputs: self.caps.max_inputs() }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {

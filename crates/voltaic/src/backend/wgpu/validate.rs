@@ -63,7 +63,7 @@ fn validate(label: &str, source: &str, caps: &Caps) {
 
 /// The kernels of the plan that would realize `t` on a GPU.
 fn kernels(t: &Tensor) -> Vec<(Kernel, Vec<(DType, usize)>)> {
-    let s = crate::schedule::schedule(&[&t.value], Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, max_inputs: lavapipe().max_inputs() });
+    let s = crate::schedule::schedule(&[&t.value], Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: true, max_inputs: lavapipe().max_inputs() });
     s.plan
         .kernels
         .iter()

@@ -9,14 +9,28 @@ use crate::ir::Expr;
 use std::fmt::Write;
 
 impl Gen<'_> {
+    /// The outputs of a kernel that stores instructions `stores` of `expr`:
+    /// (binding, name, dtype) each, the kernel's own output first.
+    fn outputs(&self, expr: &Expr, stores: &[usize]) -> Vec<(Src, String, DType)> {
+        stores
+            .iter()
+            .enumerate()
+            .map(|(j, &ins)| match j {
+                0 => (Src::Output, "out".to_string(), self.out.0),
+                _ => (Src::Also(j - 1), format!("also{}", j - 1), expr.instrs[ins].1),
+            })
+            .collect()
+    }
+
     /// Large elementwise kernels over 32-bit types whose loads are contiguous
     /// (or single broadcast values) move four elements per thread as vec4,
     /// which reaches the memory bandwidth where scalar accesses fall short.
-    fn elementwise_vec4(&self, expr: &Expr) -> Result<Option<Dispatch>> {
+    fn elementwise_vec4(&self, expr: &Expr, stores: &[usize]) -> Result<Option<Dispatch>> {
         let n = self.out.1;
         let word = |dt: DType| matches!(dt, DType::F32 | DType::I32 | DType::U32);
         let fits = |numel: usize| (numel as u64) * 4 <= self.caps.chunk_bytes();
-        if !n.is_multiple_of(4) || n < 1 << 16 || !word(self.out.0) || !fits(n) {
+        let outs = self.outputs(expr, stores);
+        if !n.is_multiple_of(4) || n < 1 << 16 || !outs.iter().all(|o| word(o.2)) || !fits(n) {
             return Ok(None);
         }
         enum Src4 {
@@ -62,10 +76,14 @@ impl Gen<'_> {
             }
             values.push(li);
         }
-        let ot = storage_ty(self.caps, self.out.0);
-        sh.bind_raw(Src::Output, "outv", &format!("array<vec4<{ot}>>"), true);
+        for (src, name, dt) in &outs {
+            sh.bind_raw(*src, &format!("{name}v"), &format!("array<vec4<{}>>", storage_ty(self.caps, *dt)), true);
+        }
         for u in 0..per {
-            let _ = writeln!(b, "    {{\n    let i = i0 + {}u;\n    if (i < {n4}u) {{\n    var r: vec4<{ot}>;", u * WG as usize);
+            let _ = writeln!(b, "    {{\n    let i = i0 + {}u;\n    if (i < {n4}u) {{", u * WG as usize);
+            for (j, (_, _, dt)) in outs.iter().enumerate() {
+                let _ = writeln!(b, "    var r{j}: vec4<{}>;", storage_ty(self.caps, *dt));
+            }
             for lane in 0..4 {
                 let overrides: Vec<(usize, String)> = values
                     .iter()
@@ -73,22 +91,34 @@ impl Gen<'_> {
                     .collect();
                 let _ = writeln!(b, "    {{");
                 let mut ix = Indexer::new(&[n], "i");
-                let v = emit_expr_with(&mut b, &mut sh, &mut ix, expr, &overrides)?;
-                let _ = writeln!(b, "    r[{lane}] = {};\n    }}", cast(expr.dtype(), self.out.0, &v));
+                emit_expr_with(&mut b, &mut sh, &mut ix, expr, &overrides)?;
+                for (j, &ins) in stores.iter().enumerate() {
+                    let _ = writeln!(b, "    r{j}[{lane}] = {};", cast(expr.instrs[ins].1, outs[j].2, &format!("v{ins}")));
+                }
+                let _ = writeln!(b, "    }}");
             }
-            let _ = writeln!(b, "    outv[i] = r;\n    }}\n    }}");
+            for (j, (_, name, _)) in outs.iter().enumerate() {
+                let _ = writeln!(b, "    {name}v[i] = r{j};");
+            }
+            let _ = writeln!(b, "    }}\n    }}");
         }
-        Ok(Some(sh.finish(format!("elementwise_vec4 [{n}]"), WG, groups(n4, WG * per as u32), &b)))
+        let label = if outs.len() > 1 { format!("elementwise_vec4 [{n}] x{}", outs.len()) } else { format!("elementwise_vec4 [{n}]") };
+        Ok(Some(sh.finish(label, WG, groups(n4, WG * per as u32), &b)))
     }
 
-    pub(crate) fn elementwise(&self, expr: &Expr, shape: &[usize]) -> Result<Dispatch> {
-        if let Some(d) = self.elementwise_vec4(expr)? {
+    /// `out[i] = expr(i)` over `shape`; with several `stores`, output `j`
+    /// gets instruction `stores[j]` (see `KernelKind::Multi`).
+    pub(crate) fn elementwise(&self, expr: &Expr, shape: &[usize], stores: &[usize]) -> Result<Dispatch> {
+        if let Some(d) = self.elementwise_vec4(expr, stores)? {
             return Ok(d);
         }
         let mut sh = self.shader();
         let used: Vec<usize> = (0..self.inputs.len()).collect();
         self.bind_inputs(&mut sh, &used);
-        self.bind_out(&mut sh);
+        let outs = self.outputs(expr, stores);
+        for (src, name, dt) in &outs {
+            sh.array(*src, name, *dt, self.out.1, true);
+        }
         let n = self.out.1;
         // Each thread takes PER elements, WG apart: loads stay coalesced and
         // more of them are in flight.
@@ -99,9 +129,13 @@ impl Gen<'_> {
         for k in 0..per {
             let _ = writeln!(b, "    {{\n    let i = group * {}u + {}u + lid;\n    if (i < {n}u) {{", WG * per, WG * k);
             let mut ix = Indexer::new(shape, "i");
-            let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
-            let _ = writeln!(b, "    st_out(i, {});\n    }}\n    }}", cast(expr.dtype(), self.out.0, &v));
+            emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+            for (&ins, (_, name, dt)) in stores.iter().zip(&outs) {
+                let _ = writeln!(b, "    st_{name}(i, {});", cast(expr.instrs[ins].1, *dt, &format!("v{ins}")));
+            }
+            let _ = writeln!(b, "    }}\n    }}");
         }
-        Ok(sh.finish(format!("elementwise {shape:?}"), WG, groups(n, WG * per), &b))
+        let label = if stores.len() > 1 { format!("elementwise {shape:?} x{}", stores.len()) } else { format!("elementwise {shape:?}") };
+        Ok(sh.finish(label, WG, groups(n, WG * per), &b))
     }
 }

@@ -31,7 +31,8 @@ pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], varian
     }
     let g = Gen { caps, inputs, out: (k.dtype, k.numel) };
     match &k.kind {
-        KernelKind::Elementwise { expr, shape } => p.dispatches.push(g.elementwise(expr, shape)?),
+        KernelKind::Elementwise { expr, shape } => p.dispatches.push(g.elementwise(expr, shape, &[expr.instrs.len().saturating_sub(1)])?),
+        KernelKind::Multi { expr, shape, stores } => p.dispatches.push(g.elementwise(expr, shape, stores)?),
         KernelKind::Reduce { op, expr, shape, outer, inner } => g.reduce(&mut p, *op, expr, shape, *outer, *inner)?,
         KernelKind::Matmul { a, b, m, k: kk, n, epilogue, quant: Some(q), .. } => g.qmatmul(&mut p, a, b, *q, *m, *kk, *n, epilogue.as_ref())?,
         KernelKind::Matmul { a, b, batch, m, k: kk, n, epilogue, quant: None } => {

@@ -1,0 +1,319 @@
+//! Pass 7, sibling fusion: elementwise kernels over one shape become one
+//! kernel with several outputs, where the executor runs such kernels
+//! (`Capabilities::multi_output`).
+//!
+//! The vertical fusion of pass 2 inlines a node into its consumers only
+//! when that costs no second evaluation, so a value two outputs need (an
+//! optimizer's new moment, which the new weight reads too) becomes a
+//! kernel of its own, and outputs that read the same buffers (the weight,
+//! both moments, all from one gradient) become one kernel each. Adam's
+//! update was three to five dispatches per parameter, each reading the
+//! gradient again. Here a kernel joins an earlier one of the same shape
+//! when everything it reads exists at that earlier kernel's place: reads
+//! of the earlier kernel's own results, element for element, become its
+//! values instead of loads, shared inputs are loaded once, and results
+//! nobody else reads or keeps are no longer stored.
+
+use crate::ir::{Expr, Instr, Kernel, KernelKind, Load, Plan, Slot};
+use foldhash::{HashMap, HashMapExt, HashSet};
+
+/// How far back a kernel looks for a sibling to join.
+const WINDOW: usize = 32;
+/// Kernels this large join only siblings they share a buffer with: on their
+/// own they are bound by memory, not by the dispatch.
+const SMALL: usize = 1 << 16;
+/// The most instructions a merged expression may hold.
+const MAX_INSTRS: usize = 512;
+
+/// Merge elementwise kernels into earlier ones of the same shape (see the
+/// module docs); a merged kernel reads at most `max_inputs` buffers, its
+/// extra outputs counted among them.
+pub(crate) fn fuse_siblings(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: usize) {
+    let kernels = std::mem::take(&mut plan.kernels);
+    let mut out: Vec<Kernel> = Vec::with_capacity(kernels.len());
+    // Which kernel of `out` writes each slot.
+    let mut writer: HashMap<Slot, usize> = HashMap::with_capacity(kernels.len() * 2);
+    for k in kernels {
+        let target = match &k.kind {
+            KernelKind::Elementwise { .. } => best_sibling(plan, &out, &writer, &k, max_inputs),
+            _ => None,
+        };
+        match target {
+            Some(a) => {
+                writer.insert(k.out, a);
+                merge(plan, &mut out[a], k);
+            }
+            None => {
+                writer.insert(k.out, out.len());
+                out.push(k);
+            }
+        }
+    }
+    drop_unread_outputs(&mut out, kept);
+    plan.kernels = out;
+}
+
+/// The kernel of `out` that `k` can join with the most shared buffers.
+fn best_sibling(plan: &Plan, out: &[Kernel], writer: &HashMap<Slot, usize>, k: &Kernel, max_inputs: usize) -> Option<usize> {
+    let KernelKind::Elementwise { expr, shape } = &k.kind else { return None };
+    if expr.dtype() != k.dtype || plan.slots[k.out].dtype != k.dtype {
+        return None;
+    }
+    // Everything `k` reads exists from kernel `first` on.
+    let first = k.inputs.iter().filter_map(|s| writer.get(s)).max().map_or(0, |&w| w);
+    let lo = first.max(out.len().saturating_sub(WINDOW));
+    let mut best: Option<(usize, usize)> = None;
+    for a in (lo..out.len()).rev() {
+        let Some(shared) = joinable(plan, &out[a], a, writer, k, expr, shape, max_inputs) else { continue };
+        if (shared > 0 || k.numel < SMALL) && best.is_none_or(|(s, _)| shared > s) {
+            best = Some((shared, a));
+        }
+    }
+    best.map(|(_, a)| a)
+}
+
+/// Whether `k` (with `expr` over `shape`) can join kernel `a` of `out`,
+/// and if so how many buffers they share.
+#[allow(clippy::too_many_arguments)]
+fn joinable(plan: &Plan, a: &Kernel, ai: usize, writer: &HashMap<Slot, usize>, k: &Kernel, expr: &Expr, shape: &[usize], max_inputs: usize) -> Option<usize> {
+    let (a_expr, a_shape) = match &a.kind {
+        KernelKind::Elementwise { expr, shape } | KernelKind::Multi { expr, shape, .. } => (expr, shape),
+        _ => return None,
+    };
+    if a_shape.as_slice() != shape || a.numel != k.numel || a_expr.instrs.len() + expr.instrs.len() > MAX_INSTRS {
+        return None;
+    }
+    if matches!(a.kind, KernelKind::Elementwise { .. }) && (a_expr.dtype() != a.dtype || plan.slots[a.out].dtype != a.dtype) {
+        return None;
+    }
+    let mut shared = 0;
+    let mut new_inputs = 0;
+    for (i, &s) in k.inputs.iter().enumerate() {
+        if writer.get(&s) == Some(&ai) {
+            // A result of `a`: read element for element in its own dtype, it
+            // is a value of the merged kernel; any other read would race
+            // with the store of another thread.
+            let ok = expr.loads.iter().filter(|l| l.input == i).all(|l| identity(l) && l.dtype == plan.slots[s].dtype);
+            if !ok {
+                return None;
+            }
+            shared += 1;
+        } else if a.inputs.contains(&s) {
+            shared += 1;
+        } else {
+            new_inputs += 1;
+        }
+    }
+    let outputs = 1 + a.also.len() + 1;
+    (a.inputs.len() + new_inputs + outputs - 1 <= max_inputs).then_some(shared)
+}
+
+/// A load of element `i` at element `i`: one contiguous layout, no offset.
+fn identity(l: &Load) -> bool {
+    l.path.len() == 1 && l.path[0].is_contiguous() && l.path[0].offset() == 0
+}
+
+/// Append kernel `k`'s work to `a`, which becomes (or stays) a `Multi` kernel.
+fn merge(plan: &Plan, a: &mut Kernel, k: Kernel) {
+    let old = std::mem::replace(&mut a.kind, KernelKind::Multi { expr: Expr::default(), shape: vec![], stores: vec![] });
+    let (mut expr, shape, mut stores) = match old {
+        KernelKind::Elementwise { expr, shape } => {
+            let last = expr.instrs.len() - 1;
+            (expr, shape, vec![last])
+        }
+        KernelKind::Multi { expr, shape, stores } => (expr, shape, stores),
+        _ => unreachable!("only elementwise kernels are joined"),
+    };
+    let KernelKind::Elementwise { expr: kx, .. } = k.kind else { unreachable!("only elementwise kernels join") };
+    // The instruction that holds each output slot of `a`.
+    let outputs: Vec<Slot> = std::iter::once(a.out).chain(a.also.iter().copied()).collect();
+    let value_of = |s: Slot| outputs.iter().position(|&o| o == s).map(|j| stores[j]);
+    // Instructions already present, to share equal ones (loads of one
+    // element of one buffer, the same operation on the same operands).
+    let mut known: HashMap<(Instr, crate::dtype::DType), usize> = HashMap::with_capacity(expr.instrs.len());
+    for (i, &(ins, dt)) in expr.instrs.iter().enumerate() {
+        if !matches!(ins, Instr::Const(_)) {
+            known.entry((ins, dt)).or_insert(i);
+        }
+    }
+    let mut map: Vec<usize> = Vec::with_capacity(kx.instrs.len());
+    for &(ins, dt) in &kx.instrs {
+        let new = match ins {
+            Instr::Load(l) => {
+                let load = &kx.loads[l];
+                let slot = k.inputs[load.input];
+                if let Some(v) = value_of(slot) {
+                    map.push(v);
+                    continue;
+                }
+                let input = match a.inputs.iter().position(|&s| s == slot) {
+                    Some(p) => p,
+                    None => {
+                        a.inputs.push(slot);
+                        a.inputs.len() - 1
+                    }
+                };
+                let load = Load { input, dtype: load.dtype, path: load.path.clone() };
+                match expr.loads.iter().position(|l| *l == load) {
+                    Some(p) => Instr::Load(p),
+                    None => {
+                        expr.loads.push(load);
+                        Instr::Load(expr.loads.len() - 1)
+                    }
+                }
+            }
+            Instr::Const(c) => {
+                // Constants stay apart: their values are data that a cached
+                // plan replaces, each from its own graph node.
+                expr.consts.push(kx.consts[c]);
+                expr.const_nodes.push(kx.const_nodes[c]);
+                expr.instrs.push((Instr::Const(expr.consts.len() - 1), dt));
+                map.push(expr.instrs.len() - 1);
+                continue;
+            }
+            Instr::Map(op, args) => {
+                let mut args2 = [0; 3];
+                for (j, &x) in args[..op.arity()].iter().enumerate() {
+                    args2[j] = map[x];
+                }
+                Instr::Map(op, args2)
+            }
+        };
+        let i = *known.entry((new, dt)).or_insert_with(|| {
+            expr.instrs.push((new, dt));
+            expr.instrs.len() - 1
+        });
+        map.push(i);
+    }
+    stores.push(map[kx.instrs.len() - 1]);
+    a.also.push(k.out);
+    a.ops.extend(k.ops);
+    debug_assert_eq!(plan.slots[k.out].dtype, expr.instrs[*stores.last().expect("pushed")].1);
+    a.kind = KernelKind::Multi { expr, shape, stores };
+}
+
+/// Outputs of `Multi` kernels that no kernel reads and nothing keeps
+/// (results that only fed their siblings) are no longer stored.
+fn drop_unread_outputs(kernels: &mut [Kernel], kept: &HashSet<Slot>) {
+    let read: HashSet<Slot> = kernels.iter().flat_map(|k| k.inputs.iter().copied()).collect();
+    for k in kernels.iter_mut() {
+        let KernelKind::Multi { stores, expr, .. } = &mut k.kind else { continue };
+        let slots: Vec<Slot> = std::iter::once(k.out).chain(k.also.iter().copied()).collect();
+        let keep: Vec<bool> = slots.iter().map(|s| read.contains(s) || kept.contains(s)).collect();
+        if keep.iter().all(|&x| !x) {
+            continue;
+        }
+        let (mut s2, mut st2) = (vec![], vec![]);
+        for ((s, st), keep) in slots.iter().zip(stores.iter()).zip(&keep) {
+            if *keep {
+                s2.push(*s);
+                st2.push(*st);
+            }
+        }
+        *stores = st2;
+        k.out = s2[0];
+        k.also = s2[1..].to_vec();
+        k.dtype = expr.instrs[stores[0]].1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::Capabilities;
+    use crate::ir::KernelKind;
+    use crate::primitive::{BinaryOp, UnaryOp};
+    use crate::schedule::testing::*;
+    use crate::schedule::{schedule, Scheduled};
+
+    fn gpu_like(max_inputs: usize) -> Capabilities {
+        Capabilities { multi_output: true, max_inputs, ..cpu_caps() }
+    }
+
+    /// An Adam-shaped update: two moments from one gradient, and a weight
+    /// that reads both.
+    fn adam_like() -> [crate::graph::Value; 3] {
+        let (w0, m0, v0, g) = (input(&[4, 8]), input(&[4, 8]), input(&[4, 8]), input(&[4, 8]));
+        let m = binary(&binary(&m0, &constant_like(&m0, 0.9), BinaryOp::Mul), &binary(&g, &constant_like(&g, 0.1), BinaryOp::Mul), BinaryOp::Add);
+        let gg = binary(&g, &g, BinaryOp::Mul);
+        let v = binary(&binary(&v0, &constant_like(&v0, 0.99), BinaryOp::Mul), &binary(&gg, &constant_like(&g, 0.01), BinaryOp::Mul), BinaryOp::Add);
+        let w = binary(&w0, &binary(&m, &unary(&v, UnaryOp::Sqrt), BinaryOp::Div), BinaryOp::Sub);
+        [w, m, v]
+    }
+
+    #[test]
+    fn an_optimizer_update_is_one_kernel_with_three_outputs() {
+        let [w, m, v] = adam_like();
+        let separate = schedule(&[&w, &m, &v], cpu_caps()).plan;
+        assert_eq!(separate.kernels.len(), 3, "{:?}", separate.kernels.iter().map(|k| &k.ops).collect::<Vec<_>>());
+        let Scheduled { plan, store, .. } = schedule(&[&w, &m, &v], gpu_like(27));
+        assert_eq!(plan.kernels.len(), 1);
+        let k = &plan.kernels[0];
+        let KernelKind::Multi { stores, .. } = &k.kind else { panic!("{:?}", k.kind.name()) };
+        assert_eq!(stores.len(), 3);
+        assert_eq!(k.also.len(), 2);
+        // Four buffers read once each: the weight, both moments, the gradient.
+        assert_eq!(k.inputs.len(), 4);
+        let mut written: Vec<_> = std::iter::once(k.out).chain(k.also.iter().copied()).collect();
+        let mut outs = plan.outputs.clone();
+        written.sort();
+        outs.sort();
+        assert_eq!(written, outs);
+        assert_eq!(store.len(), 3);
+    }
+
+    #[test]
+    fn a_result_only_siblings_read_is_not_stored() {
+        let x = input(&[16]);
+        // `e` feeds two outputs: computed once, never stored (nothing
+        // outside the graph holds it once the block ends).
+        let (a, b) = {
+            let e = unary(&x, UnaryOp::Exp);
+            (binary(&e, &constant_like(&e, 2.0), BinaryOp::Mul), binary(&e, &x, BinaryOp::Add))
+        };
+        let ka = schedule(&[&a, &b], cpu_caps()).plan.kernels.len();
+        let Scheduled { plan, .. } = schedule(&[&a, &b], gpu_like(27));
+        assert!(ka >= 2, "{ka}");
+        assert_eq!(plan.kernels.len(), 1);
+        assert_eq!(1 + plan.kernels[0].also.len(), 2, "only a and b are stored");
+    }
+
+    #[test]
+    fn a_transposed_read_of_a_sibling_result_does_not_join_it() {
+        let x = input(&[8, 8]);
+        let e = unary(&x, UnaryOp::Exp);
+        // Reads `e` transposed: thread i would read what thread j writes.
+        let t = binary(&transpose(&e), &x, BinaryOp::Add);
+        let Scheduled { plan, .. } = schedule(&[&e, &t], gpu_like(27));
+        assert_eq!(plan.kernels.len(), 2);
+        assert!(plan.kernels.iter().all(|k| k.also.is_empty()));
+    }
+
+    #[test]
+    fn merging_stops_at_the_binding_limit_and_at_other_shapes() {
+        let [w, m, v] = adam_like();
+        // Three inputs at most: the update cannot become one kernel.
+        let plan = schedule(&[&w, &m, &v], gpu_like(3)).plan;
+        assert!(plan.kernels.len() >= 2);
+        assert!(plan.kernels.iter().all(|k| k.inputs.len() + k.also.len() <= 3));
+        // Both contiguous, [4, 8] and [8, 4] are one flat shape and may
+        // join; a transposed read keeps its two dims.
+        let (x, y) = (input(&[4, 8]), input(&[4, 8]));
+        let a = unary(&x, UnaryOp::Exp);
+        let b = unary(&transpose(&y), UnaryOp::Exp);
+        assert_eq!(schedule(&[&a, &b], gpu_like(27)).plan.kernels.len(), 2);
+    }
+
+    #[test]
+    fn a_kernel_never_moves_above_the_kernel_that_writes_its_input() {
+        let x = input(&[64]);
+        let a = unary(&x, UnaryOp::Exp);
+        // A reduction between: `c` needs its result and cannot join `a`.
+        let s = reduce(&a, crate::primitive::ReduceOp::Sum, &[0]);
+        let c = binary(&x, &broadcast(&s, &[64]), BinaryOp::Mul);
+        let plan = schedule(&[&a, &c], gpu_like(27)).plan;
+        let pos = |slot| plan.kernels.iter().position(|k| k.out == slot || k.also.contains(&slot)).unwrap();
+        let reduce_at = plan.kernels.iter().position(|k| k.kind.name() == "reduce").unwrap();
+        let c_slot = *plan.outputs.iter().find(|&&o| pos(o) > reduce_at).expect("c comes after the reduction");
+        assert!(pos(c_slot) > reduce_at);
+    }
+}
