@@ -82,7 +82,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let el = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
     let d = p1.since(&p0);
-    println!("{prec} on {dev}: {el:.2} ms per step (wall), {:.1} realizations per step; host us per step:", d.realizations as f64 / steps as f64);
+    println!(
+        "{prec} on {dev}: {el:.2} ms per step (wall), {:.1} realizations and {:.0} graph nodes per step; host us per step:",
+        d.realizations as f64 / steps as f64,
+        d.nodes as f64 / steps as f64
+    );
     for (n, v) in d.phases() {
         println!("  {n:>8}: {:8.0}", v / steps as f64);
     }

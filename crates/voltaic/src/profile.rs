@@ -119,6 +119,9 @@ pub(crate) fn realization_ends(device: crate::Device, cached: bool) {
 pub struct HostProfile {
     /// Realizations so far.
     pub realizations: u64,
+    /// Graph nodes recorded so far (each op on a tensor records one; views
+    /// record none).
+    pub nodes: u64,
     /// Host time between realizations, less reads' waits: building the graph.
     pub record_us: f64,
     /// Collecting the pending graph and computing its structure key.
@@ -142,6 +145,7 @@ impl HostProfile {
     pub fn since(&self, earlier: &HostProfile) -> HostProfile {
         HostProfile {
             realizations: self.realizations - earlier.realizations,
+            nodes: self.nodes - earlier.nodes,
             record_us: self.record_us - earlier.record_us,
             collect_us: self.collect_us - earlier.collect_us,
             schedule_us: self.schedule_us - earlier.schedule_us,
@@ -174,6 +178,7 @@ pub fn host_profile() -> HostProfile {
     let us = |p: Phase| t[p as usize] as f64 / 1e3;
     HostProfile {
         realizations: REALIZATIONS.load(Ordering::Relaxed),
+        nodes: crate::graph::nodes_created(),
         record_us: us(Phase::Record),
         collect_us: us(Phase::Collect),
         schedule_us: us(Phase::Schedule),

@@ -444,7 +444,7 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
             // Which types a product ran in: an f32 operand keeps it off the tensor cores.
             if let KernelKind::Matmul { a, b, .. } = &k.kind {
                 let dt = |i: usize| k.inputs.get(i).map_or(k.dtype, |&s| plan.slots[s].dtype);
-                label.push_str(&format!(" [{} x {} -> {}]", dt(a.input), dt(b.input), k.dtype));
+                label.push_str(&format!(" [{} x {} -> {}] {}", dt(a.input), dt(b.input), k.dtype, k.ops.join(" ")));
             }
             labels.push(label);
         }
