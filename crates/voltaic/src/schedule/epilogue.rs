@@ -9,7 +9,8 @@ use foldhash::HashSet;
 /// nobody keeps the product: bias adds and activations after a Linear then
 /// run in the matmul's stores, and the product never touches memory.
 ///
-/// Not when the matmul would then read more than `max_inputs` buffers.
+/// Not when the matmul would then read more than `max_inputs` buffers, nor
+/// when the epilogue reads more than one other tensor of the product's size.
 pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: usize) {
     let kept_slot = |s: Slot| kept.contains(&s);
     let mut k = 0;
@@ -30,7 +31,14 @@ pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: 
             let plain = matches!(m.kind, KernelKind::Matmul { epilogue: None, .. }) && m.dtype.is_float();
             let extra = plan.kernels[k].inputs.iter().filter(|&&s| s != slot && !m.inputs.contains(&s)).count();
             let fits = m.inputs.len() + extra <= max_inputs;
-            (identity && only_load && readers == 1 && plain && fits && !kept_slot(slot)).then_some((li, mi))
+            // Tensors as large as the product, besides it: one (a residual)
+            // rides along; more (a GELU's backward reads three) make every
+            // stored element wait on several loads of its own, which a
+            // tiled product cannot hide: on the H100 such a tensor-core
+            // product took 400 us against 45 us without its epilogue, where
+            // an elementwise kernel after it takes about 25 us.
+            let full = plan.kernels[k].inputs.iter().filter(|&&s| s != slot && plan.slots[s].numel >= numel).count();
+            (identity && only_load && readers == 1 && plain && fits && full <= 1 && !kept_slot(slot)).then_some((li, mi))
         });
         let Some((acc, mi)) = found else {
             k += 1;
@@ -96,14 +104,27 @@ mod tests {
     #[test]
     fn an_epilogue_that_would_bind_too_many_buffers_stays_apart() {
         let (x, w) = (input(&[4, 8]), input(&[8, 3]));
-        let bs: Vec<_> = (0..4).map(|_| input(&[4, 3])).collect();
+        let bs: Vec<_> = (0..4).map(|_| input(&[1, 3])).collect();
         let mut y = matmul(&x, &w);
         for b in &bs {
-            y = binary(&y, b, BinaryOp::Add);
+            y = binary(&y, &broadcast(b, &[4, 3]), BinaryOp::Add);
         }
         let caps = crate::backend::Capabilities { max_inputs: 4, ..cpu_caps() };
         let ks = crate::schedule::summarize(&[&y], caps);
         assert!(ks.iter().all(|k| k.inputs <= 4), "{ks:?}");
         assert_eq!(crate::schedule::summarize(&[&y], cpu_caps()).len(), 1, "without a limit it is one kernel");
+    }
+
+    #[test]
+    fn one_tensor_of_the_products_size_rides_in_the_epilogue_but_not_two() {
+        let (x, w, b) = (input(&[4, 8]), input(&[8, 3]), input(&[1, 3]));
+        let (r1, r2) = (input(&[4, 3]), input(&[4, 3]));
+        let p = || binary(&matmul(&x, &w), &broadcast(&b, &[4, 3]), BinaryOp::Add);
+        // A residual: one kernel (the intermediate is dropped before scheduling).
+        let y1 = binary(&p(), &r1, BinaryOp::Add);
+        assert_eq!(kinds(&[&y1], false), vec!["matmul"]);
+        // Two more full-size reads (a GELU's backward reads three): apart.
+        let y = binary(&binary(&p(), &r1, BinaryOp::Mul), &r2, BinaryOp::Add);
+        assert_eq!(kinds(&[&y], false), vec!["matmul", "elementwise"]);
     }
 }

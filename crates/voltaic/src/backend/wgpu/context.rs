@@ -116,10 +116,16 @@ fn pipeline_cache_on() -> bool {
     *ON.get_or_init(|| std::env::var("VOLTAIC_PIPELINE_CACHE").map_or(true, |v| v != "0"))
 }
 
-/// Whether `VOLTAIC_COMPILE_LOG` asks for a line per compiled pipeline.
+/// Whether `VOLTAIC_COMPILE_LOG` asks for a line per compiled pipeline
+/// (`source`: with its WGSL).
 fn compile_log() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("VOLTAIC_COMPILE_LOG").is_ok_and(|v| !v.is_empty() && v != "0"))
+}
+
+fn compile_log_source() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_COMPILE_LOG").is_ok_and(|v| v == "source"))
 }
 
 /// An open wgpu device with everything Voltaic keeps per device.
@@ -350,6 +356,9 @@ impl GpuContext {
         self.compiled.fetch_add(1, Ordering::Relaxed);
         if compile_log() {
             eprintln!("voltaic compile: {:.1} ms, {} bytes of WGSL: {}", started.elapsed().as_secs_f64() * 1e3, source.len(), label);
+            if compile_log_source() {
+                eprintln!("{source}\nvoltaic compile: end of {label}");
+            }
         }
         self.save_pipeline_cache(false);
         let p = Arc::new(p);

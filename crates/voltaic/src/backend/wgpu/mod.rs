@@ -369,9 +369,16 @@ pub(crate) fn finish_tuning() {
     }
 }
 
+/// Whether kernels of several outputs are used (`VOLTAIC_MULTI_OUTPUT=0`
+/// turns them off, to measure what they change).
+fn multi_output() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_MULTI_OUTPUT").map_or(true, |v| v != "0"))
+}
+
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: true, max_inputs: self.caps.max_inputs() }
+        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: multi_output(), max_inputs: self.caps.max_inputs() }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
