@@ -284,6 +284,16 @@ fn long_and_strided_reductions_use_every_strategy() {
     let cols = randn(&mut rng, &[300, 2000], DType::F32);
     same("sum over dim 0", &[cols.clone()], 1e-4, 1e-4, |v| v[0].sum(&[0], false));
     same("argmax over dim 0", &[cols.clone()], 0.0, 0.0, |v| v[0].argmax(Some(0), false));
+    // Few outputs over a long strided dim: the dim split over workgroups
+    // (32 splits here); ties must still go to the lowest index across
+    // splits, and half inputs and bool counts fold the same.
+    let ties = randn(&mut rng, &[1000, 37], DType::F32).abs().unwrap().mul(1.5).unwrap().floor().unwrap();
+    same("argmax ties over split columns", &[ties.clone()], 0.0, 0.0, |v| v[0].argmax(Some(0), false));
+    same("argmin ties over split columns", &[ties.clone()], 0.0, 0.0, |v| v[0].argmin(Some(0), false));
+    same("sum over split columns", &[ties.clone()], 0.0, 0.0, |v| v[0].sum(&[0], false));
+    same("count over split columns", &[ties], 0.0, 0.0, |v| v[0].gt(0.5)?.sum(&[0], false));
+    let h = randn(&mut rng, &[4096, 24], DType::F16);
+    same("f16 sum over split columns", &[h], 2e-3, 2e-2, |v| v[0].sum(&[0], false));
     // Medium rows: a workgroup per output.
     same("softmax rows", &[cols.clone()], 1e-5, 1e-7, |v| v[0].softmax(-1));
     same("log_softmax rows", &[cols.clone()], 1e-5, 1e-5, |v| v[0].log_softmax(-1));

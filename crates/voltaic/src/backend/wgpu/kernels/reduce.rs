@@ -31,7 +31,26 @@ impl Gen<'_> {
         // neighbours then read neighbouring memory.
         // Loads that broadcast along the reduced dims (stride 0) do not count.
         let inner_contig = expr.loads.iter().all(|l| l.path.len() == 1 && matches!(l.path[0].strides().last(), Some(0 | 1)));
-        if inner <= 64 || (!inner_contig && outer >= 1024) {
+        if !inner_contig && inner > 64 {
+            // Strided rows (a bias gradient: a sum over the rows of [4096,
+            // 1536], each output a column): a thread per output still, so
+            // that neighbours read neighbouring memory, but with the reduced
+            // dim split over workgroups until some 32k threads run. One
+            // workgroup per output read 2 bytes per 32-byte sector (16 us for
+            // [4096, 384] on the H100); 1536 threads alone waited on 4096
+            // loads each (56 us for [4096, 1536]).
+            let lanes = outer.div_ceil(WG as usize) * WG as usize;
+            let splits = ((32 * 1024) / lanes).clamp(1, 64).min(inner.div_ceil(32));
+            if splits > 1 {
+                let chunk = inner.div_ceil(splits);
+                p.dispatches.push(self.reduce_cols(&r, expr, shape, outer, inner, splits, chunk)?);
+                p.scratch.push((adt, outer * splits));
+                p.scratch.push((DType::U32, outer * splits));
+                p.dispatches.push(self.reduce_partials(&r, outer, splits, true));
+                return Ok(());
+            }
+        }
+        if inner <= 64 || !inner_contig {
             p.dispatches.push(self.reduce_rows(&r, expr, shape, outer, inner)?);
             return Ok(());
         }
@@ -42,7 +61,7 @@ impl Gen<'_> {
         if splits > 1 {
             p.scratch.push((adt, outer * splits));
             p.scratch.push((DType::U32, outer * splits));
-            p.dispatches.push(self.reduce_partials(&r, outer, splits));
+            p.dispatches.push(self.reduce_partials(&r, outer, splits, false));
         }
         Ok(())
     }
@@ -62,6 +81,38 @@ impl Gen<'_> {
         let _ = writeln!(b, "    {}\n    }}", r.fold("acc", "ai", &r.value(&v), "j"));
         let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
         Ok(sh.finish(format!("reduce_rows {} {outer}x{inner}", r.op.name()), WG, groups(outer, WG), &b))
+    }
+
+    /// A thread per (output, split of the reduced dim): partial `s` of
+    /// output `o` goes to `s * outer + o`, for [`Gen::reduce_partials`].
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_cols(&self, r: &Reduction, expr: &Expr, shape: &[usize], outer: usize, inner: usize, splits: usize, chunk: usize) -> Result<Dispatch> {
+        let mut sh = self.shader();
+        let used: Vec<usize> = (0..self.inputs.len()).collect();
+        self.bind_inputs(&mut sh, &used);
+        sh.array(Src::Scratch(0), "pv", r.adt, outer * splits, true);
+        sh.array(Src::Scratch(1), "pi", DType::U32, outer * splits, true);
+        r.decl(&mut sh);
+        let og = outer.div_ceil(WG as usize);
+        let mut b = format!("    let s = group / {og}u;\n    let o = (group % {og}u) * {WG}u + lid;\n    if (s >= {splits}u || o >= {outer}u) {{ return; }}\n");
+        let _ = writeln!(b, "    let j0 = s * {chunk}u;\n    let j1 = min(j0 + {chunk}u, {inner}u);");
+        // PER independent accumulators, so PER loads are in flight per thread.
+        for k in 0..PER {
+            let _ = writeln!(b, "    var acc{k}: {} = {};\n    var ai{k}: u32 = 0xffffffffu;", r.acc_ty(), r.identity());
+        }
+        let _ = writeln!(b, "    for (var j = j0; j < j1; j = j + {PER}u) {{");
+        for k in 0..PER {
+            let _ = writeln!(b, "    {{\n    let jj = j + {k}u;\n    if (jj < j1) {{\n    let l = o * {inner}u + jj;");
+            let mut ix = Indexer::new(shape, "l");
+            let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+            let _ = writeln!(b, "    {}\n    }}\n    }}", r.fold(&format!("acc{k}"), &format!("ai{k}"), &r.value(&v), "jj"));
+        }
+        let _ = writeln!(b, "    }}\n    var acc = acc0;\n    var ai = ai0;");
+        for k in 1..PER {
+            let _ = writeln!(b, "    {}", r.fold("acc", "ai", &format!("acc{k}"), &format!("ai{k}")));
+        }
+        let _ = writeln!(b, "    st_pv(s * {outer}u + o, acc);\n    st_pi(s * {outer}u + o, ai);");
+        Ok(sh.finish(format!("reduce_cols {} {outer}x{inner} in {splits} splits", r.op.name()), WG, (og * splits) as u64, &b))
     }
 
     /// A workgroup per (output, split), tree-combined in shared memory.
@@ -121,8 +172,9 @@ impl Gen<'_> {
         Ok(sh.finish(format!("reduce {} {outer}x{inner} in {splits} splits", r.op.name()), WG, total as u64, &b))
     }
 
-    /// Combine the per-split partials of each output, in split order.
-    fn reduce_partials(&self, r: &Reduction, outer: usize, splits: usize) -> Dispatch {
+    /// Combine the per-split partials of each output, in split order: at
+    /// `o * splits + s`, or at `s * outer + o` when `split_major`.
+    fn reduce_partials(&self, r: &Reduction, outer: usize, splits: usize, split_major: bool) -> Dispatch {
         let mut sh = self.shader();
         sh.array(Src::Scratch(0), "pv", r.adt, outer * splits, false);
         sh.array(Src::Scratch(1), "pi", DType::U32, outer * splits, false);
@@ -133,7 +185,10 @@ impl Gen<'_> {
         let _ = writeln!(
             b,
             "    for (var s = 0u; s < {splits}u; s = s + 1u) {{\n        {}\n    }}",
-            r.fold("acc", "ai", &format!("ld_pv(o * {splits}u + s)"), &format!("ld_pi(o * {splits}u + s)"))
+            {
+                let at = if split_major { format!("s * {outer}u + o") } else { format!("o * {splits}u + s") };
+                r.fold("acc", "ai", &format!("ld_pv({at})"), &format!("ld_pi({at})"))
+            }
         );
         let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
         sh.finish(format!("reduce_partials {}", r.op.name()), WG, groups(outer, WG), &b)
