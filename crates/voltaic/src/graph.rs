@@ -103,13 +103,9 @@ pub(crate) struct Node {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-/// Nodes created so far in the process.
-pub(crate) fn nodes_created() -> u64 {
-    NEXT_ID.load(Ordering::Relaxed) - 1
-}
-
 impl Node {
     pub(crate) fn new(state: State, dtype: DType, device: Device, dims: Vec<usize>, depth: u32) -> Arc<Node> {
+        crate::profile::node_recorded();
         Arc::new(Node { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), dtype, device, dims, depth, state: Mutex::new(state) })
     }
     /// A pending node for `op`, its depth one more than its deepest pending input.
