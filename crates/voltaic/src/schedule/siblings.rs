@@ -72,8 +72,9 @@ fn best_sibling(plan: &Plan, out: &[Kernel], writer: &HashMap<Slot, usize>, k: &
     best.map(|(_, a)| a)
 }
 
-/// Whether `k` (with `expr` over `shape`) can join kernel `a` of `out`,
-/// and if so how many buffers they share.
+/// Whether `k` (with `expr` over `shape`) can join kernel `a` of `out`
+/// within `max_inputs` bindings besides the first output, and if so how
+/// many buffers they share.
 #[allow(clippy::too_many_arguments)]
 fn joinable(plan: &Plan, a: &Kernel, ai: usize, writer: &HashMap<Slot, usize>, k: &Kernel, expr: &Expr, shape: &[usize], max_inputs: usize) -> Option<usize> {
     let (a_expr, a_shape) = match &a.kind {
@@ -87,7 +88,10 @@ fn joinable(plan: &Plan, a: &Kernel, ai: usize, writer: &HashMap<Slot, usize>, k
         return None;
     }
     let mut shared = 0;
-    let mut new_inputs = 0;
+    // Bindings, counting a buffer larger than one binding may cover as
+    // several (see `bindings`): what `max_inputs` bounds on the executor.
+    let mut binds: usize = a.inputs.iter().chain(&a.also).map(|&s| bindings(plan, s)).sum();
+    binds += bindings(plan, k.out);
     for (i, &s) in k.inputs.iter().enumerate() {
         if writer.get(&s) == Some(&ai) {
             // A result of `a`: read element for element in its own dtype, it
@@ -101,11 +105,19 @@ fn joinable(plan: &Plan, a: &Kernel, ai: usize, writer: &HashMap<Slot, usize>, k
         } else if a.inputs.contains(&s) {
             shared += 1;
         } else {
-            new_inputs += 1;
+            binds += bindings(plan, s);
         }
     }
-    let outputs = 1 + a.also.len() + 1;
-    (a.inputs.len() + new_inputs + outputs - 1 <= max_inputs).then_some(shared)
+    (binds <= max_inputs).then_some(shared)
+}
+
+/// The bindings a GPU kernel may need for slot `s`: one per 128 MiB (the
+/// smallest storage-binding size adapters commonly offer: WebGPU's default,
+/// lavapipe's), at least one.
+fn bindings(plan: &Plan, s: Slot) -> usize {
+    let slot = &plan.slots[s];
+    let bytes = slot.numel * slot.dtype.size_in_bytes().max(4);
+    bytes.div_ceil(128 << 20).max(1)
 }
 
 /// A load of element `i` at element `i`: one contiguous layout, no offset.
@@ -232,7 +244,11 @@ mod tests {
     /// An Adam-shaped update: two moments from one gradient, and a weight
     /// that reads both.
     fn adam_like() -> [crate::graph::Value; 3] {
-        let (w0, m0, v0, g) = (input(&[4, 8]), input(&[4, 8]), input(&[4, 8]), input(&[4, 8]));
+        adam_of(&[4, 8])
+    }
+
+    fn adam_of(dims: &[usize]) -> [crate::graph::Value; 3] {
+        let (w0, m0, v0, g) = (input(dims), input(dims), input(dims), input(dims));
         let m = binary(&binary(&m0, &constant_like(&m0, 0.9), BinaryOp::Mul), &binary(&g, &constant_like(&g, 0.1), BinaryOp::Mul), BinaryOp::Add);
         let gg = binary(&g, &g, BinaryOp::Mul);
         let v = binary(&binary(&v0, &constant_like(&v0, 0.99), BinaryOp::Mul), &binary(&gg, &constant_like(&g, 0.01), BinaryOp::Mul), BinaryOp::Add);
@@ -301,6 +317,19 @@ mod tests {
         let a = unary(&x, UnaryOp::Exp);
         let b = unary(&transpose(&y), UnaryOp::Exp);
         assert_eq!(schedule(&[&a, &b], gpu_like(27)).plan.kernels.len(), 2);
+    }
+
+    #[test]
+    fn buffers_larger_than_a_binding_count_as_several() {
+        // Seven bindings allow the whole update at this size (four inputs,
+        // two more outputs)...
+        let [w, m, v] = adam_like();
+        assert_eq!(schedule(&[&w, &m, &v], gpu_like(7)).plan.kernels.len(), 1);
+        // ...but not when every buffer takes two 128 MiB bindings.
+        let [w, m, v] = adam_of(&[(128 << 20) / 4 + 1]);
+        let plan = schedule(&[&w, &m, &v], gpu_like(7)).plan;
+        assert!(plan.kernels.len() >= 2, "{}", plan.kernels.len());
+        assert!(plan.kernels.iter().all(|k| 2 * (k.inputs.len() + k.also.len()) <= 7 || k.also.is_empty()));
     }
 
     #[test]
