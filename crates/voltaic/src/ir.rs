@@ -221,6 +221,13 @@ pub(crate) struct Kernel {
     pub ops: Vec<&'static str>,
 }
 
+impl Kernel {
+    /// The slots the kernel writes: `out`, then `also`.
+    pub fn outputs(&self) -> impl Iterator<Item = Slot> + '_ {
+        std::iter::once(self.out).chain(self.also.iter().copied())
+    }
+}
+
 /// Where a slot's buffer comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SlotSource {

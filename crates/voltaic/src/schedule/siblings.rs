@@ -138,7 +138,7 @@ fn merge(plan: &Plan, a: &mut Kernel, k: Kernel) {
     };
     let KernelKind::Elementwise { expr: kx, .. } = k.kind else { unreachable!("only elementwise kernels join") };
     // The instruction that holds each output slot of `a`.
-    let outputs: Vec<Slot> = std::iter::once(a.out).chain(a.also.iter().copied()).collect();
+    let outputs: Vec<Slot> = a.outputs().collect();
     let value_of = |s: Slot| outputs.iter().position(|&o| o == s).map(|j| stores[j]);
     // Instructions already present, to share equal ones (loads of one
     // element of one buffer, the same operation on the same operands).
@@ -209,8 +209,8 @@ fn merge(plan: &Plan, a: &mut Kernel, k: Kernel) {
 fn drop_unread_outputs(kernels: &mut [Kernel], kept: &HashSet<Slot>) {
     let read: HashSet<Slot> = kernels.iter().flat_map(|k| k.inputs.iter().copied()).collect();
     for k in kernels.iter_mut() {
+        let slots: Vec<Slot> = k.outputs().collect();
         let KernelKind::Multi { stores, expr, .. } = &mut k.kind else { continue };
-        let slots: Vec<Slot> = std::iter::once(k.out).chain(k.also.iter().copied()).collect();
         let keep: Vec<bool> = slots.iter().map(|s| read.contains(s) || kept.contains(s)).collect();
         if keep.iter().all(|&x| !x) {
             continue;
@@ -269,7 +269,7 @@ mod tests {
         assert_eq!(k.also.len(), 2);
         // Four buffers read once each: the weight, both moments, the gradient.
         assert_eq!(k.inputs.len(), 4);
-        let mut written: Vec<_> = std::iter::once(k.out).chain(k.also.iter().copied()).collect();
+        let mut written: Vec<_> = k.outputs().collect();
         let mut outs = plan.outputs.clone();
         written.sort();
         outs.sort();

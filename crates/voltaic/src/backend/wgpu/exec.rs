@@ -424,7 +424,7 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
     for (ki, k) in plan.kernels.iter().enumerate() {
         // The kernel's outputs: its own, then those of a `Multi` kernel.
         let mut written: Vec<(usize, Arc<GpuBuf>)> = Vec::with_capacity(1 + k.also.len());
-        for slot in std::iter::once(k.out).chain(k.also.iter().copied()) {
+        for slot in k.outputs() {
             let dt = plan.slots[slot].dtype;
             let bytes = k.numel as u64 * elem_bytes(&ctx.caps, dt);
             let buf = match retired.iter().position(|b| b.size() == super::pool::bucket(bytes.max(4))) {

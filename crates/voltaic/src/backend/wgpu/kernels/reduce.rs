@@ -96,21 +96,7 @@ impl Gen<'_> {
         let og = outer.div_ceil(WG as usize);
         let mut b = format!("    let s = group / {og}u;\n    let o = (group % {og}u) * {WG}u + lid;\n    if (s >= {splits}u || o >= {outer}u) {{ return; }}\n");
         let _ = writeln!(b, "    let j0 = s * {chunk}u;\n    let j1 = min(j0 + {chunk}u, {inner}u);");
-        // PER independent accumulators, so PER loads are in flight per thread.
-        for k in 0..PER {
-            let _ = writeln!(b, "    var acc{k}: {} = {};\n    var ai{k}: u32 = 0xffffffffu;", r.acc_ty(), r.identity());
-        }
-        let _ = writeln!(b, "    for (var j = j0; j < j1; j = j + {PER}u) {{");
-        for k in 0..PER {
-            let _ = writeln!(b, "    {{\n    let jj = j + {k}u;\n    if (jj < j1) {{\n    let l = o * {inner}u + jj;");
-            let mut ix = Indexer::new(shape, "l");
-            let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
-            let _ = writeln!(b, "    {}\n    }}\n    }}", r.fold(&format!("acc{k}"), &format!("ai{k}"), &r.value(&v), "jj"));
-        }
-        let _ = writeln!(b, "    }}\n    var acc = acc0;\n    var ai = ai0;");
-        for k in 1..PER {
-            let _ = writeln!(b, "    {}", r.fold("acc", "ai", &format!("acc{k}"), &format!("ai{k}")));
-        }
+        fold_range(&mut b, &mut sh, r, expr, shape, inner, "j0", 1)?;
         let _ = writeln!(b, "    st_pv(s * {outer}u + o, acc);\n    st_pi(s * {outer}u + o, ai);");
         Ok(sh.finish(format!("reduce_cols {} {outer}x{inner} in {splits} splits", r.op.name()), WG, (og * splits) as u64, &b))
     }
@@ -133,21 +119,7 @@ impl Gen<'_> {
         let total = outer * splits;
         let mut b = format!("    if (group >= {total}u) {{ return; }}\n    let o = group / {splits}u;\n    let s = group % {splits}u;\n");
         let _ = writeln!(b, "    let j0 = s * {chunk}u;\n    let j1 = min(j0 + {chunk}u, {inner}u);");
-        // PER independent accumulators, so PER loads are in flight per thread.
-        for k in 0..PER {
-            let _ = writeln!(b, "    var acc{k}: {at} = {};\n    var ai{k}: u32 = 0xffffffffu;", r.identity());
-        }
-        let _ = writeln!(b, "    for (var j = j0 + lid; j < j1; j = j + {}u) {{", WG * PER);
-        for k in 0..PER {
-            let _ = writeln!(b, "    {{\n    let jj = j + {}u;\n    if (jj < j1) {{\n    let l = o * {inner}u + jj;", WG * k);
-            let mut ix = Indexer::new(shape, "l");
-            let v = emit_expr(&mut b, &mut sh, &mut ix, expr)?;
-            let _ = writeln!(b, "    {}\n    }}\n    }}", r.fold(&format!("acc{k}"), &format!("ai{k}"), &r.value(&v), "jj"));
-        }
-        let _ = writeln!(b, "    }}\n    var acc = acc0;\n    var ai = ai0;");
-        for k in 1..PER {
-            let _ = writeln!(b, "    {}", r.fold("acc", "ai", &format!("acc{k}"), &format!("ai{k}")));
-        }
+        fold_range(&mut b, &mut sh, r, expr, shape, inner, "j0 + lid", WG as usize)?;
         let _ = writeln!(b, "    sv[lid] = acc;\n    si[lid] = ai;\n    workgroupBarrier();");
         let _ = writeln!(
             b,
@@ -193,6 +165,29 @@ impl Gen<'_> {
         let _ = writeln!(b, "    st_out(o, {});", r.finish("acc", "ai"));
         sh.finish(format!("reduce_partials {}", r.op.name()), WG, groups(outer, WG), &b)
     }
+}
+
+/// Fold output `o`'s reduced elements `start, start + step, ...` below `j1`
+/// (`step` = `PER * lane_stride`) into `acc`/`ai`, through PER independent
+/// accumulators so that PER loads are in flight per thread. Partial folds
+/// combine by index, so ties still go to the lowest.
+#[allow(clippy::too_many_arguments)]
+fn fold_range(b: &mut String, sh: &mut Shader, r: &Reduction, expr: &Expr, shape: &[usize], inner: usize, start: &str, lane_stride: usize) -> Result<()> {
+    for k in 0..PER {
+        let _ = writeln!(b, "    var acc{k}: {} = {};\n    var ai{k}: u32 = 0xffffffffu;", r.acc_ty(), r.identity());
+    }
+    let _ = writeln!(b, "    for (var j = {start}; j < j1; j = j + {}u) {{", lane_stride * PER as usize);
+    for k in 0..PER as usize {
+        let _ = writeln!(b, "    {{\n    let jj = j + {}u;\n    if (jj < j1) {{\n    let l = o * {inner}u + jj;", lane_stride * k);
+        let mut ix = Indexer::new(shape, "l");
+        let v = emit_expr(b, sh, &mut ix, expr)?;
+        let _ = writeln!(b, "    {}\n    }}\n    }}", r.fold(&format!("acc{k}"), &format!("ai{k}"), &r.value(&v), "jj"));
+    }
+    let _ = writeln!(b, "    }}\n    var acc = acc0;\n    var ai = ai0;");
+    for k in 1..PER {
+        let _ = writeln!(b, "    {}", r.fold("acc", "ai", &format!("acc{k}"), &format!("ai{k}")));
+    }
+    Ok(())
 }
 
 /// The WGSL pieces of one reduction over an accumulator type, built from
