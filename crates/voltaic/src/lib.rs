@@ -58,6 +58,7 @@ mod schedule;
 mod realize;
 
 mod autograd;
+mod capture;
 mod display;
 pub mod ops;
 mod tensor;
@@ -70,6 +71,7 @@ pub mod nn;
 pub mod optim;
 
 pub use autograd::{is_grad_enabled, no_grad, NoGradGuard};
+pub use capture::{Capture, CaptureStats};
 pub use ops::autocast::{autocast, autocast_dtype, AutocastGuard};
 pub use backend::{DeviceStats, MemoryStats};
 pub use device::Device;

@@ -104,7 +104,9 @@ pub(crate) fn realization_starts() {
 
 /// A realization ended; with `VOLTAIC_PROFILE`, print the host time per
 /// phase since the previous line (so a read's wait appears on the next one).
-pub(crate) fn realization_ends(device: crate::Device, cached: bool) {
+/// `plan` says where the plan came from (`new plan`, `cached plan`,
+/// `replayed plan`).
+pub(crate) fn realization_ends(device: crate::Device, plan: &str) {
     REALIZATIONS.fetch_add(1, Ordering::Relaxed);
     let now = totals();
     let mut mark = MARK.lock().unwrap_or_else(|e| e.into_inner());
@@ -114,7 +116,6 @@ pub(crate) fn realization_ends(device: crate::Device, cached: bool) {
             .filter(|(p, _)| *p != Phase::Execute || now[*p as usize] != mark.totals[*p as usize])
             .map(|(p, name)| format!("{name} {:.1}", (now[*p as usize] - mark.totals[*p as usize]) as f64 / 1e3))
             .collect();
-        let plan = if cached { "cached plan" } else { "new plan" };
         eprintln!("voltaic host ({device}, {plan}), us: {}", parts.join(", "));
     }
     mark.totals = now;

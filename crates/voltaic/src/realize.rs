@@ -1,11 +1,48 @@
 //! Realization: schedule the pending graph, run the plan on its device's
-//! executor, and hand each kept buffer to its node.
+//! executor, and hand each kept buffer to its node. While a capture is
+//! open on a thread (see `tensor`'s `Capture`), each realization is also
+//! logged with its plan and buffers, so that it can be run again without
+//! the graph.
 
-use crate::backend::executor;
+use crate::backend::{executor, Buffer};
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{bail, Result};
 use crate::graph::{State, Value};
+use crate::ir::Plan;
 use crate::schedule::schedule;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+/// One realization as it ran: the plan, the buffers it read, and the
+/// buffers it stored (`outputs[i]` for `plan.outputs[i]`).
+pub(crate) struct Realization {
+    pub device: Device,
+    pub plan: Arc<Plan>,
+    pub inputs: Vec<Buffer>,
+    pub outputs: Vec<Buffer>,
+}
+
+thread_local! {
+    /// The realizations of the open capture on this thread, if one is open.
+    static LOG: RefCell<Option<Vec<Realization>>> = const { RefCell::new(None) };
+}
+
+/// Start logging this thread's realizations. Captures do not nest.
+pub(crate) fn start_log() -> Result<()> {
+    LOG.with(|l| {
+        let mut l = l.borrow_mut();
+        if l.is_some() {
+            bail!(Value, "capture", "a captured step ran another capture inside it; captures do not nest");
+        }
+        *l = Some(Vec::new());
+        Ok(())
+    })
+}
+
+/// Stop logging and return what was logged since [`start_log`].
+pub(crate) fn end_log() -> Vec<Realization> {
+    LOG.with(|l| l.borrow_mut().take().unwrap_or_default())
+}
 
 /// Realize `targets`, grouped by device.
 pub(crate) fn realize(targets: &[&Value]) -> Result<()> {
@@ -21,10 +58,24 @@ pub(crate) fn realize(targets: &[&Value]) -> Result<()> {
         let exec = executor(d)?;
         let s = schedule(&group, exec.capabilities());
         let outs = exec.run(&s.plan, &s.inputs)?;
-        for (node, buf) in s.store.iter().zip(outs) {
-            *node.state() = State::Realized(buf);
+        for (node, buf) in s.store.iter().zip(&outs) {
+            *node.state() = State::Realized(buf.clone());
         }
-        crate::profile::realization_ends(d, s.cached);
+        LOG.with(|l| {
+            if let Some(log) = l.borrow_mut().as_mut() {
+                log.push(Realization { device: d, plan: s.plan.clone(), inputs: s.inputs.clone(), outputs: outs });
+            }
+        });
+        crate::profile::realization_ends(d, if s.cached { "cached plan" } else { "new plan" });
     }
     Ok(())
+}
+
+/// Run a logged plan again on `device` with other input buffers: no graph,
+/// no scheduling; the outputs in the plan's order.
+pub(crate) fn replay(device: Device, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+    crate::profile::realization_starts();
+    let outs = executor(device)?.run(plan, inputs)?;
+    crate::profile::realization_ends(device, "replayed plan");
+    Ok(outs)
 }

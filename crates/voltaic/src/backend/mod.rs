@@ -32,6 +32,17 @@ pub(crate) enum Buffer {
     Wgpu(Arc<self::wgpu::pool::GpuBuf>),
 }
 
+impl Buffer {
+    /// Whether two handles name the same buffer (not merely equal contents).
+    pub fn same(&self, other: &Buffer) -> bool {
+        match (self, other) {
+            (Buffer::Host(a), Buffer::Host(b)) => Arc::ptr_eq(a, b),
+            (Buffer::Wgpu(a), Buffer::Wgpu(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
 /// What an executor offers the scheduler and the tensor layer.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Capabilities {
