@@ -86,6 +86,48 @@ impl QTensor {
         QTensor::from_blocks(&bytes, qtype, t.dims(), t.device())
     }
 
+    /// The rows of several matrices of one quantization type and width
+    /// stacked into one `[sum of rows, cols]` (`torch.cat(ws, 0)`): weights
+    /// that multiply the same input (a layer's query, key and value
+    /// projections) then run as one product. The blocks are copied on the
+    /// device, not requantized.
+    ///
+    /// ```
+    /// use voltaic::{quant::GgmlType, Device, DType, QTensor, Tensor};
+    /// let a = QTensor::quantize(&Tensor::randn(&[4, 32], DType::F32, Device::Cpu)?, GgmlType::Q8_0)?;
+    /// let b = QTensor::quantize(&Tensor::randn(&[2, 32], DType::F32, Device::Cpu)?, GgmlType::Q8_0)?;
+    /// let ab = QTensor::cat_rows(&[&a, &b])?;
+    /// assert_eq!(ab.dims(), [6, 32]);
+    /// # Ok::<(), voltaic::Error>(())
+    /// ```
+    pub fn cat_rows(parts: &[&QTensor]) -> Result<QTensor> {
+        let Some(first) = parts.first() else {
+            bail!(Value, "cat_rows", "expected at least one quantized matrix, got none");
+        };
+        if let Some(o) = parts.iter().find(|o| o.qtype != first.qtype || o.cols != first.cols || o.transposed || o.device() != first.device()) {
+            bail!(
+                Value,
+                "cat_rows",
+                "can only stack untransposed matrices of one type, width and device: {} [{}, {}] on {} and {} {:?}{} on {}",
+                first.qtype.name(),
+                first.rows,
+                first.cols,
+                first.device(),
+                o.qtype.name(),
+                o.dims(),
+                if o.transposed { " (transposed)" } else { "" },
+                o.device()
+            );
+        }
+        if first.transposed {
+            bail!(Value, "cat_rows", "can only stack untransposed matrices, got a transposed {:?}", first.dims());
+        }
+        let raws: Vec<&Tensor> = parts.iter().map(|p| &p.raw).collect();
+        let raw = Tensor::cat(&raws, 0)?;
+        raw.realize()?;
+        Ok(QTensor { raw, qtype: first.qtype, rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols, transposed: false })
+    }
+
     /// The quantization type.
     pub fn qtype(&self) -> GgmlType {
         self.qtype

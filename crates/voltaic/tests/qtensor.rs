@@ -281,3 +281,40 @@ fn bad_quantized_input_is_an_error_naming_what_is_wrong() {
     let e = Tensor::ones(&[2, 32], DType::I32, d).unwrap().matmul(&wq.t()).unwrap_err().to_string();
     assert!(e.contains("float"), "{e}");
 }
+
+/// Stacked rows multiply as the separate matrices do, for every type, on
+/// every device; mismatched types and widths are errors.
+#[test]
+fn stacked_rows_multiply_as_the_separate_matrices() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(21);
+    let k = 256;
+    for q in TYPES {
+        let rows = [5usize, 3, 7];
+        let blocks: Vec<Vec<u8>> = rows.iter().map(|&n| random_blocks(&mut rng, q, n, k)).collect();
+        let x = rng.normals(k);
+        // The reference: each part dequantized on the host, f64 dot products.
+        let mut want = vec![];
+        for (b, &n) in blocks.iter().zip(&rows) {
+            let mut w = vec![0f32; n * k];
+            dequantize(q, b, &mut w).unwrap();
+            want.extend((0..n).map(|r| (0..k).map(|c| w[r * k + c] as f64 * x[c]).sum::<f64>()));
+        }
+        for dev in devices() {
+            let parts: Vec<QTensor> = blocks.iter().zip(&rows).map(|(b, &n)| QTensor::from_blocks(b, q, &[n, k], dev).unwrap()).collect();
+            let stacked = QTensor::cat_rows(&parts.iter().collect::<Vec<_>>()).unwrap();
+            assert_eq!(stacked.dims(), [15, k]);
+            assert_eq!(stacked.size_in_bytes(), parts.iter().map(|p| p.size_in_bytes()).sum::<usize>());
+            let y = f32_on(x.clone(), &[1, k], dev).matmul(&stacked.t()).unwrap().to_f64_vec().unwrap();
+            close(&y, &want, 2e-3, &format!("{} stacked on {dev}", q.name()));
+        }
+    }
+    let d = Device::Cpu;
+    let a = QTensor::from_blocks(&random_blocks(&mut rng, GgmlType::Q8_0, 2, 32), GgmlType::Q8_0, &[2, 32], d).unwrap();
+    let b = QTensor::from_blocks(&random_blocks(&mut rng, GgmlType::Q4_0, 2, 32), GgmlType::Q4_0, &[2, 32], d).unwrap();
+    let c = QTensor::from_blocks(&random_blocks(&mut rng, GgmlType::Q8_0, 2, 64), GgmlType::Q8_0, &[2, 64], d).unwrap();
+    for bad in [QTensor::cat_rows(&[&a, &b]), QTensor::cat_rows(&[&a, &c]), QTensor::cat_rows(&[&a.t()]), QTensor::cat_rows(&[])] {
+        let e = bad.unwrap_err().to_string();
+        assert!(e.contains("cat_rows"), "{e}");
+    }
+}

@@ -4,8 +4,11 @@
 //! penalty (on the host, from the logits), seeded and reproducible.
 
 use super::llama::{KvCache, Llama};
+use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::rng::Generator;
+use crate::{Capture, Tensor};
+use std::collections::VecDeque;
 use web_time::Instant;
 
 /// How the next token is chosen.
@@ -125,43 +128,111 @@ impl Generation {
 /// Generate up to `max_tokens` after `prompt`, stopping at `stop` (the EOS
 /// token) or when `on_token` returns false; `on_token` sees each id as soon
 /// as it is known (to stream text).
+///
+/// After the prompt's forward pass, each token is one decode step replayed
+/// from a [`Capture`] (the step's graph is recorded and scheduled on its
+/// first two calls per cache capacity only). Greedy decoding keeps the
+/// sampled token on the device and feeds it straight to the next step; the
+/// host reads each id back one step behind, so the device computes step
+/// `n + 1` while the host waits for token `n` and encodes the next step.
 pub fn generate(model: &Llama, prompt: &[u32], max_tokens: usize, sampling: &Sampling, stop: Option<u32>, mut on_token: impl FnMut(u32) -> bool) -> Result<Generation> {
     sampling.check()?;
     if prompt.is_empty() {
         bail!(Value, "generate", "the prompt has no tokens");
     }
+    let mut out = Generation { prompt_tokens: prompt.len(), ..Default::default() };
+    if max_tokens == 0 {
+        return Ok(out);
+    }
+    let dev = model.device();
     let mut cache: KvCache = model.new_cache()?;
     let mut rng = Generator::new(sampling.seed);
     let mut history = prompt.to_vec();
-    let mut out = Generation { prompt_tokens: prompt.len(), ..Default::default() };
-    let next = |logits: crate::Tensor, history: &[u32], rng: &mut Generator| -> Result<u32> {
-        if sampling.on_host() {
-            let mut l = logits.to_vec::<f32>()?;
-            Ok(sampling.choose(&mut l, history, rng))
-        } else {
-            Ok(logits.argmax(Some(0), false)?.item_f64()? as u32)
-        }
-    };
+    let greedy = !sampling.on_host();
     let start = Instant::now();
-    let mut step = Instant::now();
-    let mut input: Vec<u32> = prompt.to_vec();
-    while out.tokens.len() < max_tokens {
-        let logits = model.forward(&input, &mut cache)?;
-        let t = next(logits, &history, &mut rng)?;
-        if out.tokens.is_empty() {
-            out.prefill_seconds = start.elapsed().as_secs_f64();
-            step = Instant::now();
+    let logits = model.forward(prompt, &mut cache)?;
+    // The first token, on the device when greedy.
+    let mut tok = if greedy { logits.argmax(Some(0), true)? } else { Tensor::zeros(&[1], DType::I32, dev)? };
+    let first = if greedy { read_id(tok.read_start()?)? } else { sampling.choose(&mut logits.to_vec::<f32>()?, &history, &mut rng) };
+    out.prefill_seconds = start.elapsed().as_secs_f64();
+    let step_start = Instant::now();
+    let mut last = first;
+    let mut go_on = emit(&mut out, &mut history, first, stop, &mut on_token);
+    let mut pos = Tensor::from_vec(vec![cache.len() as i32], &[1], dev)?;
+    let mut step = decode_step(model, greedy);
+    // Greedy: reads of ids of steps already submitted, oldest first.
+    let mut reads: VecDeque<crate::backend::PendingRead> = VecDeque::new();
+    while go_on {
+        let can_issue = out.tokens.len() + reads.len() < max_tokens && cache.len() < model.config.context;
+        if can_issue {
+            let need = cache.len() + 1;
+            model.reserve(&mut cache, need)?;
+            if !greedy {
+                tok = Tensor::from_vec(vec![last as i32], &[1], dev)?;
+            }
+            let (head, next_pos) = run_step(&mut step, &tok, &pos, &mut cache)?;
+            pos = next_pos;
+            if greedy {
+                tok = head;
+                reads.push_back(tok.read_start()?);
+            } else {
+                last = sampling.choose(&mut head.to_vec::<f32>()?, &history, &mut rng);
+                go_on = emit(&mut out, &mut history, last, stop, &mut on_token);
+                continue;
+            }
         }
-        out.tokens.push(t);
-        history.push(t);
-        let go_on = on_token(t);
-        if Some(t) == stop || !go_on || cache.len() >= model.config.context {
-            break;
+        // Keep one step in flight ahead of the id being read.
+        if reads.len() > 1 || !can_issue {
+            let Some(r) = reads.pop_front() else { break };
+            last = read_id(r)?;
+            go_on = emit(&mut out, &mut history, last, stop, &mut on_token);
         }
-        input = vec![t];
     }
     if out.tokens.len() > 1 {
-        out.decode_seconds = step.elapsed().as_secs_f64();
+        out.decode_seconds = step_start.elapsed().as_secs_f64();
     }
     Ok(out)
+}
+
+/// Record token `t`; whether generation goes on.
+fn emit(out: &mut Generation, history: &mut Vec<u32>, t: u32, stop: Option<u32>, on_token: &mut impl FnMut(u32) -> bool) -> bool {
+    out.tokens.push(t);
+    history.push(t);
+    on_token(t) && Some(t) != stop
+}
+
+/// The id a read of a one-element i32 tensor gives.
+fn read_id(r: crate::backend::PendingRead) -> Result<u32> {
+    let v: Vec<i32> = r.wait()?.into_vec().expect("an i32 token id");
+    Ok(v[0] as u32)
+}
+
+/// One decode step as a capture: `(token [1] i32, position [1] i32, keys...,
+/// values...)` to `(the next token's id [1] i32 when greedy, else the logits
+/// [vocab], position + 1, keys..., values...)`.
+fn decode_step(model: &Llama, greedy: bool) -> Capture<impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + '_> {
+    let layers = model.config.layers;
+    Capture::new(move |x: &[Tensor]| {
+        let (logits, k, v) = model.step(&x[0], &x[1], &x[2..2 + layers], &x[2 + layers..])?;
+        let head = if greedy { logits.argmax(Some(0), true)? } else { logits };
+        let mut out = vec![head, x[1].add(1i32)?];
+        out.extend(k);
+        out.extend(v);
+        Ok(out)
+    })
+}
+
+/// Run the decode step for `tok` at `pos`, updating `cache`; the step's
+/// head (next id or logits) and the next position.
+fn run_step<F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>>(step: &mut Capture<F>, tok: &Tensor, pos: &Tensor, cache: &mut KvCache) -> Result<(Tensor, Tensor)> {
+    let layers = cache.k.len();
+    let mut args: Vec<&Tensor> = vec![tok, pos];
+    args.extend(cache.k.iter().chain(&cache.v));
+    let mut outs = step.call(&args)?;
+    cache.v = outs.split_off(2 + layers);
+    cache.k = outs.split_off(2);
+    cache.len += 1;
+    let next_pos = outs.pop().expect("the step returns the position");
+    let head = outs.pop().expect("the step returns its head");
+    Ok((head, next_pos))
 }

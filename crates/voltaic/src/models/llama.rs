@@ -198,6 +198,14 @@ impl Weight {
         }
     }
 
+    /// Rows of the matrix (`out`).
+    fn out_features(&self) -> usize {
+        match self {
+            Weight::Quantized(q) => q.dims()[0],
+            Weight::Dense(w) => w.dims()[0],
+        }
+    }
+
     /// Rows `ids` of the matrix (an embedding lookup), f32.
     pub fn rows(&self, ids: &Tensor) -> Result<Tensor> {
         match self {
@@ -223,17 +231,72 @@ impl Weight {
     }
 }
 
+/// Weights that multiply the same input: one product over their stacked
+/// rows where they share a storage type (a layer's query, key and value
+/// projections; the feed-forward's gate and up), else one product each.
+/// On a GPU a decode step is a few hundred small kernels, each costing the
+/// host and the GPU microseconds whatever its size: fewer, larger ones win.
+#[derive(Clone, Debug)]
+enum Stacked {
+    /// `[rows[0] + rows[1] + ..., in]`.
+    One { w: Weight, rows: Vec<usize> },
+    /// Types differ (a Q4_K_M file's value projection is Q6_K, say).
+    Apart(Vec<Weight>),
+}
+
+impl Stacked {
+    fn new(parts: Vec<Weight>) -> Result<Stacked> {
+        let rows: Vec<usize> = parts.iter().map(Weight::out_features).collect();
+        let quantized: Option<Vec<&QTensor>> = parts.iter().map(|w| if let Weight::Quantized(q) = w { Some(q) } else { None }).collect();
+        let dense: Option<Vec<&Tensor>> = parts.iter().map(|w| if let Weight::Dense(t) = w { Some(t) } else { None }).collect();
+        let w = match (quantized, dense) {
+            (Some(q), _) if q.iter().all(|p| p.qtype() == q[0].qtype()) => Weight::Quantized(QTensor::cat_rows(&q)?),
+            (_, Some(d)) => {
+                let t = Tensor::cat(&d, 0)?;
+                t.realize()?;
+                Weight::Dense(t)
+            }
+            _ => return Ok(Stacked::Apart(parts)),
+        };
+        Ok(Stacked::One { w, rows })
+    }
+
+    /// `x @ part.t()` for each part: views of one product where stacked.
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Stacked::Apart(ws) => ws.iter().map(|w| w.forward(x)).collect(),
+            Stacked::One { w, rows } => {
+                let y = w.forward(x)?;
+                let last = y.rank() as isize - 1;
+                let mut at = 0;
+                rows.iter()
+                    .map(|&n| {
+                        at += n;
+                        y.narrow(last, at - n, n)
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    fn size_in_bytes(&self) -> usize {
+        match self {
+            Stacked::One { w, .. } => w.size_in_bytes(),
+            Stacked::Apart(ws) => ws.iter().map(Weight::size_in_bytes).sum(),
+        }
+    }
+}
+
 /// One transformer block's weights.
 #[derive(Clone, Debug)]
 struct Block {
     attn_norm: Tensor,
-    wq: Weight,
-    wk: Weight,
-    wv: Weight,
+    /// Query, key and value projections.
+    qkv: Stacked,
     wo: Weight,
     ffn_norm: Tensor,
-    gate: Weight,
-    up: Weight,
+    /// The feed-forward's gate and up projections.
+    gate_up: Stacked,
     down: Weight,
 }
 
@@ -243,9 +306,9 @@ struct Block {
 /// when a step would overflow it (never past the model's context).
 #[derive(Clone, Debug)]
 pub struct KvCache {
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
-    len: usize,
+    pub(crate) k: Vec<Tensor>,
+    pub(crate) v: Vec<Tensor>,
+    pub(crate) len: usize,
     capacity: usize,
 }
 
@@ -318,13 +381,10 @@ impl Llama {
             let w = |n: &str, dims: &[usize]| Weight::load(f, &format!("blk.{l}.{n}.weight"), dims, device);
             blocks.push(Block {
                 attn_norm: vector(&format!("blk.{l}.attn_norm.weight"))?,
-                wq: w("attn_q", &[h, h])?,
-                wk: w("attn_k", &[kvd, h])?,
-                wv: w("attn_v", &[kvd, h])?,
+                qkv: Stacked::new(vec![w("attn_q", &[h, h])?, w("attn_k", &[kvd, h])?, w("attn_v", &[kvd, h])?])?,
                 wo: w("attn_output", &[h, h])?,
                 ffn_norm: vector(&format!("blk.{l}.ffn_norm.weight"))?,
-                gate: w("ffn_gate", &[ffn, h])?,
-                up: w("ffn_up", &[ffn, h])?,
+                gate_up: Stacked::new(vec![w("ffn_gate", &[ffn, h])?, w("ffn_up", &[ffn, h])?])?,
                 down: w("ffn_down", &[h, ffn])?,
             });
         }
@@ -361,7 +421,7 @@ impl Llama {
     /// Bytes the weights take on the device (the KV cache apart).
     pub fn size_in_bytes(&self) -> usize {
         let b = &self.blocks;
-        let mats: usize = b.iter().map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down].iter().map(|w| w.size_in_bytes()).sum::<usize>()).sum();
+        let mats: usize = b.iter().map(|b| b.qkv.size_in_bytes() + b.wo.size_in_bytes() + b.gate_up.size_in_bytes() + b.down.size_in_bytes()).sum();
         let vecs = (2 * b.len() + 1) * self.config.hidden * 4;
         mats + vecs + self.embed.size_in_bytes() + self.output.as_ref().map_or(0, |w| w.size_in_bytes()) + 2 * self.cos.numel() * 4 + self.partner.numel() * 4
     }
@@ -384,32 +444,70 @@ impl Llama {
             bail!(Index, "llama", "token id {bad} is out of range for a vocabulary of {}", c.vocab);
         }
         let p0 = cache.len;
-        if p0 + t > c.context {
-            bail!(Value, "llama", "{} tokens do not fit the model's context of {} ({p0} already in the cache)", p0 + t, c.context);
-        }
         self.reserve(cache, p0 + t)?;
-        let cap = cache.capacity;
         let dev = self.device;
         let ids = Tensor::from_vec(tokens.iter().map(|&i| i as i32).collect::<Vec<_>>(), &[t], dev)?;
         let pos = Tensor::from_vec((p0..p0 + t).map(|p| p as i32).collect::<Vec<_>>(), &[t], dev)?;
+        let (logits, k, v) = self.step(&ids, &pos, &cache.k, &cache.v)?;
+        cache.k = k;
+        cache.v = v;
+        cache.len = p0 + t;
+        Ok(logits)
+    }
+
+    /// One forward step as a function of tensors only, which is what a
+    /// [`crate::Capture`] replays: `ids` `[t]` (i32 token ids), `pos` `[t]`
+    /// (i32, their consecutive positions, the first of them the number of
+    /// tokens already in the cache), and the cache's keys and values per
+    /// layer (`[kv_heads, capacity, head_dim]` each, with room for the new
+    /// tokens). Returns the logits of the last token `[vocab]` and the
+    /// updated keys and values. Token ids are not checked against the
+    /// vocabulary here (they may live on the device): an id out of range
+    /// is an index error when the logits are read.
+    pub fn step(&self, ids: &Tensor, pos: &Tensor, k: &[Tensor], v: &[Tensor]) -> Result<(Tensor, Vec<Tensor>, Vec<Tensor>)> {
+        let c = &self.config;
+        let t = ids.numel();
+        let ok_ids = |x: &Tensor| x.dims() == [t] && x.dtype() == DType::I32;
+        if t == 0 || !ok_ids(ids) || !ok_ids(pos) {
+            bail!(Shape, "llama", "step takes ids and positions of shape [t] (t >= 1), i32; got {:?} {} and {:?} {}", ids.dims(), ids.dtype(), pos.dims(), pos.dtype());
+        }
+        let cap = k.first().map_or(0, |x| x.dims().get(1).copied().unwrap_or(0));
+        let want = [c.kv_heads, cap, c.head_dim];
+        if k.len() != c.layers || v.len() != c.layers || k.iter().chain(v).any(|x| x.dims() != want) || t > cap || cap > c.context {
+            bail!(
+                Shape,
+                "llama",
+                "step takes {} key and {} value tensors of shape [{}, capacity, {}] with capacity at least {t} and at most the context {}; got {} and {}, the first {:?}",
+                c.layers,
+                c.layers,
+                c.kv_heads,
+                c.head_dim,
+                c.context,
+                k.len(),
+                v.len(),
+                k.first().map(|x| x.dims().to_vec())
+            );
+        }
+        let (mut k, mut v) = (k.to_vec(), v.to_vec());
+        let dev = self.device;
         // For each cache slot, which new token (if any) it receives, and
-        // which slots each new token may attend to (causal, filled).
+        // which slots each new token may attend to (causal, filled). The
+        // first position is data (a tensor), so the graph is the same for
+        // every step of one capacity.
         let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I32, dev)?;
-        let rel = slots.sub(p0 as f64)?;
+        let rel = slots.sub(&pos.narrow(0, 0, 1)?)?;
         let take = rel.ge(0.0)?.logical_and(&rel.lt(t as f64)?)?;
         // Where each slot's new token is (a prompt's tokens gather to their
         // slots; one decoded token broadcasts, see `put`).
         let src = if t > 1 { Some(rel.clamp(Some(0.0), Some((t - 1) as f64))?.to_dtype(DType::I32)?) } else { None };
         let visible = slots.reshape_dims(&[1, cap])?.le(&pos.reshape_dims(&[t, 1])?)?;
         let mask = Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?;
-        let rows = |table: &Tensor| table.index_select(0, &pos)?.reshape_dims(&[t, 1, c.head_dim]);
+        let rows = |table: &Tensor| table.index_select(0, pos)?.reshape_dims(&[t, 1, c.head_dim]);
         let (cos, sin) = (rows(&self.cos)?, rows(&self.sin)?);
-        let mut x = self.embed.rows(&ids)?;
+        let mut x = self.embed.rows(ids)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
-            let q = self.rope(&b.wq.forward(&hn)?.reshape_dims(&[t, c.heads, c.head_dim])?, &cos, &sin)?;
-            let k = self.rope(&b.wk.forward(&hn)?.reshape_dims(&[t, c.kv_heads, c.head_dim])?, &cos, &sin)?;
-            let v = b.wv.forward(&hn)?.reshape_dims(&[t, c.kv_heads, c.head_dim])?;
+            let (q, kn, vn) = self.qkv(b, &hn, &cos, &sin)?;
             // Write the new keys and values into their slots.
             let put = |cache_t: &Tensor, new: &Tensor| -> Result<Tensor> {
                 let new = new.permute(&[1, 0, 2])?;
@@ -419,12 +517,13 @@ impl Llama {
                 };
                 take.reshape_dims(&[1, cap, 1])?.where_cond(&spread, cache_t)
             };
-            cache.k[l] = put(&cache.k[l], &k)?;
-            cache.v[l] = put(&cache.v[l], &v)?;
-            let a = attention(&q, &cache.k[l], &cache.v[l], &mask, c)?;
+            k[l] = put(&k[l], &kn)?;
+            v[l] = put(&v[l], &vn)?;
+            let a = attention(&q, &k[l], &v[l], &mask, c)?;
             x = x.add(&b.wo.forward(&a)?)?;
             let hn = rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
-            let ff = b.gate.forward(&hn)?.silu()?.mul(&b.up.forward(&hn)?)?;
+            let gu = b.gate_up.forward(&hn)?;
+            let ff = gu[0].silu()?.mul(&gu[1])?;
             x = x.add(&b.down.forward(&ff)?)?;
             // Realize every few layers, with the cache entries written so
             // far: a step's graph stays under the pending-depth limit (about
@@ -432,22 +531,25 @@ impl Llama {
             // op by op into a dozen realizations.
             if (l + 1) % LAYERS_PER_REALIZATION == 0 && l + 1 < self.blocks.len() {
                 let mut pending: Vec<&Tensor> = vec![&x];
-                pending.extend(cache.k[..=l].iter().chain(&cache.v[..=l]).filter(|t| !t.is_realized()));
+                pending.extend(k[..=l].iter().chain(&v[..=l]).filter(|t| !t.is_realized()));
                 Tensor::realize_all(&pending)?;
             }
         }
-        cache.len = p0 + t;
         let last = rms_norm(&x.narrow(0, t - 1, 1)?, &self.norm, c.rms_eps)?;
         let logits = self.output.as_ref().unwrap_or(&self.embed).forward(&last)?;
-        logits.reshape_dims(&[c.vocab])
+        Ok((logits.reshape_dims(&[c.vocab])?, k, v))
     }
 
-    /// Make room for `need` positions, growing by whole chunks.
-    fn reserve(&self, cache: &mut KvCache, need: usize) -> Result<()> {
+    /// Make room for `need` positions, growing by whole chunks; an error
+    /// past the model's context.
+    pub(crate) fn reserve(&self, cache: &mut KvCache, need: usize) -> Result<()> {
+        let c = &self.config;
+        if need > c.context {
+            bail!(Value, "llama", "{need} tokens do not fit the model's context of {} ({} already in the cache)", c.context, cache.len);
+        }
         if need <= cache.capacity && !cache.k.is_empty() {
             return Ok(());
         }
-        let c = &self.config;
         let cap = need.next_multiple_of(KvCache::CHUNK).min(c.context);
         let grow = |old: Option<&Tensor>| -> Result<Tensor> {
             let fresh = Tensor::zeros(&[c.kv_heads, cap - cache.capacity, c.head_dim], DType::F32, self.device)?;
@@ -463,6 +565,31 @@ impl Llama {
         cache.v = v;
         cache.capacity = cap;
         Ok(())
+    }
+
+    /// The rotated queries `[t, heads, head_dim]`, rotated keys and values
+    /// `[t, kv_heads, head_dim]` of block `b` for the normed input `hn`
+    /// `[t, hidden]`. Stacked projections rotate queries and keys together,
+    /// as the heads of one tensor (one gather and one kernel, not two).
+    fn qkv(&self, b: &Block, hn: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let c = &self.config;
+        let (t, d) = (hn.dims()[0], c.head_dim);
+        let (h, kvd) = (c.hidden, c.kv_heads * d);
+        match &b.qkv {
+            Stacked::One { w, .. } => {
+                // Columns: queries, keys, values (the order `from_gguf` stacks them in).
+                let y = w.forward(hn)?;
+                let qk = self.rope(&y.narrow(1, 0, h + kvd)?.reshape_dims(&[t, c.heads + c.kv_heads, d])?, cos, sin)?;
+                let v = y.narrow(1, h + kvd, kvd)?.reshape_dims(&[t, c.kv_heads, d])?;
+                Ok((qk.narrow(1, 0, c.heads)?, qk.narrow(1, c.heads, c.kv_heads)?, v))
+            }
+            Stacked::Apart(_) => {
+                let p = b.qkv.forward(hn)?;
+                let q = self.rope(&p[0].reshape_dims(&[t, c.heads, d])?, cos, sin)?;
+                let k = self.rope(&p[1].reshape_dims(&[t, c.kv_heads, d])?, cos, sin)?;
+                Ok((q, k, p[2].reshape_dims(&[t, c.kv_heads, d])?))
+            }
+        }
     }
 
     /// Rotate adjacent pairs `(x[2i], x[2i + 1])` of the first `rope_dims`
