@@ -501,7 +501,7 @@ impl Llama {
         // slots; one decoded token broadcasts, see `put`).
         let src = if t > 1 { Some(rel.clamp(Some(0.0), Some((t - 1) as f64))?.to_dtype(DType::I32)?) } else { None };
         let visible = slots.reshape_dims(&[1, cap])?.le(&pos.reshape_dims(&[t, 1])?)?;
-        let mask = Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?;
+        let mask = group_mask(&Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?, c)?;
         let rows = |table: &Tensor| table.index_select(0, pos)?.reshape_dims(&[t, 1, c.head_dim]);
         let (cos, sin) = (rows(&self.cos)?, rows(&self.sin)?);
         let mut x = self.embed.rows(ids)?;
@@ -607,17 +607,24 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// Grouped-query attention of `q` `[t, heads, d]` over the cache's keys and
-/// values `[kv_heads, cap, d]`, with the additive `mask` `[t, cap]`;
-/// `[t, heads * d]`.
+/// values `[kv_heads, cap, d]`, with the additive `mask` seen as
+/// `[kv_heads, group * t, cap]` (see [`group_mask`]); `[t, heads * d]`. One
+/// kernel per layer on any device ([`Tensor::scaled_dot_product_attention`]).
 fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, c: &LlamaConfig) -> Result<Tensor> {
     let (t, g, d) = (q.dims()[0], c.heads / c.kv_heads, c.head_dim);
-    let cap = k.dims()[1];
-    // Query heads h = kv * g + j share key/value head kv.
+    // Query heads h = kv * g + j share key/value head kv: row j * t + i of
+    // group kv is query head kv * g + j at token i.
     let qg = q.permute(&[1, 0, 2])?.reshape_dims(&[c.kv_heads, g * t, d])?;
-    let scores = qg.matmul(&k.transpose(1, 2)?)?.mul(1.0 / (d as f64).sqrt())?;
-    let scores = scores.reshape_dims(&[c.kv_heads, g, t, cap])?.add(&mask.reshape_dims(&[1, 1, t, cap])?)?;
-    let p = scores.softmax(-1)?.reshape_dims(&[c.kv_heads, g * t, cap])?;
-    p.matmul(v)?.reshape_dims(&[c.heads, t, d])?.permute(&[1, 0, 2])?.reshape_dims(&[t, c.heads * d])
+    let a = qg.scaled_dot_product_attention(k, v, Some(mask), Some(1.0 / (d as f64).sqrt()))?;
+    a.reshape_dims(&[c.heads, t, d])?.permute(&[1, 0, 2])?.reshape_dims(&[t, c.heads * d])
+}
+
+/// The mask `[t, cap]` of each token seen by every query row of
+/// [`attention`]: `[kv_heads, group * t, cap]` (a view for one token; for
+/// a prompt one copy per step, which every layer shares).
+fn group_mask(mask: &Tensor, c: &LlamaConfig) -> Result<Tensor> {
+    let (t, cap, g) = (mask.dims()[0], mask.dims()[1], c.heads / c.kv_heads);
+    mask.reshape_dims(&[1, 1, t, cap])?.broadcast_to(&[c.kv_heads, g, t, cap])?.reshape_dims(&[c.kv_heads, g * t, cap])
 }
 
 /// Transformer blocks recorded between two realizations of a forward step.

@@ -375,3 +375,70 @@ impl Tensor {
         }
     }
 }
+
+impl Tensor {
+    /// Scaled dot-product attention, as PyTorch's
+    /// `torch.nn.functional.scaled_dot_product_attention`:
+    /// `softmax(q @ k^T * scale + mask) @ v` for `self` (the queries)
+    /// `[..., M, D]`, `k` `[..., N, D]`, `v` `[..., N, E]` with the same
+    /// leading dims, and an additive float `mask` broadcastable to
+    /// `[..., M, N]` (`-inf` or a large negative value where a query must
+    /// not look). `scale` defaults to `1 / sqrt(D)`.
+    ///
+    /// With no gradient to record it runs as one kernel per query row that
+    /// never stores the scores (an online softmax over the keys); when an
+    /// input is tracked it runs as the two products and the softmax, which
+    /// differentiate.
+    ///
+    /// ```
+    /// use voltaic::{DType, Device, Tensor};
+    /// let q = Tensor::randn(&[2, 3, 8], DType::F32, Device::Cpu)?;
+    /// let k = Tensor::randn(&[2, 5, 8], DType::F32, Device::Cpu)?;
+    /// let v = Tensor::randn(&[2, 5, 4], DType::F32, Device::Cpu)?;
+    /// let out = q.scaled_dot_product_attention(&k, &v, None, None)?;
+    /// let manual = q.matmul(&k.transpose(1, 2)?)?.mul(1.0 / 8f64.sqrt())?.softmax(-1)?.matmul(&v)?;
+    /// assert!(out.sub(&manual)?.abs()?.max_all()?.item_f64()? < 1e-5);
+    /// # Ok::<(), voltaic::Error>(())
+    /// ```
+    pub fn scaled_dot_product_attention(&self, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: Option<f64>) -> Result<Tensor> {
+        const OP: &str = "scaled_dot_product_attention";
+        let (q, r) = (self, self.rank());
+        if r < 2 || k.rank() != r || v.rank() != r {
+            bail!(Shape, OP, "expected q, k, v of one rank >= 2, got {:?}, {:?}, {:?}", q.dims(), k.dims(), v.dims());
+        }
+        let lead = &q.dims()[..r - 2];
+        let (m, d, n, e) = (q.dims()[r - 2], q.dims()[r - 1], k.dims()[r - 2], v.dims()[r - 1]);
+        if &k.dims()[..r - 2] != lead || &v.dims()[..r - 2] != lead || k.dims()[r - 1] != d || v.dims()[r - 2] != n {
+            bail!(Shape, OP, "expected q [..., M, D], k [..., N, D], v [..., N, E] with equal leading dims, got {:?}, {:?}, {:?}", q.dims(), k.dims(), v.dims());
+        }
+        for t in [k, v].into_iter().chain(mask) {
+            q.check_same_device(OP, t)?;
+        }
+        if !q.dtype().is_float() || k.dtype() != q.dtype() || v.dtype() != q.dtype() || mask.is_some_and(|m| !m.dtype().is_float()) {
+            let md = mask.map_or("none".to_string(), |m| m.dtype().to_string());
+            bail!(DType, OP, "expected float q, k, v of one dtype and a float mask, got {}, {}, {} and {md}", q.dtype(), k.dtype(), v.dtype());
+        }
+        let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+        if !scale.is_finite() {
+            bail!(Value, OP, "the scale must be finite, got {scale}");
+        }
+        let mut scores_dims = lead.to_vec();
+        scores_dims.extend([m, n]);
+        let mask = match mask {
+            Some(mk) => mk.broadcast_to(&scores_dims).map_err(|_| crate::error::Error::Shape { op: OP, msg: format!("a mask of shape {:?} does not broadcast to the scores' {scores_dims:?}", mk.dims()) })?,
+            None => Tensor::zeros(&[1], q.dtype(), q.device())?.broadcast_to(&scores_dims)?,
+        };
+        if crate::is_grad_enabled() && [q, k, v, &mask].iter().any(|t| t.is_tracked()) {
+            return q.matmul(&k.transpose(-1, -2)?)?.mul(scale)?.add(&mask)?.softmax(-1)?.matmul(v);
+        }
+        let batch: usize = lead.iter().product();
+        let mut out_dims = lead.to_vec();
+        out_dims.extend([m, e]);
+        if batch * m * e == 0 {
+            return Tensor::zeros(&out_dims, q.dtype(), q.device());
+        }
+        let (q3, k3, v3, m3) = (q.reshape_dims(&[batch, m, d])?, k.reshape_dims(&[batch, n, d])?, v.reshape_dims(&[batch, n, e])?, mask.reshape_dims(&[batch, m, n])?);
+        let out = Tensor::from_op(OpKind::Index(IndexOp::Attention { scale }), &[&q3, &k3, &v3, &m3], q.dtype(), q.device(), vec![batch, m, e])?;
+        out.reshape_dims(&out_dims)
+    }
+}

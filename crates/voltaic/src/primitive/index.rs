@@ -89,6 +89,11 @@ pub enum IndexOp {
     /// u32 words, see `QTensor`) at the positions of a 1-D index,
     /// dequantized to f32: `[index len, cols]`; inputs (blocks, index).
     Dequantize { qtype: crate::quant::GgmlType, cols: usize, caller: Caller },
+    /// `softmax(q @ k^T * scale + mask) @ v` in one pass over the keys (an
+    /// online softmax): q `[B, M, D]`, k `[B, N, D]`, v `[B, N, E]`, an
+    /// additive float mask seen as `[B, M, N]` (broadcast views allowed);
+    /// `[B, M, E]`; inputs (q, k, v, mask).
+    Attention { scale: f64 },
 }
 
 impl Eq for IndexOp {}
@@ -102,6 +107,7 @@ impl std::hash::Hash for IndexOp {
             IndexOp::Unfold { params, pad } => (params, pad.to_bits()).hash(h),
             IndexOp::Fold { params, hw } => (params, hw).hash(h),
             IndexOp::Dequantize { qtype, cols, caller } => (qtype, cols, caller).hash(h),
+            IndexOp::Attention { scale } => scale.to_bits().hash(h),
         }
     }
 }
@@ -118,6 +124,7 @@ impl IndexOp {
             IndexOp::Unfold { .. } => "unfold",
             IndexOp::Fold { .. } => "fold",
             IndexOp::Dequantize { .. } => "dequantize",
+            IndexOp::Attention { .. } => "attention",
         }
     }
 

@@ -21,7 +21,66 @@ pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DT
         IndexOp::Unfold { params, pad } => unfold(&args[0], &params, pad, inputs),
         IndexOp::Fold { params, hw } => fold(&args[0], &params, hw, inputs),
         IndexOp::Dequantize { qtype, cols, caller } => super::quant::dequantize_rows(caller.name(), qtype, cols, &args[0], &args[1], inputs)?,
+        IndexOp::Attention { scale } => attention(scale, args, inputs, dtype),
     })
+}
+
+/// `softmax(q @ k^T * scale + mask) @ v` row by row (see `IndexOp::Attention`):
+/// f32 dot products and weighted sums in vectorizable loops (as the
+/// matmuls they replace), the softmax in f64; a task per query row.
+fn attention(scale: f64, args: &[View], inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
+    let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
+    let (qd, kd, vd) = (q.layout.dims(), k.layout.dims(), v.layout.dims());
+    let (b, m, d, n, e) = (qd[0], qd[1], qd[2], kd[1], vd[2]);
+    let (qv, kv, vv, mv) = (dense_f32(q, inputs), dense_f32(k, inputs), dense_f32(v, inputs), dense_f32(mask, inputs));
+    let mut out = vec![0f32; b * m * e];
+    use rayon::prelude::*;
+    out.par_chunks_mut(e.max(1)).enumerate().for_each(|(r, o)| {
+        let bi = r / m.max(1);
+        let row = &qv[r * d..][..d];
+        let mut w: Vec<f64> = (0..n).map(|j| dot(row, &kv[(bi * n + j) * d..][..d]) as f64 * scale + mv[r * n + j] as f64).collect();
+        let max = w.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let mut total = 0.0;
+        for wj in w.iter_mut() {
+            *wj = (*wj - max).exp();
+            total += *wj;
+        }
+        for (j, &wj) in w.iter().enumerate() {
+            let wj = (wj / total) as f32;
+            for (x, &val) in o.iter_mut().zip(&vv[(bi * n + j) * e..][..e]) {
+                *x += wj * val;
+            }
+        }
+    });
+    CpuStorage::from_f64(dtype, &out.iter().map(|&x| x as f64).collect::<Vec<_>>())
+}
+
+/// An f32 dot product in eight lanes (so that it vectorizes).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// The elements of a view in row-major order as f32: the buffer itself
+/// where it is f32 and contiguous, else gathered.
+fn dense_f32<'a>(x: &View, inputs: &[&'a CpuStorage]) -> std::borrow::Cow<'a, [f32]> {
+    let s = input(x, inputs);
+    let l = &x.layout;
+    match s {
+        CpuStorage::F32(v) if l.is_contiguous() => std::borrow::Cow::Borrowed(&v[l.offset()..][..l.numel()]),
+        _ => {
+            let mut out = Vec::with_capacity(l.numel());
+            l.for_each_offset(|o| out.push(s.get_f64(o) as f32));
+            std::borrow::Cow::Owned(out)
+        }
+    }
 }
 
 /// Index values of an i32 or u32 tensor, in layout order.

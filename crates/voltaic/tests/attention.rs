@@ -1,0 +1,184 @@
+//! `scaled_dot_product_attention`: the one-kernel form against f64 loops on
+//! the CPU, the GPU against the CPU on the same inputs (key counts around
+//! the kernel's chunk of 64, several output elements per thread, masks
+//! with -inf and broadcast, strided views, f16), the differentiable form
+//! against the fused one and finite differences, and bad input.
+
+mod common;
+
+use common::Rng;
+use voltaic::{DType, Device, Tensor};
+
+fn gpu() -> Device {
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)");
+    Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0))
+}
+
+fn tensor(v: &[f64], dims: &[usize], dev: Device) -> Tensor {
+    Tensor::from_vec(v.to_vec(), dims, Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().to_device(dev).unwrap()
+}
+
+/// One case: batch `b`, queries `m`, keys `n`, widths `d` and `e`, and a
+/// mask `[m, n]` (shared by the batch) with some -inf entries, or none.
+struct Case {
+    b: usize,
+    m: usize,
+    n: usize,
+    d: usize,
+    e: usize,
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    mask: Option<Vec<f64>>,
+}
+
+impl Case {
+    fn new(rng: &mut Rng, (b, m, n, d, e): (usize, usize, usize, usize, usize), masked: bool) -> Case {
+        let mask = masked.then(|| {
+            // Every row keeps its first key, so no row is masked entirely.
+            (0..m * n).map(|i| if i % n != 0 && rng.uniform() < 0.3 { f64::NEG_INFINITY } else { rng.range(-2.0, 2.0) }).collect()
+        });
+        Case { b, m, n, d, e, q: rng.normals(b * m * d), k: rng.normals(b * n * d), v: rng.normals(b * n * e), mask }
+    }
+
+    /// f64 loops.
+    fn reference(&self, scale: f64) -> Vec<f64> {
+        let (b, m, n, d, e) = (self.b, self.m, self.n, self.d, self.e);
+        let mut out = vec![0.0; b * m * e];
+        for bi in 0..b {
+            for i in 0..m {
+                let s: Vec<f64> = (0..n)
+                    .map(|j| (0..d).map(|c| self.q[(bi * m + i) * d + c] * self.k[(bi * n + j) * d + c]).sum::<f64>() * scale + self.mask.as_ref().map_or(0.0, |mk| mk[i * n + j]))
+                    .collect();
+                let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                let total: f64 = w.iter().sum();
+                for c in 0..e {
+                    out[(bi * m + i) * e + c] = (0..n).map(|j| w[j] * self.v[(bi * n + j) * e + c]).sum::<f64>() / total;
+                }
+            }
+        }
+        out
+    }
+
+    /// The op on `dev`; the queries as a transposed view when `strided`.
+    fn run(&self, dev: Device, dt: DType, scale: Option<f64>, strided: bool) -> Tensor {
+        let (b, m, n, d, e) = (self.b, self.m, self.n, self.d, self.e);
+        let q = if strided {
+            // The same values, stored [b, d, m] and seen through a transpose.
+            let t: Vec<f64> = (0..b * d * m).map(|x| self.q[(x / (d * m) * m + x % m) * d + x / m % d]).collect();
+            tensor(&t, &[b, d, m], dev).transpose(1, 2).unwrap()
+        } else {
+            tensor(&self.q, &[b, m, d], dev)
+        };
+        let (k, v) = (tensor(&self.k, &[b, n, d], dev), tensor(&self.v, &[b, n, e], dev));
+        let mask = self.mask.as_ref().map(|mk| tensor(mk, &[m, n], dev).to_dtype(dt).unwrap());
+        let (q, k, v) = (q.to_dtype(dt).unwrap(), k.to_dtype(dt).unwrap(), v.to_dtype(dt).unwrap());
+        let out = q.scaled_dot_product_attention(&k, &v, mask.as_ref(), scale).unwrap();
+        assert_eq!(out.dims(), [b, m, e]);
+        assert_eq!(out.dtype(), dt);
+        out
+    }
+}
+
+fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}: element {i} is {g}, expected {w}");
+    }
+}
+
+const SHAPES: [(usize, usize, usize, usize, usize); 7] = [(1, 1, 1, 8, 4), (2, 3, 63, 16, 8), (3, 1, 64, 64, 64), (2, 5, 65, 8, 70), (1, 4, 130, 32, 16), (4, 9, 7, 64, 64), (1, 2, 200, 5, 129)];
+
+#[test]
+fn one_kernel_attention_matches_f64_loops_and_the_cpu() {
+    let mut rng = Rng::new(7);
+    for (ci, &shape) in SHAPES.iter().enumerate() {
+        let masked = ci % 2 == 1;
+        let c = Case::new(&mut rng, shape, masked);
+        let scale = if ci % 3 == 0 { None } else { Some(rng.range(0.05, 0.5)) };
+        let want = c.reference(scale.unwrap_or(1.0 / (shape.3 as f64).sqrt()));
+        let what = format!("{shape:?} masked {masked} scale {scale:?}");
+        let cpu = c.run(Device::Cpu, DType::F32, scale, ci % 2 == 0).to_f64_vec().unwrap();
+        close(&cpu, &want, 1e-5, &format!("cpu {what}"));
+        for strided in [false, true] {
+            let g = c.run(gpu(), DType::F32, scale, strided).to_f64_vec().unwrap();
+            close(&g, &want, 1e-4, &format!("gpu {what} strided {strided}"));
+        }
+        let h = c.run(gpu(), DType::F16, scale, false).to_f64_vec().unwrap();
+        let hc = c.run(Device::Cpu, DType::F16, scale, false).to_f64_vec().unwrap();
+        close(&h, &hc, 2e-2, &format!("gpu f16 vs cpu f16 {what}"));
+    }
+}
+
+/// Leading dims and a mask broadcast over them (`[1, 1, M, N]` against
+/// `[2, 3, M, N]` scores), as grouped-query attention uses it.
+#[test]
+fn leading_dims_and_broadcast_masks() {
+    let mut rng = Rng::new(9);
+    let (m, n, d) = (3, 20, 8);
+    for dev in [Device::Cpu, gpu()] {
+        let q = tensor(&rng.normals(6 * m * d), &[2, 3, m, d], dev);
+        let k = tensor(&rng.normals(6 * n * d), &[2, 3, n, d], dev);
+        let v = tensor(&rng.normals(6 * n * d), &[2, 3, n, d], dev);
+        let mask = tensor(&(0..m * n).map(|i| if i % n > i / n + 10 { -1e30 } else { 0.0 }).collect::<Vec<_>>(), &[1, 1, m, n], dev);
+        let got = q.scaled_dot_product_attention(&k, &v, Some(&mask), None).unwrap();
+        let manual = q.matmul(&k.transpose(-1, -2).unwrap()).unwrap().mul(1.0 / (d as f64).sqrt()).unwrap().add(&mask).unwrap().softmax(-1).unwrap().matmul(&v).unwrap();
+        assert_eq!(got.dims(), [2, 3, m, d]);
+        close(&got.to_f64_vec().unwrap(), &manual.to_f64_vec().unwrap(), 1e-5, &format!("{dev}"));
+        // Empty queries give an empty result.
+        let none = q.narrow(2, 0, 0).unwrap().scaled_dot_product_attention(&k, &v, None, None).unwrap();
+        assert_eq!(none.dims(), [2, 3, 0, d]);
+    }
+}
+
+/// Tracked inputs take the differentiable form: the same values, and
+/// gradients that match finite differences.
+#[test]
+fn tracked_inputs_differentiate() {
+    let mut rng = Rng::new(11);
+    let (m, n, d) = (2, 5, 3);
+    let (qv, kv, vv) = (rng.normals(m * d), rng.normals(n * d), rng.normals(n * d));
+    let f = |q: &[f64]| -> f64 {
+        let c = Case { b: 1, m, n, d, e: d, q: q.to_vec(), k: kv.clone(), v: vv.clone(), mask: None };
+        c.reference(0.7).iter().enumerate().map(|(i, x)| x * (i as f64 + 1.0)).sum()
+    };
+    let dev = Device::Cpu;
+    let q = tensor(&qv, &[1, m, d], dev).to_dtype(DType::F64).unwrap().requires_grad().unwrap();
+    let (k, v) = (tensor(&kv, &[1, n, d], dev).to_dtype(DType::F64).unwrap(), tensor(&vv, &[1, n, d], dev).to_dtype(DType::F64).unwrap());
+    let out = q.scaled_dot_product_attention(&k, &v, None, Some(0.7)).unwrap();
+    let fused = q.detach().scaled_dot_product_attention(&k, &v, None, Some(0.7)).unwrap();
+    // The one-kernel form computes its dot products in f32.
+    close(&out.to_f64_vec().unwrap(), &fused.to_f64_vec().unwrap(), 1e-5, "tracked vs fused");
+    let weights = Tensor::arange(1.0, (m * d) as f64 + 1.0, 1.0, DType::F64, dev).unwrap().reshape_dims(&[1, m, d]).unwrap();
+    out.mul(&weights).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = q.grad().unwrap().to_f64_vec().unwrap();
+    for i in 0..m * d {
+        let (mut up, mut down) = (qv.clone(), qv.clone());
+        up[i] += 1e-6;
+        down[i] -= 1e-6;
+        let fd = (f(&up) - f(&down)) / 2e-6;
+        assert!((g[i] - fd).abs() < 1e-5 * (1.0 + fd.abs()), "d/dq[{i}]: {} vs finite difference {fd}", g[i]);
+    }
+}
+
+#[test]
+fn bad_input_is_an_error_naming_the_op() {
+    let dev = Device::Cpu;
+    let t = |dims: &[usize]| Tensor::ones(dims, DType::F32, dev).unwrap();
+    let cases = [
+        (t(&[2, 3, 4]), t(&[2, 5, 3]), t(&[2, 5, 4]), None, "shape"),
+        (t(&[2, 3, 4]), t(&[1, 5, 4]), t(&[1, 5, 4]), None, "leading"),
+        (t(&[2, 3, 4]), t(&[2, 5, 4]), t(&[2, 6, 4]), None, "N"),
+        (t(&[2, 3, 4]), t(&[2, 5, 4]), t(&[2, 5, 4]), Some(t(&[3, 4])), "broadcast"),
+        (t(&[4]), t(&[4]), t(&[4]), None, "rank"),
+    ];
+    for (q, k, v, mask, what) in cases {
+        let e = q.scaled_dot_product_attention(&k, &v, mask.as_ref(), None).unwrap_err().to_string();
+        assert!(e.contains("scaled_dot_product_attention"), "{what}: {e}");
+    }
+    let e = t(&[2, 3, 4]).to_dtype(DType::I32).unwrap().scaled_dot_product_attention(&t(&[2, 5, 4]), &t(&[2, 5, 4]), None, None).unwrap_err().to_string();
+    assert!(e.contains("float"), "{e}");
+    let e = t(&[2, 3, 4]).scaled_dot_product_attention(&t(&[2, 5, 4]), &t(&[2, 5, 4]), None, Some(f64::NAN)).unwrap_err().to_string();
+    assert!(e.contains("finite"), "{e}");
+}
