@@ -1,34 +1,5 @@
-//! Captured steps: a function of tensors run through the graph twice, then
-//! replayed from the plans it realized, with new input buffers and no
-//! graph at all (in the spirit of CUDA graphs and tinygrad's `TinyJit`).
-//!
-//! The plan cache already spares a repeated step its scheduling, but each
-//! call still records its graph node by node, collects it and looks it up;
-//! for a decode step of a language model (hundreds of small kernels per
-//! token) that host work is most of the step. A [`Capture`] runs its
-//! function normally on the first two calls with the same kind of inputs,
-//! logging every realization (plan, buffers read, buffers stored); if the
-//! two logs agree it keeps the second and, from the third call on, runs
-//! those plans straight on the executors: the function is not called.
-//!
-//! What a replay can and cannot see is checked, not assumed:
-//! - Buffers a plan reads are classified per call: an input of the step,
-//!   a result of an earlier realization of the same call, or something
-//!   else (a weight). A weight must be the same buffer in both calls, or
-//!   hold the same values (a table the function uploads each call): one
-//!   whose values differ is host data that changes per call, and the
-//!   capture fails with an error saying to pass it as an input.
-//! - A Rust number folded into the graph (`x.add(step as f64)`) is a
-//!   constant of a plan: if it differs between the two calls, the capture
-//!   fails the same way.
-//! - If the two calls realized different graphs (control flow on values
-//!   read back, or a first call that realized something lazily), nothing
-//!   is kept and the next call tries again; calls stay correct, only not
-//!   replayed ([`CaptureStats::eager_calls`]).
-//!
-//! Replayed outputs carry no autograd history, and side effects of the
-//! function (assigning to a model's fields, an optimizer's update) do not
-//! happen: a step must return everything it changes.
+//! Captured steps: a function of tensors replayed from the plans it
+//! realized, without its graph; see [`Capture`].
 
 use crate::backend::{executor, Buffer};
 use crate::device::Device;
@@ -54,8 +25,40 @@ pub struct CaptureStats {
     pub mismatches: u64,
 }
 
-/// A function of tensors captured after two calls and replayed after that;
-/// see the [module docs](self).
+/// A function of tensors run through the graph twice, then replayed from
+/// the plans it realized, with new input buffers and no graph at all (in
+/// the spirit of CUDA graphs and tinygrad's `TinyJit`).
+///
+/// The plan cache already spares a repeated step its scheduling, but each
+/// call still records its graph node by node, collects it and looks it up;
+/// for a decode step of a language model (hundreds of small kernels per
+/// token) that host work is most of the step. A [`Capture`] runs its
+/// function normally on the first two calls with the same kind of inputs,
+/// logging every realization (plan, buffers read, buffers stored); if the
+/// two logs agree it keeps the second and, from the third call on, runs
+/// those plans straight on the executors: the function is not called.
+///
+/// What a replay can and cannot see is checked, not assumed:
+/// - Buffers a plan reads are classified per call: an input of the step,
+///   a result of an earlier realization of the same call, or something
+///   else (a weight). A weight must be the same buffer in both calls, or
+///   hold the same values (a table the function uploads each call): one
+///   whose values differ is host data that changes per call, and the
+///   capture fails with an error saying to pass it as an input.
+/// - A Rust number folded into the graph (`x.add(step as f64)`) is a
+///   constant of a plan: if it differs between the two calls, the capture
+///   fails the same way.
+/// - If the two calls realized different graphs (control flow on values
+///   read back, or a first call that realized something lazily), nothing
+///   is kept and the next call tries again; calls stay correct, only not
+///   replayed ([`CaptureStats::eager_calls`]).
+///
+/// Replayed outputs carry no autograd history, and side effects of the
+/// function (assigning to a model's fields, an optimizer's update) do not
+/// happen: a step must return everything it changes. In a browser, where
+/// values cannot be read back while the thread waits, a table uploaded
+/// inside the step cannot be compared between the two calls, so such a
+/// step is never replayed there (it runs through the graph every call).
 ///
 /// ```
 /// use voltaic::{Capture, DType, Device, Tensor};
@@ -266,8 +269,8 @@ impl Replay {
                     (Source::Arg(i), Source::Arg(j)) if i == j => Source::Arg(i),
                     (Source::Produced(p, i), Source::Produced(q, j)) if (p, i) == (q, j) => Source::Produced(p, i),
                     (Source::Fixed(x), Source::Fixed(y)) => {
-                        if !x.same(&y) {
-                            same_values(b.device, &b.plan, k, &x, &y)?;
+                        if !x.same(&y) && !same_values(b.device, &b.plan, k, &x, &y)? {
+                            return Ok(None);
                         }
                         Source::Fixed(y)
                     }
@@ -364,10 +367,15 @@ fn check_constants(a: &Plan, b: &Plan) -> Result<()> {
     Ok(())
 }
 
-/// Error unless input `k` of `plan` holds the same values in buffers `x` and `y`.
-fn same_values(device: Device, plan: &Plan, k: usize, x: &Buffer, y: &Buffer) -> Result<()> {
+/// Whether input `k` of `plan` holds the same values in buffers `x` and
+/// `y`: an error when it does not, `false` where it cannot be known (no
+/// blocking reads in a browser).
+fn same_values(device: Device, plan: &Plan, k: usize, x: &Buffer, y: &Buffer) -> Result<bool> {
+    if cfg!(target_arch = "wasm32") && device.is_gpu() {
+        return Ok(false);
+    }
     let Some(slot) = plan.slots.iter().find(|s| s.source == SlotSource::Input(k)) else {
-        return Ok(());
+        return Ok(true);
     };
     let exec = executor(device)?;
     let layout = Layout::contiguous(&[slot.numel]);
@@ -385,5 +393,5 @@ fn same_values(device: Device, plan: &Plan, k: usize, x: &Buffer, y: &Buffer) ->
             slot.dtype
         );
     }
-    Ok(())
+    Ok(true)
 }
