@@ -51,7 +51,10 @@ pub struct CaptureStats {
 /// - If the two calls realized different graphs (control flow on values
 ///   read back, or a first call that realized something lazily), nothing
 ///   is kept and the next call tries again; calls stay correct, only not
-///   replayed ([`CaptureStats::eager_calls`]).
+///   replayed ([`CaptureStats::eager_calls`]). The same holds when an input
+///   is the same tensor on both calls: it could not be told from a tensor
+///   the step holds itself, so inputs must be new tensors each call (pass
+///   what stays the same by capturing it in the closure).
 ///
 /// Replayed outputs carry no autograd history, and side effects of the
 /// function (assigning to a model's fields, an optimizer's update) do not
@@ -157,6 +160,7 @@ impl<F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>> Capture<F> {
     /// after that. Inputs are realized first; outputs come back realized.
     pub fn call(&mut self, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         Tensor::realize_all(inputs)?;
+        let args: Vec<Buffer> = inputs.iter().map(|t| t.value.node.buffer().expect("inputs are realized")).collect();
         let kinds: Vec<ArgKind> = inputs
             .iter()
             .enumerate()
@@ -165,10 +169,10 @@ impl<F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>> Capture<F> {
                 dtype: t.dtype(),
                 node_dims: t.value.node.dims.clone(),
                 layout: t.value.layout.clone(),
-                alias_of: inputs[..i].iter().position(|o| Arc::ptr_eq(&o.value.node, &t.value.node)),
+                // By buffer, not node: two nodes can hold one buffer (a replay's outputs).
+                alias_of: args[..i].iter().position(|o| o.same(&args[i])),
             })
             .collect();
-        let args: Vec<Buffer> = inputs.iter().map(|t| t.value.node.buffer().expect("inputs are realized")).collect();
         let found = self.entries.iter().position(|e| e.kinds == kinds);
         let entry = match found {
             Some(i) => {
@@ -222,13 +226,10 @@ impl<F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>> Capture<F> {
     /// Run the step through the graph, logging its realizations.
     fn trace(&mut self, inputs: &[&Tensor], args: Vec<Buffer>) -> Result<Trace> {
         let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-        realize::start_log()?;
-        let res = (self.step)(&owned).and_then(|outs| {
-            Tensor::realize_all(&outs.iter().collect::<Vec<_>>())?;
-            Ok(outs)
-        });
-        let log = realize::end_log();
-        Ok(Trace { log, args, outputs: res? })
+        let log = realize::Log::start()?;
+        let outs = (self.step)(&owned)?;
+        Tensor::realize_all(&outs.iter().collect::<Vec<_>>())?;
+        Ok(Trace { log: log.end(), args, outputs: outs })
     }
 }
 
@@ -254,6 +255,12 @@ impl Replay {
     /// or constants that changed between the calls.
     fn from_traces(first: &Trace, second: &Trace) -> Result<Option<Replay>> {
         if first.log.len() != second.log.len() || first.outputs.len() != second.outputs.len() {
+            return Ok(None);
+        }
+        // An input given as the same buffer on both calls cannot be told
+        // from a weight the step holds itself: a replay with another input
+        // could read it where the step read the weight. Not captured.
+        if first.args.iter().zip(&second.args).any(|(a, b)| a.same(b)) {
             return Ok(None);
         }
         let mut runs = Vec::with_capacity(second.log.len());

@@ -27,21 +27,42 @@ thread_local! {
     static LOG: RefCell<Option<Vec<Realization>>> = const { RefCell::new(None) };
 }
 
-/// Start logging this thread's realizations. Captures do not nest.
-pub(crate) fn start_log() -> Result<()> {
-    LOG.with(|l| {
-        let mut l = l.borrow_mut();
-        if l.is_some() {
-            bail!(Value, "capture", "a captured step ran another capture inside it; captures do not nest");
-        }
-        *l = Some(Vec::new());
-        Ok(())
-    })
+/// This thread's realizations are logged while a `Log` lives; dropping it
+/// (an error or a panic in the step) closes the log. Logs do not nest.
+pub(crate) struct Log(());
+
+impl Log {
+    /// Start logging this thread's realizations.
+    pub(crate) fn start() -> Result<Log> {
+        LOG.with(|l| {
+            let mut l = l.borrow_mut();
+            if l.is_some() {
+                bail!(Value, "capture", "a captured step ran another capture inside it; captures do not nest");
+            }
+            *l = Some(Vec::new());
+            Ok(Log(()))
+        })
+    }
+
+    /// Stop logging; what was logged since [`Log::start`].
+    pub(crate) fn end(self) -> Vec<Realization> {
+        LOG.with(|l| l.borrow_mut().take().unwrap_or_default())
+    }
 }
 
-/// Stop logging and return what was logged since [`start_log`].
-pub(crate) fn end_log() -> Vec<Realization> {
-    LOG.with(|l| l.borrow_mut().take().unwrap_or_default())
+impl Drop for Log {
+    fn drop(&mut self) {
+        LOG.with(|l| l.borrow_mut().take());
+    }
+}
+
+/// Log a realization if a log is open.
+fn log(r: impl FnOnce() -> Realization) {
+    LOG.with(|l| {
+        if let Some(log) = l.borrow_mut().as_mut() {
+            log.push(r());
+        }
+    });
 }
 
 /// Realize `targets`, grouped by device.
@@ -61,21 +82,19 @@ pub(crate) fn realize(targets: &[&Value]) -> Result<()> {
         for (node, buf) in s.store.iter().zip(&outs) {
             *node.state() = State::Realized(buf.clone());
         }
-        LOG.with(|l| {
-            if let Some(log) = l.borrow_mut().as_mut() {
-                log.push(Realization { device: d, plan: s.plan.clone(), inputs: s.inputs.clone(), outputs: outs });
-            }
-        });
+        log(|| Realization { device: d, plan: s.plan.clone(), inputs: s.inputs.clone(), outputs: outs });
         crate::profile::realization_ends(d, if s.cached { "cached plan" } else { "new plan" });
     }
     Ok(())
 }
 
 /// Run a logged plan again on `device` with other input buffers: no graph,
-/// no scheduling; the outputs in the plan's order.
-pub(crate) fn replay(device: Device, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+/// no scheduling; the outputs in the plan's order. Logged like any
+/// realization (a replay inside a traced step is part of that step).
+pub(crate) fn replay(device: Device, plan: &Arc<Plan>, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
     crate::profile::realization_starts();
     let outs = executor(device)?.run(plan, inputs)?;
+    log(|| Realization { device, plan: plan.clone(), inputs: inputs.to_vec(), outputs: outs.clone() });
     crate::profile::realization_ends(device, "replayed plan");
     Ok(outs)
 }

@@ -132,6 +132,33 @@ fn leading_dims_and_broadcast_masks() {
     }
 }
 
+/// Rows masked everywhere with f32::MIN average the values (as PyTorch's
+/// f32 softmax does); a first chunk of 64 keys masked with -inf leaves the
+/// rest to the softmax; no keys at all gives zeros.
+#[test]
+fn masked_chunks_and_no_keys() {
+    let mut rng = Rng::new(13);
+    let (m, n, d, e) = (3, 130, 8, 5);
+    let c = Case::new(&mut rng, (1, m, n, d, e), false);
+    let mut mask = vec![0.0; m * n];
+    for j in 0..n {
+        mask[j] = f32::MIN as f64; // row 0: everything
+        mask[n + j] = if j < 64 { f64::NEG_INFINITY } else { 0.0 }; // row 1: the first chunk
+    }
+    let mean: Vec<f64> = (0..e).map(|x| (0..n).map(|j| c.v[j * e + x]).sum::<f64>() / n as f64).collect();
+    let masked = Case { mask: Some(mask.clone()), ..c };
+    let want = masked.reference(0.3);
+    for dev in [Device::Cpu, gpu()] {
+        let got = masked.run(dev, DType::F32, Some(0.3), false).to_f64_vec().unwrap();
+        close(&got[..e], &mean, 1e-5, &format!("{dev}: a row masked with f32::MIN"));
+        close(&got[e..], &want[e..], 1e-4, &format!("{dev}: rows after a masked chunk"));
+        let q = tensor(&rng.normals(2 * d), &[1, 2, d], dev);
+        let empty = Tensor::zeros(&[1, 0, d], DType::F32, dev).unwrap();
+        let none = q.scaled_dot_product_attention(&empty, &Tensor::zeros(&[1, 0, e], DType::F32, dev).unwrap(), None, None).unwrap();
+        assert_eq!(none.to_f64_vec().unwrap(), vec![0.0; 2 * e], "{dev}: no keys");
+    }
+}
+
 /// Tracked inputs take the differentiable form: the same values, and
 /// gradients that match finite differences.
 #[test]

@@ -126,7 +126,8 @@ fn gpu_kinds_of_inputs_capture_apart() {
 /// What a replay cannot see is an error at capture, never a stale value.
 fn changing_host_values_are_errors(dev: Device) {
     let _l = lock();
-    let x = Tensor::ones(&[3], DType::F32, dev).unwrap();
+    // A new input tensor each call (the same one twice is never captured).
+    let x = || Tensor::ones(&[3], DType::F32, dev).unwrap();
     // A Rust number folded into the graph.
     let calls = Cell::new(0);
     let mut step = Capture::new(|x: &[Tensor]| {
@@ -134,8 +135,8 @@ fn changing_host_values_are_errors(dev: Device) {
         // 2, 3, ...: a factor of 1 would be no op at all.
         Ok(vec![x[0].mul(calls.get() as f64 + 1.0)?])
     });
-    step.call(&[&x]).unwrap();
-    let e = step.call(&[&x]).unwrap_err().to_string();
+    step.call(&[&x()]).unwrap();
+    let e = step.call(&[&x()]).unwrap_err().to_string();
     assert!(e.contains("capture") && e.contains("constant") && e.contains("tensor input"), "{e}");
     // Host data uploaded inside the step with new values each call.
     let calls = Cell::new(0);
@@ -144,8 +145,8 @@ fn changing_host_values_are_errors(dev: Device) {
         let t = Tensor::from_vec(vec![calls.get() as f32; 3], &[3], dev)?;
         Ok(vec![x[0].add(&t)?])
     });
-    step.call(&[&x]).unwrap();
-    let e = step.call(&[&x]).unwrap_err().to_string();
+    step.call(&[&x()]).unwrap();
+    let e = step.call(&[&x()]).unwrap_err().to_string();
     assert!(e.contains("capture") && e.contains("changed between calls") && e.contains("pass it as an input"), "{e}");
     // State the step reads but does not take as an input.
     let zeros = Tensor::zeros(&[3], DType::F32, dev).unwrap();
@@ -159,7 +160,7 @@ fn changing_host_values_are_errors(dev: Device) {
     });
     // The first two calls may differ in the order they bind buffers (a
     // mismatch, traced again); the third cannot pass.
-    let e = (0..3).find_map(|_| step.call(&[&x]).err()).expect("reading changing state is an error").to_string();
+    let e = (0..3).find_map(|_| step.call(&[&x()]).err()).expect("reading changing state is an error").to_string();
     assert!(e.contains("changed between calls"), "{e}");
     assert_eq!(step.stats().replays, 0);
 }
@@ -172,6 +173,49 @@ fn cpu_changing_host_values_are_errors() {
 #[test]
 fn gpu_changing_host_values_are_errors() {
     changing_host_values_are_errors(gpu());
+}
+
+/// An input that is the same tensor on both traced calls could be a tensor
+/// the step holds itself: never captured, always right. Two outputs of a
+/// replay over one buffer are one input twice, whatever their nodes.
+fn same_inputs_are_not_captured(dev: Device) {
+    let _l = lock();
+    let w = Tensor::full(&[3], 2.0, DType::F32, dev).unwrap();
+    w.realize().unwrap();
+    let mut step = Capture::new(|x: &[Tensor]| Ok(vec![x[0].mul(&w)?.add(&x[1])?]));
+    for i in 0..4 {
+        let x = Tensor::full(&[3], i as f64, DType::F32, dev).unwrap();
+        // The weight itself as the first input: a replay must not mistake it for `w`.
+        let out = step.call(&[&w, &x]).unwrap();
+        assert_eq!(out[0].to_vec::<f32>().unwrap(), vec![4.0 + i as f32; 3]);
+    }
+    assert_eq!(step.stats().replays, 0);
+    let mut dup = Capture::new(|x: &[Tensor]| {
+        let s = x[0].add(1.0)?;
+        Ok(vec![s.clone(), s])
+    });
+    let mut add = Capture::new(|x: &[Tensor]| Ok(vec![x[0].add(&x[1])?]));
+    for i in 0..4 {
+        let x = Tensor::full(&[2], i as f64, DType::F32, dev).unwrap();
+        let pair = dup.call(&[&x]).unwrap();
+        let out = add.call(&[&pair[0], &pair[1]]).unwrap();
+        assert_eq!(out[0].to_vec::<f32>().unwrap(), vec![2.0 * (i as f32 + 1.0); 2], "call {i}");
+        // Then two different tensors of the same shape.
+        let y = Tensor::full(&[2], 10.0, DType::F32, dev).unwrap();
+        let out = add.call(&[&pair[0], &y]).unwrap();
+        assert_eq!(out[0].to_vec::<f32>().unwrap(), vec![i as f32 + 11.0; 2], "call {i}");
+    }
+    assert!(dup.stats().replays >= 2);
+}
+
+#[test]
+fn cpu_same_inputs_are_not_captured() {
+    same_inputs_are_not_captured(Device::Cpu);
+}
+
+#[test]
+fn gpu_same_inputs_are_not_captured() {
+    same_inputs_are_not_captured(gpu());
 }
 
 /// Two calls that realize different graphs keep nothing; the step is

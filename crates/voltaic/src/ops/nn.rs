@@ -387,8 +387,10 @@ impl Tensor {
     ///
     /// With no gradient to record it runs as one kernel per query row that
     /// never stores the scores (an online softmax over the keys); when an
-    /// input is tracked it runs as the two products and the softmax, which
-    /// differentiate.
+    /// input is tracked (or `D` is above 1024) it runs as the two products
+    /// and the softmax, which differentiate. A row whose mask is -inf
+    /// everywhere gives NaN, as the softmax does; with no keys at all the
+    /// result is zeros.
     ///
     /// ```
     /// use voltaic::{DType, Device, Tensor};
@@ -428,13 +430,17 @@ impl Tensor {
             Some(mk) => mk.broadcast_to(&scores_dims).map_err(|_| crate::error::Error::Shape { op: OP, msg: format!("a mask of shape {:?} does not broadcast to the scores' {scores_dims:?}", mk.dims()) })?,
             None => Tensor::zeros(&[1], q.dtype(), q.device())?.broadcast_to(&scores_dims)?,
         };
-        if crate::is_grad_enabled() && [q, k, v, &mask].iter().any(|t| t.is_tracked()) {
+        // The kernel keeps a query row in workgroup memory (16 KiB on the
+        // smallest adapters); heads wider than this take the unfused form.
+        const MAX_FUSED_D: usize = 1024;
+        if d > MAX_FUSED_D || (crate::is_grad_enabled() && [q, k, v, &mask].iter().any(|t| t.is_tracked())) {
             return q.matmul(&k.transpose(-1, -2)?)?.mul(scale)?.add(&mask)?.softmax(-1)?.matmul(v);
         }
         let batch: usize = lead.iter().product();
         let mut out_dims = lead.to_vec();
         out_dims.extend([m, e]);
-        if batch * m * e == 0 {
+        // No keys: nothing to average, zeros (as the CPU's sums give).
+        if batch * m * e == 0 || n == 0 {
             return Tensor::zeros(&out_dims, q.dtype(), q.device());
         }
         let (q3, k3, v3, m3) = (q.reshape_dims(&[batch, m, d])?, k.reshape_dims(&[batch, n, d])?, v.reshape_dims(&[batch, n, e])?, mask.reshape_dims(&[batch, m, n])?);

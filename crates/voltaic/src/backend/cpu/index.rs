@@ -26,8 +26,8 @@ pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DT
 }
 
 /// `softmax(q @ k^T * scale + mask) @ v` row by row (see `IndexOp::Attention`):
-/// f32 dot products and weighted sums in vectorizable loops (as the
-/// matmuls they replace), the softmax in f64; a task per query row.
+/// f32 scores and weighted sums in vectorizable loops (as the matmuls they
+/// replace), the softmax in f64; a task per query row.
 fn attention(scale: f64, args: &[View], inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
     let (qd, kd, vd) = (q.layout.dims(), k.layout.dims(), v.layout.dims());
@@ -38,7 +38,8 @@ fn attention(scale: f64, args: &[View], inputs: &[&CpuStorage], dtype: DType) ->
     out.par_chunks_mut(e.max(1)).enumerate().for_each(|(r, o)| {
         let bi = r / m.max(1);
         let row = &qv[r * d..][..d];
-        let mut w: Vec<f64> = (0..n).map(|j| dot(row, &kv[(bi * n + j) * d..][..d]) as f64 * scale + mv[r * n + j] as f64).collect();
+        // Scores in f32 as the GPU forms them (a mask of f32::MIN absorbs them alike).
+        let mut w: Vec<f64> = (0..n).map(|j| (dot(row, &kv[(bi * n + j) * d..][..d]) * scale as f32 + mv[r * n + j]) as f64).collect();
         let max = w.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let mut total = 0.0;
         for wj in w.iter_mut() {

@@ -65,12 +65,15 @@ impl Gen<'_> {
         // `row` is uniform across the workgroup, so the barriers below are too.
         let _ = writeln!(b, "    let row = group;\n    if (row >= {rows}u) {{ return; }}\n    let bi = row / {m}u;\n    let mi = row % {m}u;");
         let _ = writeln!(b, "    for (var i = lid; i < {d}u; i = i + {ATT_WG}u) {{ qs[i] = ld_in{qi}({}); }}", at(&q.layout, ["bi", "mi", "i"]));
-        let _ = writeln!(b, "    workgroupBarrier();\n    var mx = -3.0e38;\n    var l = 0.0;\n    var acc: array<f32, {per}>;");
-        let _ = writeln!(b, "    for (var c = 0u; c < {n}u; c = c + {ATT_WG}u) {{\n    let p = c + lid;\n    var s = -3.0e38;\n    if (p < {n}u) {{");
+        // The running maximum starts at -inf: a finite sentinel would sit
+        // above scores masked with f32::MIN and zero their weights.
+        let _ = writeln!(b, "    workgroupBarrier();\n    let ninf = bitcast<f32>(0xff800000u);\n    var mx = ninf;\n    var l = 0.0;\n    var acc: array<f32, {per}>;");
+        let _ = writeln!(b, "    for (var c = 0u; c < {n}u; c = c + {ATT_WG}u) {{\n    let p = c + lid;\n    var s = ninf;\n    if (p < {n}u) {{");
         let _ = writeln!(b, "        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["bi", "p", "i"]));
         let _ = writeln!(b, "        s = dot * {} + ld_in{mi}({});\n    }}", literal(scale, DType::F32), at(&mask.layout, ["bi", "mi", "p"]));
-        let _ = writeln!(b, "    red[lid] = s;\n    workgroupBarrier();\n    var cm = -3.0e38;\n    for (var j = 0u; j < {ATT_WG}u; j = j + 1u) {{ cm = max(cm, red[j]); }}");
-        let _ = writeln!(b, "    let nm = max(mx, cm);\n    let w = select(0.0, exp(s - nm), p < {n}u);\n    let alpha = exp(mx - nm);\n    workgroupBarrier();\n    red[lid] = w;\n    workgroupBarrier();");
+        let _ = writeln!(b, "    red[lid] = s;\n    workgroupBarrier();\n    var cm = ninf;\n    for (var j = 0u; j < {ATT_WG}u; j = j + 1u) {{ cm = max(cm, red[j]); }}");
+        // While every score so far is -inf nothing is accumulated (weights 0, scale 1).
+        let _ = writeln!(b, "    let nm = max(mx, cm);\n    let w = select(0.0, exp(s - nm), p < {n}u && nm > ninf);\n    let alpha = select(exp(mx - nm), 1.0, mx == nm);\n    workgroupBarrier();\n    red[lid] = w;\n    workgroupBarrier();");
         let _ = writeln!(b, "    l = l * alpha;\n    for (var r = 0u; r < {per}u; r = r + 1u) {{ acc[r] = acc[r] * alpha; }}");
         let _ = writeln!(b, "    let cnt = min({ATT_WG}u, {n}u - c);\n    for (var j = 0u; j < cnt; j = j + 1u) {{\n        let wj = red[j];\n        l = l + wj;\n        let pj = c + j;");
         for r in 0..per {
