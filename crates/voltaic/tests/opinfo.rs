@@ -827,6 +827,15 @@ fn table() -> Vec<OpInfo> {
         .grad()
         .slack(4.0),
         // Neural-network ops.
+        op("scaled_dot_product_attention", FLOATS, |r, dt| {
+            vec![
+                sample(vec![input(r, &[2, 3, 4], dt, false, false), input(r, &[2, 5, 4], dt, false, false), input(r, &[2, 5, 3], dt, false, false), input(r, &[3, 5], dt, false, false)]),
+                // A strided query, keys past one chunk of 64, a mask broadcast over the heads.
+                sample(vec![input(r, &[1, 2, 3, 8], dt, false, true), input(r, &[1, 2, 70, 8], dt, false, false), input(r, &[1, 2, 70, 5], dt, false, false), input(r, &[1, 1, 3, 70], dt, false, false)]),
+            ]
+        }, |t, _| Ok(vec![t[0].scaled_dot_product_attention(&t[1], &t[2], Some(&t[3]), None)?]), |a, _, _| vec![attention_ref(&a[0], &a[1], &a[2], &a[3])])
+        .grad()
+        .slack(4.0),
         op("conv2d", FLOATS, |r, dt| {
             vec![
                 Sample { inputs: vec![input(r, &[2, 3, 6, 5], dt, false, false), input(r, &[4, 3, 3, 3], dt, false, false), input(r, &[4], dt, false, false)], args: Args { n: vec![1, 1, 1, 1], ..Default::default() } },
@@ -973,6 +982,42 @@ fn pieces(a: &Arr, dim: isize, size: usize, count: Option<usize>) -> Vec<Arr> {
             view(a, &dims, &st, s * st[dd])
         })
         .collect()
+}
+
+/// `softmax(q k^T / sqrt(D) + mask) v` over the leading dims, the mask
+/// broadcast from the right.
+fn attention_ref(q: &Arr, k: &Arr, v: &Arr, mask: &Arr) -> Arr {
+    let r = q.dims.len();
+    let (m, d, n, e) = (q.dims[r - 2], q.dims[r - 1], k.dims[r - 2], v.dims[r - 1]);
+    let lead = &q.dims[..r - 2];
+    let batch = numel(lead);
+    let mut out = Vec::with_capacity(batch * m * e);
+    for b in 0..batch {
+        let mut idx = vec![0; r - 2];
+        let mut rest = b;
+        for i in (0..r - 2).rev() {
+            idx[i] = rest % lead[i];
+            rest /= lead[i];
+        }
+        let at = |x: &Arr, tail: [usize; 2]| {
+            let mut full: Vec<usize> = idx.clone();
+            full.extend(tail);
+            // Broadcast dims of size 1 (the mask may have fewer dims: right-aligned).
+            let off = full.len() - x.dims.len();
+            let pos: Vec<usize> = x.dims.iter().enumerate().map(|(i, &s)| if s == 1 { 0 } else { full[off + i] }).collect();
+            x.at(&pos)
+        };
+        for i in 0..m {
+            let s: Vec<f64> = (0..n).map(|j| (0..d).map(|c| at(q, [i, c]) * at(k, [j, c])).sum::<f64>() / (d as f64).sqrt() + at(mask, [i, j])).collect();
+            let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+            let total: f64 = w.iter().sum();
+            out.extend((0..e).map(|c| (0..n).map(|j| w[j] * at(v, [j, c])).sum::<f64>() / total));
+        }
+    }
+    let mut dims = lead.to_vec();
+    dims.extend([m, e]);
+    Arr::new(&dims, out)
 }
 
 fn matmul_ref(a: &Arr, b: &Arr, dt: DType) -> Arr {

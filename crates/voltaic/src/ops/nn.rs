@@ -387,8 +387,9 @@ impl Tensor {
     ///
     /// With no gradient to record it runs as one kernel per query row that
     /// never stores the scores (an online softmax over the keys); when an
-    /// input is tracked (or `D` is above 1024) it runs as the two products
-    /// and the softmax, which differentiate. A row whose mask is -inf
+    /// input is tracked, the dtype is f64 (the kernel computes in f32) or
+    /// `D` is above 1024, it runs as the two products and the softmax,
+    /// which differentiate. A row whose mask is -inf
     /// everywhere gives NaN, as the softmax does; with no keys at all the
     /// result is zeros.
     ///
@@ -433,7 +434,8 @@ impl Tensor {
         // The kernel keeps a query row in workgroup memory (16 KiB on the
         // smallest adapters); heads wider than this take the unfused form.
         const MAX_FUSED_D: usize = 1024;
-        if d > MAX_FUSED_D || (crate::is_grad_enabled() && [q, k, v, &mask].iter().any(|t| t.is_tracked())) {
+        // The kernel computes in f32: f64 keeps its precision in the unfused form.
+        if d > MAX_FUSED_D || q.dtype() == DType::F64 || (crate::is_grad_enabled() && [q, k, v, &mask].iter().any(|t| t.is_tracked())) {
             return q.matmul(&k.transpose(-1, -2)?)?.mul(scale)?.add(&mask)?.softmax(-1)?.matmul(v);
         }
         let batch: usize = lead.iter().product();
