@@ -173,19 +173,15 @@ impl<F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>> Capture<F> {
                 alias_of: args[..i].iter().position(|o| o.same(&args[i])),
             })
             .collect();
+        // The entry of this kind, if any, moves to the front (most recently used).
         let found = self.entries.iter().position(|e| e.kinds == kinds);
-        let entry = match found {
-            Some(i) => {
-                let e = self.entries.remove(i);
-                self.entries.insert(0, e);
-                Some(&mut self.entries[0])
+        if let Some(i) = found {
+            let e = self.entries.remove(i);
+            self.entries.insert(0, e);
+            if let Stage::Ready(r) = &self.entries[0].state {
+                self.stats.replays += 1;
+                return r.run(inputs, &args);
             }
-            None => None,
-        };
-        if let Some(Entry { state: Stage::Ready(r), .. }) = entry {
-            let out = r.run(inputs, &args);
-            self.stats.replays += 1;
-            return out;
         }
         // Through the graph, traced.
         let trace = self.trace(inputs, args)?;

@@ -53,7 +53,10 @@ fn attention(scale: f64, args: &[View], inputs: &[&CpuStorage], dtype: DType) ->
             }
         }
     });
-    CpuStorage::from_f64(dtype, &out.iter().map(|&x| x as f64).collect::<Vec<_>>())
+    match dtype {
+        DType::F32 => CpuStorage::F32(out),
+        _ => CpuStorage::from_f64(dtype, &out.iter().map(|&x| x as f64).collect::<Vec<_>>()),
+    }
 }
 
 /// An f32 dot product in eight lanes (so that it vectorizes).
@@ -76,6 +79,7 @@ fn dense_f32<'a>(x: &View, inputs: &[&'a CpuStorage]) -> std::borrow::Cow<'a, [f
     let l = &x.layout;
     match s {
         CpuStorage::F32(v) if l.is_contiguous() => std::borrow::Cow::Borrowed(&v[l.offset()..][..l.numel()]),
+        CpuStorage::F32(v) => std::borrow::Cow::Owned(l.gather(v)),
         _ => {
             let mut out = Vec::with_capacity(l.numel());
             l.for_each_offset(|o| out.push(s.get_f64(o) as f32));
