@@ -151,19 +151,29 @@ pub(crate) fn matmul(a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usi
     // A few rows (decode): integer dot products with 16-bit activations
     // where the type has a kernel (see qdot.rs).
     let int_rows = (m <= SMALL_M && super::qdot::supports(q)).then(|| super::qdot::QuantRows::new(&xs, m, k));
-    let tiles = n.div_ceil(TILE_ROWS);
+    // Decode tiles are smaller, so that the two or more threads get even
+    // shares of a 576-row matrix (64-row tiles left one thread 5 of 9).
+    let tile_rows = if m <= SMALL_M { (n / (8 * rayon::current_num_threads())).clamp(8, TILE_ROWS) } else { TILE_ROWS };
+    let tiles = n.div_ceil(tile_rows);
     (0..tiles).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, t| {
-        let (r0, r1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(n));
+        let (r0, r1) = (t * tile_rows, ((t + 1) * tile_rows).min(n));
         if m <= SMALL_M {
             // Each weight row against every row of `a`: integer dots, or its
             // blocks dequantized into registers one at a time.
-            for j in r0..r1 {
-                let mut sums = [0f32; SMALL_M];
-                match &int_rows {
-                    Some(qx) => super::qdot::dot_rows(b.q, b.row_bytes(j), b.padded, qx, &mut sums[..m]),
-                    None => dot_rows(b.q, b.row_bytes(j), b.padded, &xs, k, &mut sums[..m]),
+            buf.resize((r1 - r0) * m, 0.0);
+            match &int_rows {
+                Some(qx) => {
+                    let w = super::qdot::WeightRows { bytes: &b.bytes[r0 * b.row_bytes..], nrows: r1 - r0, row_bytes: b.row_bytes, padded: b.padded };
+                    super::qdot::dot_rows(b.q, &w, qx, buf);
                 }
-                for (i, v) in sums[..m].iter().enumerate() {
+                None => {
+                    for (j, sums) in (r0..r1).zip(buf.chunks_exact_mut(m)) {
+                        dot_rows(b.q, b.row_bytes(j), b.padded, &xs, k, sums);
+                    }
+                }
+            }
+            for (j, sums) in (r0..r1).zip(buf.chunks_exact(m)) {
+                for (i, v) in sums.iter().enumerate() {
                     // SAFETY: tiles write disjoint columns of `out`.
                     unsafe { *dst.get().add(i * n + j) = *v };
                 }
