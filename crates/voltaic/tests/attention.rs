@@ -88,7 +88,9 @@ fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
     }
 }
 
-const SHAPES: [(usize, usize, usize, usize, usize); 7] = [(1, 1, 1, 8, 4), (2, 3, 63, 16, 8), (3, 1, 64, 64, 64), (2, 5, 65, 8, 70), (1, 4, 130, 32, 16), (4, 9, 7, 64, 64), (1, 2, 200, 5, 129)];
+/// The last shape is past the CPU kernel's serial threshold (2^21
+/// multiply-adds), so both of its paths run.
+const SHAPES: [(usize, usize, usize, usize, usize); 8] = [(1, 1, 1, 8, 4), (2, 3, 63, 16, 8), (3, 1, 64, 64, 64), (2, 5, 65, 8, 70), (1, 4, 130, 32, 16), (4, 9, 7, 64, 64), (1, 2, 200, 5, 129), (2, 40, 300, 64, 72)];
 
 #[test]
 fn one_kernel_attention_matches_f64_loops_and_the_cpu() {

@@ -2,6 +2,7 @@
 //! unfold and fold.
 
 use super::input;
+use super::simd::simd_fn;
 use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::ir::Strided as View;
@@ -25,9 +26,8 @@ pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DT
     })
 }
 
-/// `softmax(q @ k^T * scale + mask) @ v` row by row (see `IndexOp::Attention`):
-/// f32 scores and weighted sums in vectorizable loops (as the matmuls they
-/// replace), the softmax in f64; a task per query row.
+/// `softmax(q @ k^T * scale + mask) @ v` row by row (see `IndexOp::Attention`),
+/// in f32 as the GPU kernel computes it; a task per query row.
 fn attention(scale: f64, args: &[View], inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
     let (qd, kd, vd) = (q.layout.dims(), k.layout.dims(), v.layout.dims());
@@ -35,31 +35,64 @@ fn attention(scale: f64, args: &[View], inputs: &[&CpuStorage], dtype: DType) ->
     let (qv, kv, vv, mv) = (dense_f32(q, inputs), dense_f32(k, inputs), dense_f32(v, inputs), dense_f32(mask, inputs));
     let mut out = vec![0f32; b * m * e];
     use rayon::prelude::*;
-    out.par_chunks_mut(e.max(1)).enumerate().for_each(|(r, o)| {
+    let row = |w: &mut Vec<f32>, (r, o): (usize, &mut [f32])| {
         let bi = r / m.max(1);
-        let row = &qv[r * d..][..d];
-        // Scores in f32 as the GPU forms them (a mask of f32::MIN absorbs them alike).
-        let mut w: Vec<f64> = (0..n).map(|j| (dot(row, &kv[(bi * n + j) * d..][..d]) * scale as f32 + mv[r * n + j]) as f64).collect();
-        let max = w.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let mut total = 0.0;
-        for wj in w.iter_mut() {
-            *wj = (*wj - max).exp();
-            total += *wj;
-        }
-        for (j, &wj) in w.iter().enumerate() {
-            let wj = (wj / total) as f32;
-            for (x, &val) in o.iter_mut().zip(&vv[(bi * n + j) * e..][..e]) {
-                *x += wj * val;
-            }
-        }
-    });
+        w.resize(n, 0.0);
+        attention_row(&qv[r * d..][..d], &kv[bi * n * d..][..n * d], &vv[bi * n * e..][..n * e], &mv[r * n..][..n], scale as f32, w, o);
+    };
+    // A decode step's few rows take microseconds, less than handing them
+    // to the pool's other threads costs.
+    if b * m * n * (d + e) < SERIAL_WORK {
+        let mut w = Vec::new();
+        out.chunks_mut(e.max(1)).enumerate().for_each(|x| row(&mut w, x));
+    } else {
+        out.par_chunks_mut(e.max(1)).enumerate().for_each_init(Vec::new, row);
+    }
     match dtype {
         DType::F32 => CpuStorage::F32(out),
         _ => CpuStorage::from_f64(dtype, &out.iter().map(|&x| x as f64).collect::<Vec<_>>()),
     }
 }
 
+/// Multiply-adds below which attention runs on the calling thread.
+const SERIAL_WORK: usize = 1 << 21;
+
+simd_fn!(
+    /// One query row against `n = w.len()` keys (`[n, d]`) and values
+    /// (`[n, e]`): scores into `w`, their softmax, the weighted sum into `o`
+    /// (zeroed by the caller). A row masked everywhere with -inf gives NaN,
+    /// as PyTorch's does; one masked with f32::MIN averages the values.
+    fn attention_row(row: &[f32], keys: &[f32], values: &[f32], mask: &[f32], scale: f32, w: &mut [f32], o: &mut [f32]) {
+        let (d, e) = (row.len(), o.len());
+        for (j, wj) in w.iter_mut().enumerate() {
+            *wj = dot(row, &keys[j * d..][..d]) * scale + mask[j];
+        }
+        let max = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // Eight partial sums, so that the exponentials vectorize.
+        let mut total = [0f32; 8];
+        let mut chunks = w.chunks_exact_mut(8);
+        for c in &mut chunks {
+            for l in 0..8 {
+                c[l] = crate::primitive::fastmath::exp_f32(c[l] - max);
+                total[l] += c[l];
+            }
+        }
+        for wj in chunks.into_remainder() {
+            *wj = crate::primitive::fastmath::exp_f32(*wj - max);
+            total[0] += *wj;
+        }
+        let inv = 1.0 / total.iter().sum::<f32>();
+        for (j, &wj) in w.iter().enumerate() {
+            let wj = wj * inv;
+            for (x, &val) in o.iter_mut().zip(&values[j * e..][..e]) {
+                *x += wj * val;
+            }
+        }
+    }
+);
+
 /// An f32 dot product in eight lanes (so that it vectorizes).
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
