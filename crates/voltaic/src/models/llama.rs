@@ -353,9 +353,23 @@ pub struct Llama {
     /// `[context, head_dim]`: the sines, signed for the element they scale
     /// (`-sin` for a pair's first element, `+sin` for its second; 0 past `rope_dims`).
     sin: Tensor,
-    /// `[head_dim]`: each element's pair partner (itself past `rope_dims`).
-    partner: Tensor,
+    /// Where each element's pair partner is: see [`Partner`].
+    partner: Partner,
     device: Device,
+}
+
+/// How RoPE finds each element's pair partner (`x[e ^ 1]` below
+/// `rope_dims`, `x[e]` past it).
+#[derive(Clone, Debug)]
+enum Partner {
+    /// An even head dim: the head seen as `[head_dim / 2, 2]` pairs, the
+    /// partner chosen from two broadcast views of it by two constant masks
+    /// `[head_dim / 2, 2]`: whether the element is a pair's first, and
+    /// whether it is rotated. Views and masks fuse into the rotation's own
+    /// kernel, where a gather was a kernel of its own (30 a decode step).
+    Pairs { first: Tensor, rotated: Tensor },
+    /// An odd head dim: the partners' indices `[head_dim]`, gathered.
+    Gather(Tensor),
 }
 
 impl Llama {
@@ -408,8 +422,14 @@ impl Llama {
         }
         let cos = Tensor::from_vec(cos, &[c.context, d], device)?;
         let sin = Tensor::from_vec(sin, &[c.context, d], device)?;
-        let partner: Vec<i32> = (0..d as i32).map(|e| if (e as usize) < c.rope_dims { e ^ 1 } else { e }).collect();
-        let partner = Tensor::from_vec(partner, &[d], device)?;
+        let partner = if d % 2 == 0 {
+            let first: Vec<bool> = (0..d).map(|e| e % 2 == 0).collect();
+            let rotated: Vec<bool> = (0..d).map(|e| e < c.rope_dims).collect();
+            Partner::Pairs { first: Tensor::from_vec(first, &[d / 2, 2], device)?, rotated: Tensor::from_vec(rotated, &[d / 2, 2], device)? }
+        } else {
+            let idx: Vec<i32> = (0..d as i32).map(|e| if (e as usize) < c.rope_dims { e ^ 1 } else { e }).collect();
+            Partner::Gather(Tensor::from_vec(idx, &[d], device)?)
+        };
         Ok(Llama { config: c, embed, blocks, norm, output, cos, sin, partner, device })
     }
 
@@ -423,7 +443,7 @@ impl Llama {
         let b = &self.blocks;
         let mats: usize = b.iter().map(|b| b.qkv.size_in_bytes() + b.wo.size_in_bytes() + b.gate_up.size_in_bytes() + b.down.size_in_bytes()).sum();
         let vecs = (2 * b.len() + 1) * self.config.hidden * 4;
-        mats + vecs + self.embed.size_in_bytes() + self.output.as_ref().map_or(0, |w| w.size_in_bytes()) + 2 * self.cos.numel() * 4 + self.partner.numel() * 4
+        mats + vecs + self.embed.size_in_bytes() + self.output.as_ref().map_or(0, |w| w.size_in_bytes()) + 2 * self.cos.numel() * 4 + self.partner.size_in_bytes()
     }
 
     /// An empty cache for one sequence.
@@ -595,9 +615,31 @@ impl Llama {
     /// Rotate adjacent pairs `(x[2i], x[2i + 1])` of the first `rope_dims`
     /// of each head of `x` `[t, heads, head_dim]` by each position's angles
     /// (`cos`, `sin`: the tables' rows of the positions, `[t, 1, head_dim]`):
-    /// `x * cos + partner(x) * signed sin`, a gather and one fused kernel.
+    /// `x * cos + partner(x) * signed sin`, one fused kernel (see [`Partner`]).
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        x.mul(cos)?.add(&x.index_select(2, &self.partner)?.mul(sin)?)
+        let partner = match &self.partner {
+            Partner::Pairs { first, rotated } => {
+                let (t, heads, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+                let pairs = x.reshape_dims(&[t, heads, d / 2, 2])?;
+                let half = |i| pairs.narrow(3, i, 1)?.broadcast_to(&[t, heads, d / 2, 2]);
+                // A first element's partner is its pair's second, and back.
+                let swapped = first.where_cond(&half(1)?, &half(0)?)?;
+                rotated.where_cond(&swapped, &pairs)?.reshape_dims(&[t, heads, d])?
+            }
+            Partner::Gather(idx) => x.index_select(2, idx)?,
+        };
+        x.mul(cos)?.add(&partner.mul(sin)?)
+    }
+}
+
+impl Partner {
+    /// Bytes its constants take on the device.
+    fn size_in_bytes(&self) -> usize {
+        match self {
+            // Booleans are stored as 32-bit words on the GPU.
+            Partner::Pairs { first, rotated } => 4 * (first.numel() + rotated.numel()),
+            Partner::Gather(idx) => 4 * idx.numel(),
+        }
     }
 }
 
