@@ -422,14 +422,7 @@ impl Llama {
         }
         let cos = Tensor::from_vec(cos, &[c.context, d], device)?;
         let sin = Tensor::from_vec(sin, &[c.context, d], device)?;
-        let partner = if d % 2 == 0 {
-            let first: Vec<bool> = (0..d).map(|e| e % 2 == 0).collect();
-            let rotated: Vec<bool> = (0..d).map(|e| e < c.rope_dims).collect();
-            Partner::Pairs { first: Tensor::from_vec(first, &[d / 2, 2], device)?, rotated: Tensor::from_vec(rotated, &[d / 2, 2], device)? }
-        } else {
-            let idx: Vec<i32> = (0..d as i32).map(|e| if (e as usize) < c.rope_dims { e ^ 1 } else { e }).collect();
-            Partner::Gather(Tensor::from_vec(idx, &[d], device)?)
-        };
+        let partner = Partner::new(d, c.rope_dims, device)?;
         Ok(Llama { config: c, embed, blocks, norm, output, cos, sin, partner, device })
     }
 
@@ -617,22 +610,39 @@ impl Llama {
     /// (`cos`, `sin`: the tables' rows of the positions, `[t, 1, head_dim]`):
     /// `x * cos + partner(x) * signed sin`, one fused kernel (see [`Partner`]).
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let partner = match &self.partner {
+        x.mul(cos)?.add(&self.partner.of(x)?.mul(sin)?)
+    }
+}
+
+impl Partner {
+    /// The partners of a head of `d` elements of which the first `rope_dims` rotate;
+    /// pairs unless `d` is odd.
+    fn new(d: usize, rope_dims: usize, device: Device) -> Result<Partner> {
+        Ok(if d % 2 == 0 {
+            let first: Vec<bool> = (0..d).map(|e| e % 2 == 0).collect();
+            let rotated: Vec<bool> = (0..d).map(|e| e < rope_dims).collect();
+            Partner::Pairs { first: Tensor::from_vec(first, &[d / 2, 2], device)?, rotated: Tensor::from_vec(rotated, &[d / 2, 2], device)? }
+        } else {
+            let idx: Vec<i32> = (0..d as i32).map(|e| if (e as usize) < rope_dims { e ^ 1 } else { e }).collect();
+            Partner::Gather(Tensor::from_vec(idx, &[d], device)?)
+        })
+    }
+
+    /// Each element's partner in `x` `[t, heads, d]`.
+    fn of(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
             Partner::Pairs { first, rotated } => {
                 let (t, heads, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
                 let pairs = x.reshape_dims(&[t, heads, d / 2, 2])?;
                 let half = |i| pairs.narrow(3, i, 1)?.broadcast_to(&[t, heads, d / 2, 2]);
                 // A first element's partner is its pair's second, and back.
                 let swapped = first.where_cond(&half(1)?, &half(0)?)?;
-                rotated.where_cond(&swapped, &pairs)?.reshape_dims(&[t, heads, d])?
+                rotated.where_cond(&swapped, &pairs)?.reshape_dims(&[t, heads, d])
             }
-            Partner::Gather(idx) => x.index_select(2, idx)?,
-        };
-        x.mul(cos)?.add(&partner.mul(sin)?)
+            Partner::Gather(idx) => x.index_select(2, idx),
+        }
     }
-}
 
-impl Partner {
     /// Bytes its constants take on the device.
     fn size_in_bytes(&self) -> usize {
         match self {
@@ -698,7 +708,29 @@ pub fn smollm2_path() -> Result<std::path::PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::RopeScaling;
+    use super::{Partner, RopeScaling};
+    use crate::{DType, Device, Tensor};
+
+    /// Both ways of finding RoPE partners give `x[e ^ 1]` below `rope_dims`
+    /// and `x[e]` past it, on a strided `x` (a narrowed projection, as the
+    /// stacked one is), on the CPU and the GPU.
+    #[test]
+    fn rope_partners_pair_neighbours_below_rope_dims() {
+        for dev in [Device::Cpu, Device::Gpu(0)] {
+            for (d, rope) in [(8, 8), (8, 6), (7, 4)] {
+                let (t, heads) = (3, 2);
+                let wide = Tensor::randn(&[t, heads * d + 5], DType::F32, dev).unwrap();
+                let x = wide.narrow(1, 2, heads * d).unwrap().reshape_dims(&[t, heads, d]).unwrap();
+                let got = Partner::new(d, rope, dev).unwrap().of(&x).unwrap().to_vec::<f32>().unwrap();
+                let xv = x.to_vec::<f32>().unwrap();
+                for (i, g) in got.iter().enumerate() {
+                    let e = i % d;
+                    let p = if e < rope { e ^ 1 } else { e };
+                    assert_eq!(*g, xv[i - e + p], "{dev} d {d} rope_dims {rope}: element {i}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn rope_scaling_divides_positions_or_frequencies() {
