@@ -618,7 +618,7 @@ impl Partner {
     /// The partners of a head of `d` elements of which the first `rope_dims` rotate;
     /// pairs unless `d` is odd.
     fn new(d: usize, rope_dims: usize, device: Device) -> Result<Partner> {
-        Ok(if d % 2 == 0 {
+        Ok(if d.is_multiple_of(2) {
             let first: Vec<bool> = (0..d).map(|e| e % 2 == 0).collect();
             let rotated: Vec<bool> = (0..d).map(|e| e < rope_dims).collect();
             Partner::Pairs { first: Tensor::from_vec(first, &[d / 2, 2], device)?, rotated: Tensor::from_vec(rotated, &[d / 2, 2], device)? }
