@@ -623,7 +623,8 @@ impl Partner {
             let rotated: Vec<bool> = (0..d).map(|e| e < rope_dims).collect();
             Partner::Pairs { first: Tensor::from_vec(first, &[d / 2, 2], device)?, rotated: Tensor::from_vec(rotated, &[d / 2, 2], device)? }
         } else {
-            let idx: Vec<i32> = (0..d as i32).map(|e| if (e as usize) < rope_dims { e ^ 1 } else { e }).collect();
+            // The last element of an odd head has no partner inside it.
+            let idx: Vec<i32> = (0..d as i32).map(|e| if (e as usize) < rope_dims && ((e ^ 1) as usize) < d { e ^ 1 } else { e }).collect();
             Partner::Gather(Tensor::from_vec(idx, &[d], device)?)
         })
     }
@@ -717,7 +718,7 @@ mod tests {
     #[test]
     fn rope_partners_pair_neighbours_below_rope_dims() {
         for dev in [Device::Cpu, Device::Gpu(0)] {
-            for (d, rope) in [(8, 8), (8, 6), (7, 4)] {
+            for (d, rope) in [(8, 8), (8, 6), (8, 5), (7, 4), (7, 7)] {
                 let (t, heads) = (3, 2);
                 let wide = Tensor::randn(&[t, heads * d + 5], DType::F32, dev).unwrap();
                 let x = wide.narrow(1, 2, heads * d).unwrap().reshape_dims(&[t, heads, d]).unwrap();
@@ -725,7 +726,7 @@ mod tests {
                 let xv = x.to_vec::<f32>().unwrap();
                 for (i, g) in got.iter().enumerate() {
                     let e = i % d;
-                    let p = if e < rope { e ^ 1 } else { e };
+                    let p = if e < rope && (e ^ 1) < d { e ^ 1 } else { e };
                     assert_eq!(*g, xv[i - e + p], "{dev} d {d} rope_dims {rope}: element {i}");
                 }
             }

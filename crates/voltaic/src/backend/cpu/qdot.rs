@@ -32,9 +32,11 @@ pub(crate) fn supports(q: GgmlType) -> bool {
 /// `x`, and `c8` = `8 d sum(a)`, the centring term of the 4-bit types.
 ///
 /// The kernels multiply the stored (uncentred) nibbles and subtract the
-/// centring afterwards: `sum (q - 8) a = sum q a - 8 sum a` holds exactly
-/// in integers, so the result is the centred one of the module docs with
-/// two instructions a block fewer.
+/// centring afterwards: `sum (q - 8) a = sum q a - 8 sum a`, so the result
+/// is the centred one of the module docs (up to f32 rounding of the two
+/// scaled terms, 2^-24 of the uncentred sum, far below the activations'
+/// 2^-16) with two instructions a block fewer. A block holding a NaN gets
+/// a NaN scale, so that the NaN reaches every sum it is part of.
 pub(crate) struct QuantRows {
     a: Vec<i16>,
     d: Vec<f32>,
@@ -53,7 +55,8 @@ impl QuantRows {
         let mut q = QuantRows { a: vec![0; rows * k], d: vec![0.0; blocks], sum: vec![0.0; blocks], c8: vec![0.0; blocks], k, rows };
         for (b, (xs, a)) in x[..rows * k].chunks_exact(BLOCK).zip(q.a.chunks_exact_mut(BLOCK)).enumerate() {
             let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 32767.0;
+            // `max` skips NaN, and a NaN rounds to the integer 0.
+            let d = if xs.iter().any(|v| v.is_nan()) { f32::NAN } else { amax / 32767.0 };
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
             for (a, &v) in a.iter_mut().zip(xs) {
                 *a = (v * inv).round() as i16;
@@ -120,8 +123,14 @@ impl Isa {
 
 /// [`dot_rows`] with a chosen instruction set (the tests run each one the CPU has).
 pub(crate) fn dot_rows_on(isa: Isa, q: GgmlType, w: &WeightRows, x: &QuantRows, sums: &mut [f32]) {
-    assert!(supports(q) && sums.len() == w.nrows * x.rows && x.rows <= MAX_ROWS, "dot_rows: {} rows of {} against {} activation rows", w.nrows, q.name(), x.rows);
-    assert!(w.padded >= q.block().1 && w.row_bytes >= x.k / BLOCK * w.padded && w.bytes.len() >= w.nrows.saturating_sub(1) * w.row_bytes + x.k / BLOCK * w.padded);
+    assert!(supports(q) && sums.len() == w.nrows * x.rows && (1..=MAX_ROWS).contains(&x.rows), "dot_rows: {} rows of {} against {} activation rows", w.nrows, q.name(), x.rows);
+    if w.nrows == 0 {
+        return;
+    }
+    // Every read ends within the last row's blocks (checked arithmetic: the
+    // unsafe kernels rely on this bound).
+    let needed = (w.nrows - 1).checked_mul(w.row_bytes).and_then(|b| b.checked_add(x.k / BLOCK * w.padded));
+    assert!(w.padded >= q.block().1 && w.row_bytes >= x.k / BLOCK * w.padded && needed.is_some_and(|n| w.bytes.len() >= n), "dot_rows: {} bytes for {} rows of {} bytes", w.bytes.len(), w.nrows, w.row_bytes);
     match isa {
         Isa::Portable => dot_rows_portable(q, w, x, sums),
         // SAFETY: `Isa::available` lists these only where the CPU has every
@@ -344,6 +353,35 @@ mod tests {
                             assert!(err <= 5e-5 * scale + 1e-6, "{} {isa:?} {rows}x{k} against {n} rows, ({j}, {i}): {v} vs {exact} (error {err}, scale {scale})", q.name());
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// A NaN activation makes every sum it is part of NaN, for every type
+    /// and instruction set (`max` skips NaN and a NaN rounds to 0: the
+    /// kernels of types that read no block sums once returned a number).
+    #[test]
+    fn nan_activations_propagate() {
+        let mut g = crate::Generator::new(3);
+        let (k, n) = (96, 5);
+        for q in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let wf: Vec<f32> = g.normal(n * k).iter().map(|v| *v as f32).collect();
+            let blocks = crate::quant::quantize(q, &wf).expect("quantize");
+            let padded = q.padded_block_bytes();
+            let mut bytes = vec![0u8; n * k / 32 * padded];
+            for (b, src) in blocks.chunks_exact(q.block().1).enumerate() {
+                bytes[b * padded..b * padded + src.len()].copy_from_slice(src);
+            }
+            let mut x: Vec<f32> = g.normal(2 * k).iter().map(|v| *v as f32).collect();
+            x[k + 40] = f32::NAN;
+            let qx = QuantRows::new(&x, 2, k);
+            let w = WeightRows { bytes: &bytes, nrows: n, row_bytes: k / 32 * padded, padded };
+            for isa in Isa::available() {
+                let mut got = vec![0f32; n * 2];
+                dot_rows_on(isa, q, &w, &qx, &mut got);
+                for j in 0..n {
+                    assert!(got[j * 2].is_finite() && got[j * 2 + 1].is_nan(), "{} {isa:?} row {j}: {} and {}", q.name(), got[j * 2], got[j * 2 + 1]);
                 }
             }
         }
