@@ -55,14 +55,17 @@ impl QuantRows {
         let mut q = QuantRows { a: vec![0; rows * k], d: vec![0.0; blocks], sum: vec![0.0; blocks], c8: vec![0.0; blocks], k, rows };
         for (b, (xs, a)) in x[..rows * k].chunks_exact(BLOCK).zip(q.a.chunks_exact_mut(BLOCK)).enumerate() {
             let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-            // `max` skips NaN, and a NaN rounds to the integer 0.
-            let d = if xs.iter().any(|v| v.is_nan()) { f32::NAN } else { amax / 32767.0 };
+            let sum: f32 = xs.iter().sum();
+            // `max` skips NaN, and a NaN rounds to the integer 0: the sum
+            // says whether the block holds one (or +inf with -inf, whose
+            // products are NaN through the infinite scale anyway).
+            let d = if sum.is_nan() { f32::NAN } else { amax / 32767.0 };
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
             for (a, &v) in a.iter_mut().zip(xs) {
                 *a = (v * inv).round() as i16;
             }
             q.d[b] = d;
-            q.sum[b] = xs.iter().sum();
+            q.sum[b] = sum;
             q.c8[b] = (8.0 * d as f64 * a.iter().map(|&v| v as i64).sum::<i64>() as f64) as f32;
         }
         q

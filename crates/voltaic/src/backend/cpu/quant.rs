@@ -153,7 +153,7 @@ pub(crate) fn matmul(a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usi
     let int_rows = (m <= SMALL_M && super::qdot::supports(q)).then(|| super::qdot::QuantRows::new(&xs, m, k));
     // Decode tiles are smaller, so that the two or more threads get even
     // shares of a 576-row matrix (64-row tiles left one thread 5 of 9).
-    let tile_rows = if m <= SMALL_M { (n / (8 * rayon::current_num_threads())).clamp(8, TILE_ROWS) } else { TILE_ROWS };
+    let tile_rows = if m <= SMALL_M { (n / (8 * super::threads())).clamp(8, TILE_ROWS) } else { TILE_ROWS };
     let tiles = n.div_ceil(tile_rows);
     (0..tiles).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, t| {
         let (r0, r1) = (t * tile_rows, ((t + 1) * tile_rows).min(n));
