@@ -91,12 +91,15 @@ fn main() -> voltaic::Result<()> {
         measure(&format!("DataParallel over {}", names.join(",")), group.devices(), &mut || dp.step(&[&host[0], &host[1]], loss).map(|_| ()))?;
         let s = dp.last_sync()[0];
         println!(
-            "    last sync of replica 0: {} buckets, {:.1} MB, {:.1} ms from backward to summed gradients, {:.1} ms all-reduce, {:.1} ms waiting for reads",
+            "    last sync of replica 0: {} buckets, {:.1} MB, {:.1} ms from backward to summed gradients: {:.1} recording backward, {:.1} realizing buckets, {:.1} waiting for reads, {:.1} all-reduce, {:.1} the rest",
             s.buckets,
             s.bytes as f64 / 1e6,
             s.total_seconds * 1e3,
+            s.backward_seconds * 1e3,
+            s.realize_seconds * 1e3,
+            s.read_seconds * 1e3,
             s.reduce_seconds * 1e3,
-            s.read_seconds * 1e3
+            (s.total_seconds - s.backward_seconds - s.realize_seconds - s.read_seconds - s.reduce_seconds) * 1e3
         );
     }
     Ok(())

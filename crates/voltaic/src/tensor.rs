@@ -381,6 +381,25 @@ impl Tensor {
         exec.read_start(&buf, &t.value.layout)
     }
 
+    /// [`Tensor::read_start`] for f32 values consumed in place: a GPU may
+    /// leave them in its mapped staging memory (`HostView::as_f32`).
+    pub(crate) fn read_start_in_place(&self) -> Result<crate::backend::PendingRead> {
+        let exec = executor(self.device())?;
+        let t = if self.is_contiguous() { self.clone() } else { self.contiguous()? };
+        crate::backend::read_follows(|| t.realize())?;
+        let buf = t.value.node.buffer().expect("realized");
+        exec.read_start_in_place(&buf, &t.value.layout)
+    }
+
+    /// A flat f32 tensor of `len` values written by `fill` on the host,
+    /// straight into the memory the device uploads from where it has such
+    /// (one host write instead of two).
+    pub(crate) fn from_f32_fill(len: usize, device: Device, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Tensor> {
+        let buf = executor(device)?.upload_f32_with(len, fill)?;
+        let node = Node::new(State::Realized(buf), DType::F32, device, vec![len], 0);
+        Ok(Tensor { value: Value { node, layout: Layout::contiguous(&[len]) }, grad: None })
+    }
+
     /// The only element of a one-element tensor.
     pub fn item<T: StorageElem>(&self) -> Result<T> {
         if self.numel() != 1 {

@@ -228,11 +228,13 @@ fn time_model<M: Module>(
         format!(
             "{:.0} samples/s over {world} replicas of batch {per}; 3 losses vs one device on the global batch: max relative difference {rel:.1e}; \
              last sync (mean over this process's replicas): {buckets} buckets, {mb:.1} MB, {:.1} ms from backward to summed gradients, \
-             {:.1} ms in the all-reduce, {:.1} ms waiting for the device's gradients",
+             {:.1} ms in the all-reduce, {:.1} ms waiting for the device's gradients, {:.1} ms recording backward, {:.1} ms realizing the buckets",
             (per * world) as f64 / (ms / 1e3),
             avg(|s| s.total_seconds),
             avg(|s| s.reduce_seconds),
             avg(|s| s.read_seconds),
+            avg(|s| s.backward_seconds),
+            avg(|s| s.realize_seconds),
         ),
     ))
 }

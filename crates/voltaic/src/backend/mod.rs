@@ -122,9 +122,20 @@ pub(crate) struct HostView {
     pub layout: Layout,
 }
 
-enum HostData {
+pub(crate) enum HostData {
     Shared(Arc<cpu::pool::HostBuf>),
     Owned(CpuStorage),
+    /// f32 values left in the memory the device copied them into (a GPU's
+    /// mapped staging buffer), converted to a storage only if one is asked
+    /// for: a gradient bucket is summed straight out of the mapping.
+    Mapped(Box<dyn MappedF32>, std::sync::OnceLock<CpuStorage>),
+}
+
+/// f32 values in memory a device mapped for the host; the mapping is given
+/// back when the value is dropped.
+pub(crate) trait MappedF32: Send + Sync {
+    /// The values.
+    fn values(&self) -> &[f32];
 }
 
 impl HostView {
@@ -133,7 +144,22 @@ impl HostView {
         match &self.data {
             HostData::Shared(b) => b,
             HostData::Owned(s) => s,
+            HostData::Mapped(m, s) => s.get_or_init(|| CpuStorage::F32(m.values().to_vec())),
         }
+    }
+
+    /// The elements in row-major order as f32 values seen in place (no
+    /// copy), where they are stored exactly so; `None` otherwise.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        let values = match &self.data {
+            HostData::Mapped(m, _) => m.values(),
+            _ => match self.storage() {
+                CpuStorage::F32(v) => v,
+                _ => return None,
+            },
+        };
+        let whole = self.layout.is_contiguous() && self.layout.offset() == 0 && self.layout.numel() == values.len();
+        whole.then_some(values)
     }
 
     /// The elements in row-major order as a `Vec<T>`: the copy read back
@@ -143,11 +169,8 @@ impl HostView {
         match self.data {
             HostData::Owned(s) if whole => T::unwrap(s),
             data => {
-                let s = match &data {
-                    HostData::Shared(b) => &**b,
-                    HostData::Owned(s) => s,
-                };
-                Some(self.layout.gather(T::slice(s)?))
+                let view = HostView { data, layout: self.layout };
+                Some(view.layout.gather(T::slice(view.storage())?))
             }
         }
     }
@@ -241,6 +264,23 @@ pub(crate) trait Executor: Send + Sync {
     /// Start reading the elements `layout` sees of `buf` back to the host.
     /// Without `strided_reads` the layout must be contiguous.
     fn read_start(&self, buf: &Buffer, layout: &Layout) -> Result<PendingRead>;
+    /// As [`read_start`](Self::read_start) for a contiguous f32 view, but
+    /// the values may stay in device-mapped memory (see
+    /// [`HostView::as_f32`]) until the view is dropped: for a read consumed
+    /// in place, that would otherwise be copied twice.
+    fn read_start_in_place(&self, buf: &Buffer, layout: &Layout) -> Result<PendingRead> {
+        self.read_start(buf, layout)
+    }
+    /// A new f32 buffer of `len` values that `fill` writes: into memory
+    /// the device copies from (a GPU's mapped staging buffer) where it has
+    /// such, so that the values are written once on the host. That memory
+    /// may be write-combined: `fill` should write each value once and read
+    /// back little (reads are correct, but slow).
+    fn upload_f32_with(&self, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Buffer> {
+        let mut v = vec![0f32; len];
+        fill(&mut v)?;
+        self.upload(CpuStorage::F32(v))
+    }
     /// Everything given to the device so far, submitted; `None` when it has
     /// already finished (an executor that runs work as it is given).
     fn completion(&self) -> Result<Option<Box<dyn Completion>>>;

@@ -24,6 +24,18 @@ pub trait Collective: Send + Sync {
     /// recommends that (Open MPI's algorithms for a few ranks do give every
     /// rank the same result, but the order of the sum is its own).
     fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()>;
+    /// Write the element-wise sum over every rank of `src` into `dst` (of
+    /// the same length): what [`all_reduce_sum`](Self::all_reduce_sum)
+    /// does, out of place, so that a gradient bucket goes from the memory
+    /// it was read back into to the memory it is uploaded from without a
+    /// copy of its own.
+    fn all_reduce_sum_into(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::Distributed { op: "all_reduce", msg: format!("{} values reduced into {}", src.len(), dst.len()) });
+        }
+        par_copy(dst, src);
+        self.all_reduce_sum(dst)
+    }
     /// Replace `data` on every rank by rank `root`'s.
     fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()>;
     /// Every rank's `values` (all of the same length), in rank order.
@@ -86,16 +98,13 @@ pub struct LocalGroup {
     /// used by one thread at a time.
     busy: std::sync::atomic::AtomicBool,
     shared: Arc<Shared>,
-    /// This rank's share of a sum, kept between calls (no allocation, no
-    /// page faults on the next step).
-    part: Mutex<Vec<f32>>,
 }
 
 impl LocalGroup {
     /// `n` connected handles, ranks `0..n`.
     pub fn ranks(n: usize) -> Vec<Arc<dyn Collective>> {
         let shared = Arc::new(Shared { n, round: Mutex::new(Round { slots: vec![None; n], ops: vec![""; n], ..Default::default() }), turn: Condvar::new() });
-        (0..n).map(|rank| Arc::new(LocalGroup { rank, busy: Default::default(), shared: shared.clone(), part: Mutex::new(Vec::new()) }) as Arc<dyn Collective>).collect()
+        (0..n).map(|rank| Arc::new(LocalGroup { rank, busy: Default::default(), shared: shared.clone() }) as Arc<dyn Collective>).collect()
     }
 
     /// Give `data` to the round and wait for every rank's contribution.
@@ -170,6 +179,11 @@ fn par_chunks(out: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
     f(0, out);
 }
 
+/// `dst.copy_from_slice(src)` on the CPU's threads when large.
+pub(crate) fn par_copy(dst: &mut [f32], src: &[f32]) {
+    par_chunks(dst, &|at, out: &mut [f32]| out.copy_from_slice(&src[at..at + out.len()]));
+}
+
 /// Marks a handle busy for one collective.
 struct Busy<'a>(&'a std::sync::atomic::AtomicBool);
 
@@ -185,6 +199,76 @@ impl LocalGroup {
             return Err(Error::Distributed { op, msg: format!("rank {} is already in a collective: one handle serves one thread at a time", self.rank) });
         }
         Ok(Busy(&self.busy))
+    }
+
+    /// The all-reduce of every rank's `len` values at `src` into its `dst`
+    /// (the same memory for an in-place sum). The ranks work on each
+    /// other's memory: rank r sums share r of every rank's `src`, in rank
+    /// order (so that every rank ends with the same bits), and writes it
+    /// into every rank's `dst`. A share is read and written by its rank
+    /// alone, so in place the reads of a share come before its writes.
+    fn reduce_into(&self, src: *const f32, dst: *mut f32, len: usize) -> Result<()> {
+        let n = self.shared.n;
+        let _busy = self.enter("all_reduce")?;
+        let all = self.gather_as("all_reduce", &[src as u64, dst as u64, len as u64])?;
+        if let Some(bad) = all.iter().position(|v| v[2] != len as u64) {
+            let why = format!("replica {bad} reduces {} values, replica {} reduces {len}", all[bad][2], self.rank);
+            self.abort(&why);
+            return Err(Error::Distributed { op: "all_reduce", msg: why });
+        }
+        let (lo, hi) = (len * self.rank / n, len * (self.rank + 1) / n);
+        // Addresses travel as integers: raw pointers are not Sync.
+        let (srcs, dsts): (Vec<usize>, Vec<usize>) = all.iter().map(|v| (v[0] as usize, v[1] as usize)).unzip();
+        // Blocks of a few KiB: summed in a buffer on the stack (the
+        // destination may be write-combined memory, slow to read back),
+        // then stored once into every rank's destination.
+        const BLOCK: usize = 2048;
+        let sum_share = |at: usize, end: usize| {
+            let mut acc = [0f32; BLOCK];
+            let mut i = at;
+            while i < end {
+                let m = BLOCK.min(end - i);
+                let acc = &mut acc[..m];
+                for (q, &s) in srcs.iter().enumerate() {
+                    // SAFETY: rank q's `src` holds `len` values (checked
+                    // above) and stays alive until rank q passes the last
+                    // exchange below, which needs this rank's arrival after
+                    // these reads; no other rank touches share `lo..hi`.
+                    let part = unsafe { std::slice::from_raw_parts((s as *const f32).add(i), m) };
+                    if q == 0 {
+                        acc.copy_from_slice(part);
+                    } else {
+                        for (a, x) in acc.iter_mut().zip(part) {
+                            *a += x;
+                        }
+                    }
+                }
+                for &d in &dsts {
+                    // SAFETY: as for the reads: only this rank writes share
+                    // r of any rank's `dst`, and the owner waits for it.
+                    let out = unsafe { std::slice::from_raw_parts_mut((d as *mut f32).add(i), m) };
+                    out.copy_from_slice(acc);
+                }
+                i += m;
+            }
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            use rayon::prelude::*;
+            const CHUNK: usize = 1 << 17;
+            if hi - lo > 2 * CHUNK {
+                (0..(hi - lo).div_ceil(CHUNK)).into_par_iter().for_each(|c| sum_share(lo + c * CHUNK, (lo + (c + 1) * CHUNK).min(hi)));
+            } else {
+                sum_share(lo, hi);
+            }
+        }
+        #[cfg(target_arch = "wasm32")]
+        sum_share(lo, hi);
+        // Every rank passed the first exchange, so every rank reaches this
+        // one: it waits for all of them even if the group fails meanwhile,
+        // because until they arrive they may be using this rank's memory.
+        self.exchange_as("all_reduce", Vec::new(), true)?;
+        Ok(())
     }
 
     /// Every rank's `values`, under the name of operation `op`.
@@ -206,58 +290,23 @@ impl Collective for LocalGroup {
     }
 
     fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()> {
-        let n = self.shared.n;
-        if n == 1 {
+        if self.shared.n == 1 {
             return Ok(());
         }
-        let _busy = self.enter("all_reduce")?;
-        // The ranks read each other's buffers in place: rank r sums
-        // elements of share r over every rank (in rank order, so every rank
-        // ends with the same bits), then every rank copies the shares.
-        let src = data.as_ptr() as u64;
-        let all = self.gather_as("all_reduce", &[src, data.len() as u64])?;
-        if let Some(bad) = all.iter().position(|v| v[1] != data.len() as u64) {
-            let why = format!("replica {bad} reduces {} values, replica {} reduces {}", all[bad][1], self.rank, data.len());
-            self.abort(&why);
-            return Err(Error::Distributed { op: "all_reduce", msg: why });
-        }
         let len = data.len();
-        let share = |r: usize| (len * r / n, len * (r + 1) / n);
-        let (lo, hi) = share(self.rank);
-        let mut part = self.part.lock().unwrap_or_else(|e| e.into_inner());
-        part.clear();
-        part.resize(hi - lo, 0.0);
-        // SAFETY: rank q's `data` is alive and unchanged until rank q
-        // passes the next exchange, which needs this rank's arrival, that
-        // is, the end of these reads; its length was checked above.
-        let theirs: Vec<&[f32]> = all.iter().map(|v| unsafe { &std::slice::from_raw_parts(v[0] as *const f32, len)[lo..hi] }).collect();
-        // Summed in rank order whatever the split, so every rank's bits agree.
-        let sum_into = |at: usize, out: &mut [f32]| {
-            let n = out.len();
-            out.copy_from_slice(&theirs[0][at..at + n]);
-            for t in &theirs[1..] {
-                for (p, x) in out.iter_mut().zip(&t[at..at + n]) {
-                    *p += x;
-                }
-            }
-        };
-        par_chunks(&mut part, &sum_into);
-        // Every rank passed the first exchange, so every rank reaches this
-        // one: it waits for all of them even if the group fails meanwhile,
-        // because until they arrive they may be reading this rank's `data`.
-        let parts = self.exchange_as("all_reduce", vec![f32::from_bits(part.as_ptr() as u64 as u32), f32::from_bits((part.as_ptr() as u64 >> 32) as u32)], true)?;
-        let parts: Vec<[u64; 1]> = parts.iter().map(|v| [v[0].to_bits() as u64 | (v[1].to_bits() as u64) << 32]).collect();
-        for (q, v) in parts.iter().enumerate() {
-            let (qlo, qhi) = share(q);
-            // SAFETY: rank q's share stays alive and unchanged until it
-            // passes the last (strict) exchange below, which needs this
-            // rank's arrival after this copy.
-            let theirs = unsafe { std::slice::from_raw_parts(v[0] as *const f32, qhi - qlo) };
-            par_chunks(&mut data[qlo..qhi], &|at, out: &mut [f32]| out.copy_from_slice(&theirs[at..at + out.len()]));
+        let p = data.as_mut_ptr();
+        self.reduce_into(p, p, len)
+    }
+
+    fn all_reduce_sum_into(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::Distributed { op: "all_reduce", msg: format!("{} values reduced into {}", src.len(), dst.len()) });
         }
-        drop(part);
-        self.exchange_as("all_reduce", Vec::new(), true)?;
-        Ok(())
+        if self.shared.n == 1 {
+            par_copy(dst, src);
+            return Ok(());
+        }
+        self.reduce_into(src.as_ptr(), dst.as_mut_ptr(), src.len())
     }
 
     fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()> {
@@ -347,6 +396,44 @@ mod tests {
             }
         }
         assert!(out.iter().all(|v| v == &out[0]));
+    }
+
+    #[test]
+    fn an_out_of_place_all_reduce_writes_the_rank_order_sum_and_leaves_the_source() {
+        // Shares above two rayon chunks (split over threads) and odd sizes.
+        for (n, len) in [(1, 1000), (2, 37), (3, 1_000_003)] {
+            let value = |r: usize, i: usize| ((i * 29 + r * 11) % 997) as f32 * 1e-3 + (r as f32) * 1e-7;
+            let h = LocalGroup::ranks(n);
+            let out = on_threads(&h, |c| {
+                let src: Vec<f32> = (0..len).map(|i| value(c.rank(), i)).collect();
+                let mut dst = vec![f32::NAN; len];
+                c.all_reduce_sum_into(&src, &mut dst).unwrap();
+                assert!(src.iter().enumerate().all(|(i, x)| x.to_bits() == value(c.rank(), i).to_bits()), "the source changed");
+                // The in-place form gives the same bits.
+                let mut inplace = src.clone();
+                c.all_reduce_sum(&mut inplace).unwrap();
+                assert_eq!(inplace.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), dst.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+                dst
+            });
+            for v in &out {
+                for i in (0..len).step_by(991).chain([len - 1]) {
+                    let mut want = 0f32;
+                    for r in 0..n {
+                        want += value(r, i);
+                    }
+                    assert_eq!(v[i].to_bits(), want.to_bits(), "{n} ranks, element {i}");
+                }
+            }
+            assert!(out.iter().all(|v| v == &out[0]));
+        }
+        // Lengths that differ are an error, on one rank and across ranks.
+        let h = LocalGroup::ranks(2);
+        assert!(h[0].all_reduce_sum_into(&[1.0; 3], &mut [0.0; 2]).unwrap_err().to_string().contains("3 values reduced into 2"));
+        let out = on_threads(&h, |c| {
+            let len = 4 + c.rank();
+            c.all_reduce_sum_into(&vec![1.0; len], &mut vec![0.0; len])
+        });
+        assert!(out.iter().all(|r| r.as_ref().unwrap_err().to_string().contains("reduces")), "{out:?}");
     }
 
     #[test]

@@ -29,6 +29,11 @@ pub struct SyncStats {
     pub reduce_seconds: f64,
     /// Waiting for the device to compute and return a bucket.
     pub read_seconds: f64,
+    /// Recording the backward graph (before any bucket is realised).
+    pub backward_seconds: f64,
+    /// Realising the buckets: scheduling, encoding and submitting the
+    /// backward pass's kernels, bucket by bucket.
+    pub realize_seconds: f64,
 }
 
 /// One replica of data-parallel training, as PyTorch's
@@ -199,7 +204,7 @@ impl<M: Module> DistributedDataParallel<M> {
             weighted.backward()?;
         }
         let _g = crate::NoGradGuard::new();
-        let mut stats = SyncStats::default();
+        let mut stats = SyncStats { backward_seconds: start.elapsed().as_secs_f64(), ..Default::default() };
         // Last parameters first: backward reaches them first.
         let order: Vec<usize> = (0..self.params.len()).rev().collect();
         let sizes = order.iter().map(|&i| self.params[i].value().numel() * 4);
@@ -225,8 +230,10 @@ impl<M: Module> DistributedDataParallel<M> {
                 // The loss travels with the last bucket: no collective of its own.
                 grads.push(weighted.detach());
             }
+            let t = Instant::now();
             let flat = flat_f32(&grads)?;
-            let read = flat.read_start()?;
+            let read = flat.read_start_in_place()?;
+            stats.realize_seconds += t.elapsed().as_secs_f64();
             if let Some((prev, pflat, pread)) = in_flight.take() {
                 self.reduce(prev, pflat.device(), pread, &mut stats, None)?;
             }
@@ -242,24 +249,32 @@ impl<M: Module> DistributedDataParallel<M> {
     }
 
     /// Wait for one bucket, sum it over the ranks and hand each parameter
-    /// its part (a view of one uploaded buffer).
+    /// its part (a view of one uploaded buffer). The sum goes from the
+    /// memory the bucket was read back into straight into the memory it is
+    /// uploaded from: on a GPU both are mapped staging buffers, and the
+    /// host touches each value once.
     fn reduce(&self, members: Vec<usize>, device: crate::Device, read: PendingRead, stats: &mut SyncStats, loss: Option<&mut f64>) -> Result<()> {
         let t = Instant::now();
-        let mut host = finish_f32(read)?;
+        let host = read.wait()?;
         stats.read_seconds += t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        self.comm.all_reduce_sum(&mut host)?;
-        stats.reduce_seconds += t.elapsed().as_secs_f64();
-        stats.bytes += host.len() * 4;
+        let src = host.as_f32().expect("a bucket is a flat f32 tensor");
+        let n = src.len();
+        let mut last = 0f32;
+        let mut reduce_seconds = 0.0;
+        let summed = Tensor::from_f32_fill(n, device, &mut |dst: &mut [f32]| {
+            let t = Instant::now();
+            self.comm.all_reduce_sum_into(src, dst)?;
+            reduce_seconds = t.elapsed().as_secs_f64();
+            last = dst.last().copied().unwrap_or(0.0);
+            Ok(())
+        })?;
+        drop(host);
+        stats.reduce_seconds += reduce_seconds;
+        stats.bytes += n * 4;
         if let Some(l) = loss {
-            *l = host.pop().map(f64::from).unwrap_or(0.0);
+            // The loss travels as the last value of the last bucket.
+            *l = last as f64;
         }
-        if members.is_empty() {
-            return Ok(());
-        }
-        // What is left once the loss is taken off: the parameters' values.
-        let n = host.len();
-        let summed = Tensor::from_vec(host, &[n], device)?;
         let mut at = 0;
         for &i in &members {
             let v = self.params[i].value();

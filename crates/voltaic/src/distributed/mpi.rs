@@ -1,7 +1,7 @@
 //! The ranks of an MPI job as a [`Collective`] (the `mpi` feature: rsmpi
 //! over the system's MPI, e.g. Debian's Open MPI).
 
-use super::collective::Collective;
+use super::collective::{par_copy, Collective};
 use crate::error::{Error, Result};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
@@ -24,6 +24,8 @@ pub struct MpiCollective {
     /// The send side of all-reduces, kept between calls (MPI wants two
     /// buffers; a fresh one every step costs page faults).
     send: Mutex<Vec<f32>>,
+    /// The receive side of out-of-place all-reduces, kept likewise.
+    recv: Mutex<Vec<f32>>,
     rank: usize,
     size: usize,
     local_rank: usize,
@@ -56,7 +58,7 @@ impl MpiCollective {
             .iter()
             .find_map(|v| std::env::var(v).ok()?.parse().ok())
             .unwrap_or(rank);
-        Ok(MpiCollective { world: Mutex::new(world), send: Mutex::new(Vec::new()), rank, size, local_rank, _universe: universe })
+        Ok(MpiCollective { world: Mutex::new(world), send: Mutex::new(Vec::new()), recv: Mutex::new(Vec::new()), rank, size, local_rank, _universe: universe })
     }
 
     fn comm(&self) -> std::sync::MutexGuard<'_, SimpleCommunicator> {
@@ -89,6 +91,27 @@ impl Collective for MpiCollective {
         send.clear();
         send.extend_from_slice(data);
         self.comm().all_reduce_into(&send[..], data, SystemOperation::sum());
+        Ok(())
+    }
+
+    /// Through host vectors kept between calls: MPI's single-copy
+    /// transports (CMA, XPMEM) may reach into a peer's buffers, which they
+    /// cannot do in memory a GPU driver mapped.
+    fn all_reduce_sum_into(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(mpi_err("all_reduce", format!("{} values reduced into {}", src.len(), dst.len())));
+        }
+        let lens = self.all_gather(&[src.len() as u64])?;
+        if let Some(bad) = lens.iter().position(|l| l[0] != src.len() as u64) {
+            return Err(mpi_err("all_reduce", format!("rank {bad} reduces {} values, rank {} reduces {}", lens[bad][0], self.rank, src.len())));
+        }
+        let mut send = self.send.lock().unwrap_or_else(|e| e.into_inner());
+        let mut recv = self.recv.lock().unwrap_or_else(|e| e.into_inner());
+        send.resize(src.len(), 0.0);
+        recv.resize(src.len(), 0.0);
+        par_copy(&mut send, src);
+        self.comm().all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+        par_copy(dst, &recv);
         Ok(())
     }
 

@@ -472,7 +472,7 @@ impl GpuContext {
 
     /// Map submitted upload staging buffers again; each rejoins the kept
     /// ones when its mapping completes (the copy that read it has finished).
-    fn recycle_uploads(&self, uploads: Vec<wgpu::Buffer>) {
+    pub(crate) fn recycle_uploads(&self, uploads: Vec<wgpu::Buffer>) {
         for b in uploads {
             let (kept, again) = (self.upload_staging.clone(), b.clone());
             b.map_async(wgpu::MapMode::Write, .., move |r| {

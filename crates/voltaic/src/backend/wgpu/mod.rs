@@ -19,7 +19,7 @@ pub(crate) mod transfer;
 #[cfg(test)]
 mod validate;
 
-use super::{Buffer, Capabilities, Completion, DeviceStats, Executor, HostData, HostView, PendingRead};
+use super::{Buffer, Capabilities, Completion, DeviceStats, Executor, HostView, PendingRead};
 use crate::error::{Error, Result};
 use crate::ir::Plan;
 use crate::layout::Layout;
@@ -376,6 +376,21 @@ fn multi_output() -> bool {
     *ON.get_or_init(|| std::env::var("VOLTAIC_MULTI_OUTPUT").map_or(true, |v| v != "0"))
 }
 
+impl GpuContext {
+    /// Start reading a contiguous view back (see [`Executor::read_start_in_place`]).
+    fn read(&self, buf: &Buffer, layout: &Layout, in_place: bool) -> Result<PendingRead> {
+        let Buffer::Wgpu(b) = buf else {
+            return Err(Error::Device { op: "to_vec", msg: format!("a buffer of another device reached gpu:{}", self.index) });
+        };
+        if !layout.is_contiguous() {
+            return Err(Error::Backend(format!("gpu:{}: internal: a strided view was read without making it contiguous", self.index)));
+        }
+        let (completion, collect) = transfer::download_start(&context(self.index)?, b, layout.offset(), layout.numel(), in_place)?;
+        let layout = Layout::contiguous(layout.dims());
+        Ok(PendingRead::new(completion, Box::new(move || Ok(HostView { data: collect()?, layout }))))
+    }
+}
+
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
         Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: multi_output(), max_inputs: self.caps.max_inputs() }
@@ -390,15 +405,20 @@ impl Executor for GpuContext {
     }
 
     fn read_start(&self, buf: &Buffer, layout: &Layout) -> Result<PendingRead> {
-        let Buffer::Wgpu(b) = buf else {
-            return Err(Error::Device { op: "to_vec", msg: format!("a buffer of another device reached gpu:{}", self.index) });
-        };
-        if !layout.is_contiguous() {
-            return Err(Error::Backend(format!("gpu:{}: internal: a strided view was read without making it contiguous", self.index)));
+        self.read(buf, layout, false)
+    }
+
+    fn read_start_in_place(&self, buf: &Buffer, layout: &Layout) -> Result<PendingRead> {
+        self.read(buf, layout, true)
+    }
+
+    fn upload_f32_with(&self, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Buffer> {
+        if let Some(b) = transfer::upload_f32_with(self, len, fill)? {
+            return Ok(Buffer::Wgpu(Arc::new(b)));
         }
-        let (completion, collect) = transfer::download_start(&context(self.index)?, b, layout.offset(), layout.numel())?;
-        let layout = Layout::contiguous(layout.dims());
-        Ok(PendingRead::new(completion, Box::new(move || Ok(HostView { data: HostData::Owned(collect()?), layout }))))
+        let mut v = vec![0f32; len];
+        fill(&mut v)?;
+        self.upload(CpuStorage::F32(v))
     }
 
     fn completion(&self) -> Result<Option<Box<dyn Completion>>> {

@@ -6,7 +6,7 @@ use super::pool::{alloc, GpuBuf};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::storage::CpuStorage;
-use crate::backend::Completion;
+use crate::backend::{Completion, HostData, MappedF32};
 use half::{bf16, f16};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -95,7 +95,8 @@ pub(crate) fn download_start(
     buf: &GpuBuf,
     start: usize,
     len: usize,
-) -> Result<(Box<GpuCompletion>, impl FnOnce() -> Result<CpuStorage> + Send + 'static)> {
+    in_place: bool,
+) -> Result<(Box<GpuCompletion>, impl FnOnce() -> Result<HostData> + Send + 'static)> {
     ctx.check_alive()?;
     let eb = elem_bytes(&ctx.caps, buf.dtype);
     let lo = (start as u64 * eb) & !3;
@@ -128,13 +129,23 @@ pub(crate) fn download_start(
         if let Some(e) = ctx.take_uncaptured() {
             return Err(e);
         }
+        let skip = (start as u64 * eb - lo) as usize;
+        if in_place && dtype == DType::F32 && skip == 0 {
+            let view = staging
+                .get_mapped_range(..size + 16)
+                .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?;
+            let flags: Vec<u32> = view[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            // Mappings are aligned to at least 8 bytes (wgpu's MAP_ALIGNMENT).
+            if flags[0] == 0 && bytemuck::try_cast_slice::<u8, f32>(&view[..len * 4]).is_ok() {
+                return Ok(HostData::Mapped(Box::new(MappedRead { view: Some(view), staging: Some(staging), ctx, len }), Default::default()));
+            }
+        }
         // The values are converted straight out of the mapping (one copy).
         let (flags, values) = {
             let view = staging
                 .get_mapped_range(..size + 16)
                 .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?;
             let flags: Vec<u32> = view[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            let skip = (start as u64 * eb - lo) as usize;
             let values = (flags[0] == 0).then(|| from_gpu_bytes(dtype, &view[skip..size as usize], len));
             (flags, values)
         };
@@ -152,9 +163,82 @@ pub(crate) fn download_start(
                 ),
             });
         }
-        Ok(values.expect("read when no index error was flagged"))
+        Ok(HostData::Owned(values.expect("read when no index error was flagged")))
     };
     Ok((completion, collect))
+}
+
+/// f32 values read back and left in their staging buffer's mapping, which
+/// is unmapped and kept for the next read when this is dropped.
+struct MappedRead {
+    view: Option<wgpu::BufferView>,
+    staging: Option<wgpu::Buffer>,
+    ctx: Arc<GpuContext>,
+    len: usize,
+}
+
+impl MappedF32 for MappedRead {
+    fn values(&self) -> &[f32] {
+        let view = self.view.as_ref().expect("mapped until dropped");
+        bytemuck::cast_slice(&view[..self.len * 4])
+    }
+}
+
+impl Drop for MappedRead {
+    fn drop(&mut self) {
+        drop(self.view.take());
+        if let Some(staging) = self.staging.take() {
+            staging.unmap();
+            give_staging(&self.ctx, staging);
+        }
+    }
+}
+
+/// A new f32 buffer of `len` values written by `fill` straight into a
+/// kept, mapped upload staging buffer (one host write; see [`upload`]).
+/// `None` where that path does not apply (small or huge, or the web):
+/// the caller uploads from host memory instead.
+pub(crate) fn upload_f32_with(ctx: &GpuContext, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Option<GpuBuf>> {
+    let size = len as u64 * 4;
+    if cfg!(target_arch = "wasm32") || !(STAGED_UPLOAD_MIN..=KEPT_STAGING).contains(&size) {
+        return Ok(None);
+    }
+    ctx.check_alive()?;
+    let buf = alloc(ctx, DType::F32, len, size)?;
+    let (staging, err) = ctx.scoped(|| take_upload_staging(ctx, size));
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let filled = {
+        let mut view = staging
+            .slice(..size)
+            .get_mapped_range_mut()
+            .map_err(|e| Error::Backend(format!("gpu:{}: mapping an upload buffer failed: {e:?}", ctx.index)))?;
+        let ptr = view.slice(..).as_raw_ptr().cast::<f32>();
+        if !ptr.as_ptr().is_aligned() {
+            Err(Error::Backend(format!("gpu:{}: an upload mapping is not aligned for f32", ctx.index)))
+        } else {
+            // SAFETY: the mapping holds `size` = 4 `len` writable bytes,
+            // aligned for f32 (checked), and lives until `view` is dropped,
+            // after `fill` returns. wgpu hands out only write access
+            // because the memory may be write-combined: reading it is
+            // allowed on the native APIs but slow, which is why `fill` is
+            // asked to write (see `Executor::upload_f32_with`).
+            let values = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
+            fill(values)
+        }
+    };
+    staging.unmap();
+    if let Err(e) = filled {
+        // Mapped again for a later upload; nothing was recorded.
+        ctx.recycle_uploads(vec![staging]);
+        return Err(e);
+    }
+    let ((), err) = ctx.scoped(|| ctx.record_upload(staging, buf.raw(), size));
+    if let Some(e) = err {
+        return Err(e);
+    }
+    Ok(Some(buf))
 }
 
 /// Set once by a wgpu callback (a mapping, finished work), waking whoever
@@ -413,5 +497,70 @@ impl Timing {
         }
         eprintln!("  {total:>10.1} us  total over {} kernels", rows.len());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, Device, Error, Tensor};
+
+    fn gpu() -> Device {
+        assert!(!crate::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one (apt-get install libvulkan1 mesa-vulkan-drivers)");
+        Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0))
+    }
+
+    /// Values written by a fill, and values read in place, small (the host
+    /// path) and large (the mapped staging path), also a strided view.
+    #[test]
+    fn in_place_reads_and_filled_uploads_carry_the_values() {
+        let g = gpu();
+        for n in [0usize, 5, (1 << 18) - 1, (1 << 19) + 5] {
+            let value = |i: usize| ((i * 37) % 1009) as f32 * 0.25 - 100.0;
+            let t = Tensor::from_f32_fill(n, g, &mut |dst: &mut [f32]| {
+                assert_eq!(dst.len(), n);
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = value(i);
+                }
+                Ok(())
+            })
+            .unwrap();
+            let want: Vec<f32> = (0..n).map(value).collect();
+            assert_eq!(t.to_vec::<f32>().unwrap(), want, "{n} values uploaded by a fill");
+            // Computed on the device, then read where the copy landed.
+            let doubled = t.mul(2.0).unwrap();
+            let view = doubled.read_start_in_place().unwrap().wait().unwrap();
+            let got = view.as_f32().expect("a contiguous f32 read is seen in place");
+            assert!(got.iter().zip(&want).all(|(g, w)| *g == w * 2.0), "{n} values read in place");
+            drop(view);
+            // The staging buffer went back: another read works.
+            assert_eq!(doubled.to_vec::<f32>().unwrap().len(), n);
+        }
+        // A strided view is made contiguous first.
+        let m = Tensor::from_vec((0..600 * 700).map(|i| i as f32).collect::<Vec<_>>(), &[600, 700], g).unwrap();
+        let tr = m.t().unwrap();
+        let view = tr.read_start_in_place().unwrap().wait().unwrap();
+        let got = view.as_f32().unwrap();
+        assert_eq!(got.len(), 600 * 700);
+        assert_eq!((got[0], got[1], got[600], got[601]), (0.0, 700.0, 1.0, 701.0));
+        // Other dtypes are read as before.
+        let ints = Tensor::from_vec(vec![3i32, -4], &[2], g).unwrap();
+        let view = ints.read_start_in_place().unwrap().wait().unwrap();
+        assert!(view.as_f32().is_none());
+        assert_eq!(ints.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(), vec![3.0, -4.0]);
+    }
+
+    /// A fill that fails is the upload's error, and the next upload works.
+    #[test]
+    fn a_failing_fill_is_an_error_and_leaves_the_device_usable() {
+        let g = gpu();
+        let n = (1 << 19) + 1;
+        let err = Tensor::from_f32_fill(n, g, &mut |_| Err(Error::Distributed { op: "all_reduce", msg: "a peer failed".into() })).unwrap_err();
+        assert!(err.to_string().contains("a peer failed"), "{err}");
+        let t = Tensor::from_f32_fill(n, g, &mut |d: &mut [f32]| {
+            d.fill(1.5);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(t.sum_all().unwrap().item::<f32>().unwrap(), 1.5 * n as f32);
     }
 }
