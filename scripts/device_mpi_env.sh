@@ -9,4 +9,4 @@ export OPAL_PREFIX=$P/usr OPAL_LIBDIR=$P/usr/lib/x86_64-linux-gnu/openmpi/lib OP
 export PMIX_PREFIX=$P/usr/lib/x86_64-linux-gnu/pmix2 PMIX_INSTALL_PREFIX=$P/usr/lib/x86_64-linux-gnu/pmix2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mca_base_component_show_load_errors=0
 export PMIX_MCA_pcompress_base_silence_warning=1
-MPIRUN_BASE="orterun --oversubscribe"
+MPIRUN_BASE="orterun --oversubscribe --bind-to none"

@@ -222,7 +222,8 @@ fn run_case(name: &str, device: Device, runs: usize, mpi: Option<&Arc<dyn Collec
                 c.all_reduce_sum(&mut v)?;
                 Ok(())
             })?;
-            Ok((ms, format!("{n} f32 ({:.1} MB) with MPI_Allreduce over {} ranks", n as f64 * 4e-6, c.world_size())))
+            let how = if std::env::var("VOLTAIC_MPI_SHARED").is_ok_and(|v| v == "0") { "MPI_Allreduce" } else { "the collective (shared memory when every rank is on this machine)" };
+            Ok((ms, format!("{n} f32 ({:.1} MB) with {how} over {} ranks", n as f64 * 4e-6, c.world_size())))
         }
         "encoder_step_1" => {
             voltaic::manual_seed(0);

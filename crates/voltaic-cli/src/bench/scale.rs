@@ -13,7 +13,7 @@
 //!   group could reach;
 //! - `scale_{encoder,cnn}_mpiN`: N MPI ranks, one GPU each (the suite
 //!   starts `mpirun -np N` itself when the binary has the `mpi` feature and
-//!   `VOLTAIC_MPIRUN`, default `mpirun`, runs).
+//!   `VOLTAIC_MPIRUN`, default `mpirun --bind-to none`, runs).
 //!
 //! The peer of each row is PyTorch on as many GPUs (one process per GPU
 //! under `torch.distributed.run`, DDP with its default buckets; plain
@@ -316,7 +316,8 @@ fn mpi_row(model: &str, n: usize, runs: usize) -> anyhow::Result<Option<Measured
     if !cfg!(feature = "mpi") {
         return Ok(None);
     }
-    let launcher = std::env::var("VOLTAIC_MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    // Open MPI binds each of two ranks to one core by default.
+    let launcher = std::env::var("VOLTAIC_MPIRUN").unwrap_or_else(|_| "mpirun --bind-to none".into());
     let mut words = launcher.split_whitespace();
     let Some(program) = words.next() else { return Ok(None) };
     let exe = std::env::current_exe()?;

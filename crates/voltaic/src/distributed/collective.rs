@@ -179,6 +179,56 @@ fn par_chunks(out: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
     f(0, out);
 }
 
+/// Elements `lo..hi` of the sum over `srcs` (in their order, so that
+/// every caller summing any share gets the same bits) stored into every
+/// one of `dsts`, on the CPU's threads when large. The pointers are
+/// addresses of f32 arrays; a destination may be a source (the reads of
+/// each block come before its writes), and may be write-combined memory:
+/// the sum is formed in a small buffer on the stack and stored once.
+///
+/// # Safety
+/// Every address must point to at least `hi` f32 values, readable
+/// (sources) or writable (destinations), which nothing else reads or
+/// writes in `lo..hi` during the call.
+pub(crate) unsafe fn sum_share(srcs: &[usize], dsts: &[usize], lo: usize, hi: usize) {
+    const BLOCK: usize = 2048;
+    let sum_range = |at: usize, end: usize| {
+        let mut acc = [0f32; BLOCK];
+        let mut i = at;
+        while i < end {
+            let m = BLOCK.min(end - i);
+            let acc = &mut acc[..m];
+            for (q, &s) in srcs.iter().enumerate() {
+                // SAFETY: in bounds and unshared, as the caller promises.
+                let part = unsafe { std::slice::from_raw_parts((s as *const f32).add(i), m) };
+                if q == 0 {
+                    acc.copy_from_slice(part);
+                } else {
+                    for (a, x) in acc.iter_mut().zip(part) {
+                        *a += x;
+                    }
+                }
+            }
+            for &d in dsts {
+                // SAFETY: as above.
+                let out = unsafe { std::slice::from_raw_parts_mut((d as *mut f32).add(i), m) };
+                out.copy_from_slice(acc);
+            }
+            i += m;
+        }
+    };
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 17;
+        if hi - lo > 2 * CHUNK {
+            (0..(hi - lo).div_ceil(CHUNK)).into_par_iter().for_each(|c| sum_range(lo + c * CHUNK, (lo + (c + 1) * CHUNK).min(hi)));
+            return;
+        }
+    }
+    sum_range(lo, hi);
+}
+
 /// `dst.copy_from_slice(src)` on the CPU's threads when large.
 pub(crate) fn par_copy(dst: &mut [f32], src: &[f32]) {
     par_chunks(dst, &|at, out: &mut [f32]| out.copy_from_slice(&src[at..at + out.len()]));
@@ -219,51 +269,11 @@ impl LocalGroup {
         let (lo, hi) = (len * self.rank / n, len * (self.rank + 1) / n);
         // Addresses travel as integers: raw pointers are not Sync.
         let (srcs, dsts): (Vec<usize>, Vec<usize>) = all.iter().map(|v| (v[0] as usize, v[1] as usize)).unzip();
-        // Blocks of a few KiB: summed in a buffer on the stack (the
-        // destination may be write-combined memory, slow to read back),
-        // then stored once into every rank's destination.
-        const BLOCK: usize = 2048;
-        let sum_share = |at: usize, end: usize| {
-            let mut acc = [0f32; BLOCK];
-            let mut i = at;
-            while i < end {
-                let m = BLOCK.min(end - i);
-                let acc = &mut acc[..m];
-                for (q, &s) in srcs.iter().enumerate() {
-                    // SAFETY: rank q's `src` holds `len` values (checked
-                    // above) and stays alive until rank q passes the last
-                    // exchange below, which needs this rank's arrival after
-                    // these reads; no other rank touches share `lo..hi`.
-                    let part = unsafe { std::slice::from_raw_parts((s as *const f32).add(i), m) };
-                    if q == 0 {
-                        acc.copy_from_slice(part);
-                    } else {
-                        for (a, x) in acc.iter_mut().zip(part) {
-                            *a += x;
-                        }
-                    }
-                }
-                for &d in &dsts {
-                    // SAFETY: as for the reads: only this rank writes share
-                    // r of any rank's `dst`, and the owner waits for it.
-                    let out = unsafe { std::slice::from_raw_parts_mut((d as *mut f32).add(i), m) };
-                    out.copy_from_slice(acc);
-                }
-                i += m;
-            }
-        };
-        #[cfg(not(target_arch = "wasm32"))]
-        {
-            use rayon::prelude::*;
-            const CHUNK: usize = 1 << 17;
-            if hi - lo > 2 * CHUNK {
-                (0..(hi - lo).div_ceil(CHUNK)).into_par_iter().for_each(|c| sum_share(lo + c * CHUNK, (lo + (c + 1) * CHUNK).min(hi)));
-            } else {
-                sum_share(lo, hi);
-            }
-        }
-        #[cfg(target_arch = "wasm32")]
-        sum_share(lo, hi);
+        // SAFETY: every rank's `src` and `dst` hold `len` values (checked
+        // above) and stay alive until their rank passes the last exchange
+        // below, which needs this rank's arrival after this sum; no other
+        // rank touches share `lo..hi` of them.
+        unsafe { sum_share(&srcs, &dsts, lo, hi) };
         // Every rank passed the first exchange, so every rank reaches this
         // one: it waits for all of them even if the group fails meanwhile,
         // because until they arrive they may be using this rank's memory.
