@@ -31,8 +31,8 @@ pub struct SyncStats {
     pub read_seconds: f64,
     /// Recording the backward graph (before any bucket is realised).
     pub backward_seconds: f64,
-    /// Realising the buckets: scheduling, encoding and submitting the
-    /// backward pass's kernels, bucket by bucket.
+    /// Realising the loss (the forward pass) and then the buckets:
+    /// scheduling, encoding and submitting the kernels, bucket by bucket.
     pub realize_seconds: f64,
 }
 
@@ -198,13 +198,21 @@ impl<M: Module> DistributedDataParallel<M> {
             return Err(Error::Shape { op: "DistributedDataParallel::backward", msg: format!("expected a one-element loss, got shape {:?}", loss.dims()) });
         }
         let start = Instant::now();
+        // The forward pass goes to the device now, so that it computes
+        // while the backward pass is recorded and its first bucket
+        // scheduled: a step cannot overlap the one before (its parameters
+        // wait for the sum), so this is the only work to hide that behind.
+        if share > 0.0 {
+            loss.realize()?;
+        }
+        let submitted = start.elapsed().as_secs_f64();
         // An empty part's mean is NaN: it contributes zero, not NaN.
         let weighted = if share > 0.0 { loss.mul(share)? } else { Tensor::zeros(loss.dims(), DType::F32, loss.device())? };
         if share > 0.0 {
             weighted.backward()?;
         }
         let _g = crate::NoGradGuard::new();
-        let mut stats = SyncStats { backward_seconds: start.elapsed().as_secs_f64(), ..Default::default() };
+        let mut stats = SyncStats { backward_seconds: start.elapsed().as_secs_f64() - submitted, realize_seconds: submitted, ..Default::default() };
         // Last parameters first: backward reaches them first.
         let order: Vec<usize> = (0..self.params.len()).rev().collect();
         let sizes = order.iter().map(|&i| self.params[i].value().numel() * 4);
