@@ -149,7 +149,8 @@ impl HostView {
     }
 
     /// The elements in row-major order as f32 values seen in place (no
-    /// copy), where they are stored exactly so; `None` otherwise.
+    /// copy), where they are stored so (a contiguous f32 view, at any
+    /// offset of its buffer); `None` otherwise.
     pub fn as_f32(&self) -> Option<&[f32]> {
         let values = match &self.data {
             HostData::Mapped(m, _) => m.values(),
@@ -158,14 +159,30 @@ impl HostView {
                 _ => return None,
             },
         };
-        let whole = self.layout.is_contiguous() && self.layout.offset() == 0 && self.layout.numel() == values.len();
-        whole.then_some(values)
+        if !self.layout.is_contiguous() {
+            return None;
+        }
+        values.get(self.layout.offset()..self.layout.offset() + self.layout.numel())
+    }
+
+    /// Whether the values stayed in device-mapped memory.
+    #[cfg(test)]
+    pub(crate) fn is_mapped(&self) -> bool {
+        matches!(self.data, HostData::Mapped(..))
+    }
+
+    /// Elements in the memory behind the view.
+    fn stored_len(&self) -> usize {
+        match &self.data {
+            HostData::Mapped(m, _) => m.values().len(),
+            _ => self.storage().len(),
+        }
     }
 
     /// The elements in row-major order as a `Vec<T>`: the copy read back
     /// itself where it is exactly that (no second copy), else gathered.
     pub fn into_vec<T: crate::storage::StorageElem>(self) -> Option<Vec<T>> {
-        let whole = self.layout.is_contiguous() && self.layout.offset() == 0 && self.layout.numel() == self.storage().len();
+        let whole = self.layout.is_contiguous() && self.layout.offset() == 0 && self.layout.numel() == self.stored_len();
         match self.data {
             HostData::Owned(s) if whole => T::unwrap(s),
             data => {
@@ -273,9 +290,10 @@ pub(crate) trait Executor: Send + Sync {
     }
     /// A new f32 buffer of `len` values that `fill` writes: into memory
     /// the device copies from (a GPU's mapped staging buffer) where it has
-    /// such, so that the values are written once on the host. That memory
-    /// may be write-combined: `fill` should write each value once and read
-    /// back little (reads are correct, but slow).
+    /// such, so that the values are written once on the host. `fill` must
+    /// only write: that memory may be write-combined (slow to read) or, on
+    /// some backends (GL), undefined to read. It is not called at all when
+    /// the upload fails first (out of memory, a lost device).
     fn upload_f32_with(&self, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Buffer> {
         let mut v = vec![0f32; len];
         fill(&mut v)?;
@@ -448,5 +466,24 @@ impl Device {
             Error::Device { msg, .. } => Error::Device { op, msg },
             e => e,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Device, Tensor};
+
+    /// A contiguous view at an offset of its buffer is seen in place on the
+    /// CPU, where a read hands back the whole buffer and the view's layout.
+    #[test]
+    fn an_offset_view_is_seen_in_place() {
+        let t = Tensor::from_vec((0..20).map(|i| i as f32).collect::<Vec<_>>(), &[4, 5], Device::Cpu).unwrap();
+        let rows = t.narrow(0, 1, 2).unwrap();
+        let view = rows.read_start_in_place().unwrap().wait().unwrap();
+        assert_eq!(view.as_f32().unwrap(), &(5..15).map(|i| i as f32).collect::<Vec<_>>()[..]);
+        // A strided view is made contiguous first.
+        let cols = t.narrow(1, 1, 2).unwrap();
+        let view = cols.read_start_in_place().unwrap().wait().unwrap();
+        assert_eq!(view.as_f32().unwrap(), &[1.0, 2.0, 6.0, 7.0, 11.0, 12.0, 16.0, 17.0]);
     }
 }

@@ -28,13 +28,19 @@ pub trait Collective: Send + Sync {
     /// the same length): what [`all_reduce_sum`](Self::all_reduce_sum)
     /// does, out of place, so that a gradient bucket goes from the memory
     /// it was read back into to the memory it is uploaded from without a
-    /// copy of its own.
+    /// copy of its own. `dst` is only written, never read: it may be
+    /// write-combined memory a GPU uploads from. (This default sums in a
+    /// host vector and writes `dst` once.)
     fn all_reduce_sum_into(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
         if src.len() != dst.len() {
-            return Err(Error::Distributed { op: "all_reduce", msg: format!("{} values reduced into {}", src.len(), dst.len()) });
+            let why = format!("{} values reduced into {}", src.len(), dst.len());
+            self.abort(&why);
+            return Err(Error::Distributed { op: "all_reduce", msg: why });
         }
-        par_copy(dst, src);
-        self.all_reduce_sum(dst)
+        let mut sum = src.to_vec();
+        self.all_reduce_sum(&mut sum)?;
+        par_copy(dst, &sum);
+        Ok(())
     }
     /// Replace `data` on every rank by rank `root`'s.
     fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()>;
@@ -310,7 +316,10 @@ impl Collective for LocalGroup {
 
     fn all_reduce_sum_into(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
         if src.len() != dst.len() {
-            return Err(Error::Distributed { op: "all_reduce", msg: format!("{} values reduced into {}", src.len(), dst.len()) });
+            // The peers would wait for this rank: wake them.
+            let why = format!("{} values reduced into {}", src.len(), dst.len());
+            self.abort(&why);
+            return Err(Error::Distributed { op: "all_reduce", msg: why });
         }
         if self.shared.n == 1 {
             par_copy(dst, src);
@@ -439,6 +448,9 @@ mod tests {
         // Lengths that differ are an error, on one rank and across ranks.
         let h = LocalGroup::ranks(2);
         assert!(h[0].all_reduce_sum_into(&[1.0; 3], &mut [0.0; 2]).unwrap_err().to_string().contains("3 values reduced into 2"));
+        // ... which fails the group, so that its peer does not wait.
+        assert!(h[1].all_reduce_sum(&mut [1.0]).unwrap_err().to_string().contains("3 values reduced into 2"));
+        let h = LocalGroup::ranks(2);
         let out = on_threads(&h, |c| {
             let len = 4 + c.rank();
             c.all_reduce_sum_into(&vec![1.0; len], &mut vec![0.0; len])

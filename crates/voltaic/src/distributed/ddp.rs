@@ -265,24 +265,34 @@ impl<M: Module> DistributedDataParallel<M> {
         let t = Instant::now();
         let host = read.wait()?;
         stats.read_seconds += t.elapsed().as_secs_f64();
-        let src = host.as_f32().expect("a bucket is a flat f32 tensor");
-        let n = src.len();
-        let mut last = 0f32;
+        let copy;
+        let src = match host.as_f32() {
+            Some(v) => v,
+            None => {
+                copy = host.into_vec::<f32>().ok_or_else(|| Error::Backend("DistributedDataParallel: a gradient bucket did not read back as f32".into()))?;
+                &copy[..]
+            }
+        };
+        // The loss travels as the last value of the last bucket; it is
+        // summed on its own, because the upload memory may not be read.
+        let n = src.len() - loss.is_some() as usize;
+        if let Some(l) = loss {
+            let mut v = [src[n]];
+            let t = Instant::now();
+            self.comm.all_reduce_sum(&mut v)?;
+            stats.reduce_seconds += t.elapsed().as_secs_f64();
+            *l = v[0] as f64;
+        }
+        let src = &src[..n];
         let mut reduce_seconds = 0.0;
         let summed = Tensor::from_f32_fill(n, device, &mut |dst: &mut [f32]| {
             let t = Instant::now();
             self.comm.all_reduce_sum_into(src, dst)?;
             reduce_seconds = t.elapsed().as_secs_f64();
-            last = dst.last().copied().unwrap_or(0.0);
             Ok(())
         })?;
-        drop(host);
         stats.reduce_seconds += reduce_seconds;
         stats.bytes += n * 4;
-        if let Some(l) = loss {
-            // The loss travels as the last value of the last bucket.
-            *l = last as f64;
-        }
         let mut at = 0;
         for &i in &members {
             let v = self.params[i].value();

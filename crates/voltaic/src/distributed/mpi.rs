@@ -65,8 +65,15 @@ impl MpiCollective {
             .find_map(|v| std::env::var(v).ok()?.parse().ok())
             .unwrap_or(rank);
         let node_comm = world.split_shared(world.rank());
-        warn_if_bound_narrowly(node_comm.size() as usize, local_rank);
-        let node = if std::env::var("VOLTAIC_MPI_SHARED").is_ok_and(|v| v == "0") { None } else { NodeShared::new(node_comm, size) };
+        let local_size = node_comm.size() as usize;
+        share_cores(local_size);
+        warn_if_bound_narrowly(local_size, local_rank);
+        // Every rank must take the same path: the setting is agreed on
+        // (shared memory only if every rank allows it).
+        let allow = !std::env::var("VOLTAIC_MPI_SHARED").is_ok_and(|v| v == "0") as i32;
+        let mut all_allow = 0i32;
+        world.all_reduce_into(&allow, &mut all_allow, SystemOperation::min());
+        let node = if all_allow == 1 { NodeShared::new(node_comm, size) } else { None };
         Ok(MpiCollective { world: Mutex::new(world), send: Mutex::new(Vec::new()), recv: Mutex::new(Vec::new()), node: Mutex::new(node), rank, size, local_rank, _universe: universe })
     }
 
@@ -84,6 +91,10 @@ impl MpiCollective {
     unsafe fn reduce_in_shared_memory(&self, src: *const f32, dst: *mut f32, len: usize) -> Result<bool> {
         let mut node = self.node.lock().unwrap_or_else(|e| e.into_inner());
         let Some(node) = node.as_mut() else { return Ok(false) };
+        if len == 0 {
+            // Every rank has the same length (checked): none takes part.
+            return Ok(true);
+        }
         // One thread in MPI at a time (the Serialized level), as elsewhere.
         let _world = self.comm();
         node.reserve(len)?;
@@ -119,6 +130,17 @@ fn warn_if_bound_narrowly(local_size: usize, local_rank: usize) {
             "voltaic: this MPI rank may use {allowed} of the machine's {online} CPUs ({local_size} ranks here): \
              start the job with `mpirun --bind-to none` (or `--bind-to numa`) so that each rank's host threads have cores"
         );
+    }
+}
+
+/// Size the CPU thread pool of a rank to its share of the machine's CPUs
+/// (as `torchrun` sets `OMP_NUM_THREADS`): with several ranks on a
+/// machine, each would otherwise start a thread per CPU. A pool the
+/// program already configured is left alone.
+fn share_cores(local_size: usize) {
+    if local_size > 1 {
+        let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let _ = rayon::ThreadPoolBuilder::new().num_threads((allowed / local_size).max(1)).build_global();
     }
 }
 
@@ -178,15 +200,18 @@ impl NodeShared {
         }
         // A passive epoch for the whole life of the window: the segments
         // are then read and written directly, ordered by `fence`.
-        unsafe { mpi::ffi::MPI_Win_lock_all(mpi::ffi::MPI_MODE_NOCHECK as i32, win) };
+        let rc = unsafe { mpi::ffi::MPI_Win_lock_all(mpi::ffi::MPI_MODE_NOCHECK as i32, win) };
         self.win = Some(win);
+        if rc != 0 {
+            return Err(mpi_err("all_reduce", format!("MPI_Win_lock_all on the shared window failed (error {rc})")));
+        }
         let mut bases = Vec::new();
         for q in 0..self.comm.size() {
             let (mut size, mut unit, mut ptr): (mpi::ffi::MPI_Aint, i32, *mut std::ffi::c_void) = (0, 0, std::ptr::null_mut());
             // SAFETY: `win` is a shared window of this communicator.
-            unsafe { mpi::ffi::MPI_Win_shared_query(win, q, &mut size, &mut unit, &mut ptr as *mut *mut std::ffi::c_void as *mut std::ffi::c_void) };
-            if ptr.is_null() || size < bytes {
-                return Err(mpi_err("all_reduce", format!("rank {q}'s shared segment is {size} bytes, expected {bytes}")));
+            let rc = unsafe { mpi::ffi::MPI_Win_shared_query(win, q, &mut size, &mut unit, &mut ptr as *mut *mut std::ffi::c_void as *mut std::ffi::c_void) };
+            if rc != 0 || ptr.is_null() || size < bytes || !(ptr as *const f32).is_aligned() {
+                return Err(mpi_err("all_reduce", format!("rank {q}'s shared segment is {size} bytes at {ptr:?} (error {rc}), expected {bytes} aligned for f32")));
             }
             bases.push(ptr as usize);
         }

@@ -220,10 +220,10 @@ pub(crate) fn upload_f32_with(ctx: &GpuContext, len: usize, fill: &mut dyn FnMut
         } else {
             // SAFETY: the mapping holds `size` = 4 `len` writable bytes,
             // aligned for f32 (checked), and lives until `view` is dropped,
-            // after `fill` returns. wgpu hands out only write access
-            // because the memory may be write-combined: reading it is
-            // allowed on the native APIs but slow, which is why `fill` is
-            // asked to write (see `Executor::upload_f32_with`).
+            // after `fill` returns. wgpu hands out only write access because
+            // the memory may be write-combined, or (GL) undefined to read:
+            // `fill` only writes, as `Executor::upload_f32_with` requires of
+            // it (the slice is a vehicle for stores, never read through).
             let values = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
             fill(values)
         }
@@ -529,16 +529,21 @@ mod tests {
             // Computed on the device, then read where the copy landed.
             let doubled = t.mul(2.0).unwrap();
             let view = doubled.read_start_in_place().unwrap().wait().unwrap();
+            // Left in the staging buffer's mapping (a non-empty read).
+            assert!(view.is_mapped(), "{n} values");
             let got = view.as_f32().expect("a contiguous f32 read is seen in place");
+            assert_eq!(got.len(), n);
             assert!(got.iter().zip(&want).all(|(g, w)| *g == w * 2.0), "{n} values read in place");
             drop(view);
-            // The staging buffer went back: another read works.
-            assert_eq!(doubled.to_vec::<f32>().unwrap().len(), n);
+            // Unmapped when dropped: reads of it work again.
+            assert_eq!(doubled.to_vec::<f32>().unwrap(), want.iter().map(|w| w * 2.0).collect::<Vec<_>>());
+            assert_eq!(doubled.read_start_in_place().unwrap().wait().unwrap().as_f32().unwrap().len(), n);
         }
         // A strided view is made contiguous first.
         let m = Tensor::from_vec((0..600 * 700).map(|i| i as f32).collect::<Vec<_>>(), &[600, 700], g).unwrap();
         let tr = m.t().unwrap();
         let view = tr.read_start_in_place().unwrap().wait().unwrap();
+        assert!(view.is_mapped());
         let got = view.as_f32().unwrap();
         assert_eq!(got.len(), 600 * 700);
         assert_eq!((got[0], got[1], got[600], got[601]), (0.0, 700.0, 1.0, 701.0));
