@@ -137,6 +137,29 @@ fn two_devices_on_one_gpu_adapter_match_one_device_for_50_steps() {
     }
 }
 
+/// On two devices of a GPU adapter: small buckets send the large
+/// gradients in pieces (read back, summed and uploaded one after another,
+/// then joined), with the same losses as whole buckets.
+#[test]
+fn gradients_in_pieces_on_a_gpu_match_whole_buckets() {
+    let _turn = turn();
+    let group = DeviceGroup::replicas(gpu(), 2).unwrap();
+    let train = data(64 * 6);
+    let b = batches(&train, 64, 6);
+    let mut whole = data_parallel(mlp, &group, true);
+    let want = parallel_losses(&mut whole, &b);
+    let mut cut = data_parallel(mlp, &group, true);
+    // Pieces of at most 16,384 values: 784x256 in 13, 256x128 in 2.
+    cut.set_bucket_bytes(64 << 10, 128 << 10);
+    let got = parallel_losses(&mut cut, &b);
+    assert_eq!(cut.last_sync()[0].buckets, 13 + 2 + 2, "{:?}", cut.last_sync()[0]);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= 1e-6 * w.abs(), "step {}: {g} in pieces against {w} whole", i + 1);
+    }
+    assert!(want[5] < want[0], "the loss did not fall: {want:?}");
+    assert_replicas_agree(&cut, 2);
+}
+
 #[test]
 fn uneven_splits_and_a_replica_with_no_rows_still_match() {
     let _turn = turn();
@@ -198,7 +221,9 @@ fn bucket_sizes_do_not_change_the_sums() {
     let (one, nb1) = run(usize::MAX / 4, usize::MAX / 4);
     let (many, nb2) = run(4, 4);
     assert_eq!(nb1, vec![1]);
-    assert_eq!(nb2, vec![6], "mlp has 6 parameter tensors: one bucket each");
+    // 6 parameter tensors, one bucket each; those above 1,024 values in
+    // pieces of 1,024: 784x256 in 196, 256x128 in 32, 128x10 in 2.
+    assert_eq!(nb2, vec![196 + 1 + 32 + 1 + 2 + 1], "mlp's tensors, the large ones in pieces");
     assert_eq!(one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), many.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
 }
 

@@ -81,7 +81,16 @@ struct Shared {
     n: usize,
     round: Mutex<Round>,
     turn: Condvar,
+    /// `Round::generation`, readable without the lock: a rank that arrives
+    /// early spins on it for a moment before it sleeps.
+    generation: std::sync::atomic::AtomicU64,
 }
+
+/// How long a rank spins for the others before it sleeps: replicas of one
+/// step arrive within microseconds of each other more often than not, and
+/// waking from a sleep costs tens of microseconds (more in a VM), several
+/// times per step.
+const SPIN: Duration = Duration::from_micros(100);
 
 /// Threads of one process exchanging through shared memory: one handle per
 /// replica, each used by that replica's thread.
@@ -109,7 +118,7 @@ pub struct LocalGroup {
 impl LocalGroup {
     /// `n` connected handles, ranks `0..n`.
     pub fn ranks(n: usize) -> Vec<Arc<dyn Collective>> {
-        let shared = Arc::new(Shared { n, round: Mutex::new(Round { slots: vec![None; n], ops: vec![""; n], ..Default::default() }), turn: Condvar::new() });
+        let shared = Arc::new(Shared { n, round: Mutex::new(Round { slots: vec![None; n], ops: vec![""; n], ..Default::default() }), turn: Condvar::new(), generation: Default::default() });
         (0..n).map(|rank| Arc::new(LocalGroup { rank, busy: Default::default(), shared: shared.clone() }) as Arc<dyn Collective>).collect()
     }
 
@@ -143,7 +152,15 @@ impl LocalGroup {
             r.published = Some(Arc::new(all));
             r.arrived = 0;
             r.generation += 1;
+            sh.generation.store(r.generation, std::sync::atomic::Ordering::Release);
             sh.turn.notify_all();
+        } else {
+            drop(r);
+            let spun = Instant::now();
+            while sh.generation.load(std::sync::atomic::Ordering::Acquire) == generation && spun.elapsed() < SPIN {
+                std::hint::spin_loop();
+            }
+            r = sh.round.lock().unwrap_or_else(|e| e.into_inner());
         }
         let limit = timeout();
         let start = Instant::now();

@@ -215,27 +215,30 @@ impl<M: Module> DistributedDataParallel<M> {
         let mut stats = SyncStats { backward_seconds: start.elapsed().as_secs_f64() - submitted, realize_seconds: submitted, ..Default::default() };
         // Last parameters first: backward reaches them first.
         let order: Vec<usize> = (0..self.params.len()).rev().collect();
-        let sizes = order.iter().map(|&i| self.params[i].value().numel() * 4);
-        let plan = buckets(sizes, self.first_bucket_bytes, self.bucket_bytes);
+        let numels: Vec<usize> = order.iter().map(|&i| self.params[i].value().numel()).collect();
+        let plan = pieces(&buckets(numels.iter().map(|n| n * 4), self.first_bucket_bytes, self.bucket_bytes), &numels, self.bucket_bytes);
         let n_buckets = plan.len().max(1);
-        // A bucket in flight: its members, its flat tensor (held until its
+        // A bucket in flight: its pieces, its flat tensor (held until its
         // read completes) and the read.
-        let mut in_flight: Option<(Vec<usize>, Tensor, PendingRead)> = None;
+        let mut in_flight: Option<(Vec<Piece>, Tensor, PendingRead)> = None;
+        // The pieces of a large gradient summed so far.
+        let mut partial: Vec<Tensor> = Vec::new();
         let mut global_loss = 0.0;
         for b in 0..n_buckets {
-            let members: Vec<usize> = plan.get(b).map(|c| c.iter().map(|&j| order[j]).collect()).unwrap_or_default();
+            let members: Vec<Piece> = plan.get(b).map(|c| c.iter().map(|p| Piece { param: order[p.param], ..*p }).collect()).unwrap_or_default();
             let mut grads: Vec<Tensor> = Vec::with_capacity(members.len() + 1);
-            for &i in &members {
-                let v = self.params[i].value();
-                grads.push(match self.params[i].grad() {
+            for p in &members {
+                let v = self.params[p.param].value();
+                let g = match self.params[p.param].grad() {
                     Some(g) => g,
                     // A parameter the loss did not reach: zeros, so that every
                     // rank's buckets have the same layout.
                     None => Tensor::zeros(v.dims(), v.dtype(), v.device())?,
-                });
+                };
+                grads.push(if p.len == v.numel() { g } else { g.flatten_all()?.narrow(0, p.start, p.len)? });
             }
             if b + 1 == n_buckets {
-                // The loss travels with the last bucket: no collective of its own.
+                // The loss travels with the last bucket.
                 grads.push(weighted.detach());
             }
             let t = Instant::now();
@@ -243,12 +246,12 @@ impl<M: Module> DistributedDataParallel<M> {
             let read = flat.read_start_in_place()?;
             stats.realize_seconds += t.elapsed().as_secs_f64();
             if let Some((prev, pflat, pread)) = in_flight.take() {
-                self.reduce(prev, pflat.device(), pread, &mut stats, None)?;
+                self.reduce(prev, pflat.device(), pread, &mut stats, &mut partial, None)?;
             }
             in_flight = Some((members, flat, read));
         }
         if let Some((prev, pflat, pread)) = in_flight.take() {
-            self.reduce(prev, pflat.device(), pread, &mut stats, Some(&mut global_loss))?;
+            self.reduce(prev, pflat.device(), pread, &mut stats, &mut partial, Some(&mut global_loss))?;
         }
         stats.buckets = n_buckets;
         stats.total_seconds = start.elapsed().as_secs_f64();
@@ -261,7 +264,7 @@ impl<M: Module> DistributedDataParallel<M> {
     /// memory the bucket was read back into straight into the memory it is
     /// uploaded from: on a GPU both are mapped staging buffers, and the
     /// host touches each value once.
-    fn reduce(&self, members: Vec<usize>, device: crate::Device, read: PendingRead, stats: &mut SyncStats, loss: Option<&mut f64>) -> Result<()> {
+    fn reduce(&self, members: Vec<Piece>, device: crate::Device, read: PendingRead, stats: &mut SyncStats, partial: &mut Vec<Tensor>, loss: Option<&mut f64>) -> Result<()> {
         let t = Instant::now();
         let host = read.wait()?;
         stats.read_seconds += t.elapsed().as_secs_f64();
@@ -294,10 +297,24 @@ impl<M: Module> DistributedDataParallel<M> {
         stats.reduce_seconds += reduce_seconds;
         stats.bytes += n * 4;
         let mut at = 0;
-        for &i in &members {
-            let v = self.params[i].value();
-            let g = summed.narrow(0, at, v.numel())?.reshape_dims(v.dims())?;
-            at += v.numel();
+        for p in &members {
+            let v = self.params[p.param].value();
+            let part = summed.narrow(0, at, p.len)?;
+            at += p.len;
+            let g = if p.len == v.numel() {
+                part
+            } else {
+                // A piece of a large gradient: the gradient once its last
+                // piece is here (the pieces arrive in order).
+                partial.push(part);
+                if p.start + p.len < v.numel() {
+                    continue;
+                }
+                let parts: Vec<Tensor> = std::mem::take(partial);
+                let refs: Vec<&Tensor> = parts.iter().collect();
+                Tensor::cat(&refs, 0)?
+            };
+            let g = g.reshape_dims(v.dims())?;
             v.set_grad(Some(if g.dtype() == v.dtype() { g } else { g.to_dtype(v.dtype())? }))?;
         }
         Ok(())
@@ -312,6 +329,43 @@ fn flat_f32(ts: &[Tensor]) -> Result<Tensor> {
         return refs[0].contiguous();
     }
     Tensor::cat(&refs, 0)
+}
+
+/// A run of one parameter's gradient values (flattened): all of them, or
+/// a piece of a gradient too large for one bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Piece {
+    param: usize,
+    start: usize,
+    len: usize,
+}
+
+/// The buckets of `buckets` as pieces of the items (`numels[i]` values
+/// each): an item alone in its bucket and larger than half a bucket
+/// (`rest` bytes; at least 4 KiB) travels in pieces of at most that, each a bucket
+/// of its own. The word embedding, the last and largest gradient of a
+/// language model, then is read back, summed and uploaded piece after
+/// piece, one piece's transfer overlapping the next one's sum, instead of
+/// each step in turn over all of it.
+fn pieces(buckets: &[Vec<usize>], numels: &[usize], rest: usize) -> Vec<Vec<Piece>> {
+    // Not below 1,024 values: tiny buckets (a test's) need no tiny pieces.
+    let max = (rest / 8).max(1 << 10);
+    let mut out = Vec::new();
+    for b in buckets {
+        if let [i] = b[..] {
+            let n = numels[i];
+            if n > max {
+                let k = n.div_ceil(max);
+                for j in 0..k {
+                    let (start, end) = (n * j / k, n * (j + 1) / k);
+                    out.push(vec![Piece { param: i, start, len: end - start }]);
+                }
+                continue;
+            }
+        }
+        out.push(b.iter().map(|&i| Piece { param: i, start: 0, len: numels[i] }).collect());
+    }
+    out
 }
 
 /// Group consecutive items of `sizes` (bytes) into buckets: the first of
@@ -344,7 +398,33 @@ fn buckets(sizes: impl Iterator<Item = usize>, first: usize, rest: usize) -> Vec
 
 #[cfg(test)]
 mod tests {
-    use super::buckets;
+    use super::{buckets, pieces, Piece};
+
+    #[test]
+    fn a_gradient_larger_than_half_a_bucket_travels_in_pieces() {
+        // Values of 4 bytes; buckets of 40,960 bytes: pieces of at most
+        // 5,120 values.
+        let k = 1024;
+        let numels = [2 * k, 3 * k, 11 * k, k, 4 * k];
+        let b = buckets(numels.iter().map(|n| n * 4), 12 * k, 40 * k);
+        assert_eq!(b, vec![vec![0, 1], vec![2], vec![3, 4]]);
+        let p = pieces(&b, &numels, 40 * k);
+        let whole = |param, len| Piece { param, start: 0, len };
+        assert_eq!(
+            p,
+            vec![
+                vec![whole(0, 2 * k), whole(1, 3 * k)],
+                vec![Piece { param: 2, start: 0, len: 3754 }],
+                vec![Piece { param: 2, start: 3754, len: 3755 }],
+                vec![Piece { param: 2, start: 7509, len: 3755 }],
+                vec![whole(3, k), whole(4, 4 * k)],
+            ]
+        );
+        // A tensor alone in its bucket but small stays whole; pieces are
+        // never below 1,024 values.
+        assert_eq!(pieces(&[vec![0]], &[5 * k], 40 * k), vec![vec![whole(0, 5 * k)]]);
+        assert_eq!(pieces(&[vec![0]], &[2 * k + 1], 4).len(), 3);
+    }
 
     #[test]
     fn buckets_start_small_and_never_split_a_tensor() {
