@@ -132,6 +132,25 @@ fn two_mpi_ranks_match_one_device() {
     }
 }
 
+/// The collective itself under `mpirun`: the `mpi_collective` example
+/// (built with the tests) sums vectors of several sizes, empty and larger
+/// than the shared window held so far, in place and out of place, and
+/// checks them against the sum in rank order (to the bit in shared memory;
+/// within 1e-5 through `MPI_Allreduce`).
+#[cfg(feature = "mpi")]
+#[test]
+fn the_mpi_collective_sums_every_size_exactly() {
+    let example = Path::new(env!("CARGO_BIN_EXE_voltaic")).parent().unwrap().join("examples/mpi_collective");
+    assert!(example.exists(), "{} is missing: cargo test builds it with the mpi feature", example.display());
+    for (np, shared) in [(3, "1"), (2, "0")] {
+        let out = mpirun(np).env("VOLTAIC_MPI_SHARED", shared).args(["-x", "VOLTAIC_MPI_SHARED"]).arg(&example).output().unwrap();
+        ok(&out, &format!("mpi_collective on {np} ranks, VOLTAIC_MPI_SHARED={shared}"));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout.lines().filter(|l| l.contains("7 sizes summed")).count(), np, "{stdout}");
+        assert!(stdout.contains(if shared == "1" { "to the bit" } else { "within 1e-5" }), "{stdout}");
+    }
+}
+
 #[cfg(feature = "mpi")]
 #[test]
 fn ranks_with_different_models_are_refused() {
