@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+#[cfg(feature = "mpi")]
 use std::time::{Duration, Instant};
 
 fn voltaic() -> Command {
