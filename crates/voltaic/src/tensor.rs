@@ -63,9 +63,13 @@ impl Tensor {
     /// A tensor over realized host data.
     pub(crate) fn from_storage(storage: CpuStorage, dims: &[usize], device: Device) -> Result<Tensor> {
         let dtype = storage.dtype();
-        let buf = executor(device)?.upload(storage)?;
+        Ok(Tensor::from_buffer(executor(device)?.upload(storage)?, dtype, dims, device))
+    }
+
+    /// A contiguous tensor over a realized buffer.
+    fn from_buffer(buf: crate::backend::Buffer, dtype: DType, dims: &[usize], device: Device) -> Tensor {
         let node = Node::new(State::Realized(buf), dtype, device, dims.to_vec(), 0);
-        Ok(Tensor { value: Value { node, layout: Layout::contiguous(dims) }, grad: None })
+        Tensor { value: Value { node, layout: Layout::contiguous(dims) }, grad: None }
     }
 
     /// A view of the same node with another layout (not tracked: each view
@@ -374,30 +378,34 @@ impl Tensor {
     /// Realize and start reading the values back: the part of a read that
     /// the blocking and the async forms share.
     pub(crate) fn read_start(&self) -> Result<crate::backend::PendingRead> {
-        let exec = executor(self.device())?;
-        let t = if exec.capabilities().strided_reads || self.is_contiguous() { self.clone() } else { self.contiguous()? };
-        crate::backend::read_follows(|| t.realize())?;
-        let buf = t.value.node.buffer().expect("realized");
-        exec.read_start(&buf, &t.value.layout)
+        self.read_start_as(false)
     }
 
     /// [`Tensor::read_start`] for f32 values consumed in place: a GPU may
-    /// leave them in its mapped staging memory (`HostView::as_f32`).
+    /// leave them in its mapped staging memory (`HostView::as_f32`, which
+    /// needs a contiguous view, so a strided one is made contiguous first).
     pub(crate) fn read_start_in_place(&self) -> Result<crate::backend::PendingRead> {
+        self.read_start_as(true)
+    }
+
+    fn read_start_as(&self, in_place: bool) -> Result<crate::backend::PendingRead> {
         let exec = executor(self.device())?;
-        let t = if self.is_contiguous() { self.clone() } else { self.contiguous()? };
+        let keep = self.is_contiguous() || (!in_place && exec.capabilities().strided_reads);
+        let t = if keep { self.clone() } else { self.contiguous()? };
         crate::backend::read_follows(|| t.realize())?;
         let buf = t.value.node.buffer().expect("realized");
-        exec.read_start_in_place(&buf, &t.value.layout)
+        if in_place {
+            exec.read_start_in_place(&buf, &t.value.layout)
+        } else {
+            exec.read_start(&buf, &t.value.layout)
+        }
     }
 
     /// A flat f32 tensor of `len` values written by `fill` on the host,
     /// straight into the memory the device uploads from where it has such
     /// (one host write instead of two).
     pub(crate) fn from_f32_fill(len: usize, device: Device, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Tensor> {
-        let buf = executor(device)?.upload_f32_with(len, fill)?;
-        let node = Node::new(State::Realized(buf), DType::F32, device, vec![len], 0);
-        Ok(Tensor { value: Value { node, layout: Layout::contiguous(&[len]) }, grad: None })
+        Ok(Tensor::from_buffer(executor(device)?.upload_f32_with(len, fill)?, DType::F32, &[len], device))
     }
 
     /// The only element of a one-element tensor.

@@ -261,6 +261,14 @@ impl PendingRead {
     }
 }
 
+/// [`Executor::upload_f32_with`] through host memory: `fill` writes a
+/// vector, which is uploaded.
+pub(crate) fn upload_f32_through_host<E: Executor + ?Sized>(exec: &E, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Buffer> {
+    let mut v = vec![0f32; len];
+    fill(&mut v)?;
+    exec.upload(CpuStorage::F32(v))
+}
+
 /// Wait for a completion without blocking the thread (see [`Executor::completion`]).
 pub(crate) async fn completed(c: Option<Box<dyn Completion>>) -> Result<()> {
     match c {
@@ -295,9 +303,7 @@ pub(crate) trait Executor: Send + Sync {
     /// some backends (GL), undefined to read. It is not called at all when
     /// the upload fails first (out of memory, a lost device).
     fn upload_f32_with(&self, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Buffer> {
-        let mut v = vec![0f32; len];
-        fill(&mut v)?;
-        self.upload(CpuStorage::F32(v))
+        upload_f32_through_host(self, len, fill)
     }
     /// Everything given to the device so far, submitted; `None` when it has
     /// already finished (an executor that runs work as it is given).

@@ -32,11 +32,7 @@ pub trait Collective: Send + Sync {
     /// write-combined memory a GPU uploads from. (This default sums in a
     /// host vector and writes `dst` once.)
     fn all_reduce_sum_into(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
-        if src.len() != dst.len() {
-            let why = format!("{} values reduced into {}", src.len(), dst.len());
-            self.abort(&why);
-            return Err(Error::Distributed { op: "all_reduce", msg: why });
-        }
+        check_into(self, src, dst)?;
         let mut sum = src.to_vec();
         self.all_reduce_sum(&mut sum)?;
         par_copy(dst, &sum);
@@ -50,6 +46,17 @@ pub trait Collective: Send + Sync {
     /// them waits for it (an in-process group wakes them with an error;
     /// MPI aborts the job).
     fn abort(&self, why: &str);
+}
+
+/// An out-of-place all-reduce's lengths agree; otherwise the group is
+/// failed (its peers would wait for this rank) and the error returned.
+fn check_into<C: Collective + ?Sized>(c: &C, src: &[f32], dst: &[f32]) -> Result<()> {
+    if src.len() == dst.len() {
+        return Ok(());
+    }
+    let why = format!("{} values reduced into {}", src.len(), dst.len());
+    c.abort(&why);
+    Err(Error::Distributed { op: "all_reduce", msg: why })
 }
 
 /// The `op` of the error a collective returns because another rank failed
@@ -332,12 +339,7 @@ impl Collective for LocalGroup {
     }
 
     fn all_reduce_sum_into(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
-        if src.len() != dst.len() {
-            // The peers would wait for this rank: wake them.
-            let why = format!("{} values reduced into {}", src.len(), dst.len());
-            self.abort(&why);
-            return Err(Error::Distributed { op: "all_reduce", msg: why });
-        }
+        check_into(self, src, dst)?;
         if self.shared.n == 1 {
             par_copy(dst, src);
             return Ok(());

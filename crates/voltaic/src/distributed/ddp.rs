@@ -268,14 +268,8 @@ impl<M: Module> DistributedDataParallel<M> {
         let t = Instant::now();
         let host = read.wait()?;
         stats.read_seconds += t.elapsed().as_secs_f64();
-        let copy;
-        let src = match host.as_f32() {
-            Some(v) => v,
-            None => {
-                copy = host.into_vec::<f32>().ok_or_else(|| Error::Backend("DistributedDataParallel: a gradient bucket did not read back as f32".into()))?;
-                &copy[..]
-            }
-        };
+        // A flat f32 tensor read in place is always seen as f32 values.
+        let src = host.as_f32().ok_or_else(|| Error::Backend("DistributedDataParallel: a gradient bucket did not read back as f32".into()))?;
         // The loss travels as the last value of the last bucket; it is
         // summed on its own, because the upload memory may not be read.
         let n = src.len() - loss.is_some() as usize;

@@ -81,6 +81,16 @@ impl MpiCollective {
         self.world.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Every rank brings `len` values to an all-reduce: MPI cannot check
+    /// it, and a mismatch would corrupt memory, so the lengths are compared.
+    fn same_length_everywhere(&self, len: usize) -> Result<()> {
+        let lens = self.all_gather(&[len as u64])?;
+        match lens.iter().position(|l| l[0] != len as u64) {
+            Some(bad) => Err(mpi_err("all_reduce", format!("rank {bad} reduces {} values, rank {} reduces {len}", lens[bad][0], self.rank))),
+            None => Ok(()),
+        }
+    }
+
     /// The sum over the ranks of `src` into `dst` (the same memory for an
     /// in-place sum) through memory every rank of the machine maps, when
     /// every rank runs on this machine; `false` (nothing done) otherwise.
@@ -269,12 +279,7 @@ impl Collective for MpiCollective {
     }
 
     fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()> {
-        // Every rank must bring the same length: MPI cannot check it, and a
-        // mismatch would corrupt memory, so the lengths are compared first.
-        let lens = self.all_gather(&[data.len() as u64])?;
-        if let Some(bad) = lens.iter().position(|l| l[0] != data.len() as u64) {
-            return Err(mpi_err("all_reduce", format!("rank {bad} reduces {} values, rank {} reduces {}", lens[bad][0], self.rank, data.len())));
-        }
+        self.same_length_everywhere(data.len())?;
         let p = data.as_mut_ptr();
         // SAFETY: `data` holds its length of values.
         if unsafe { self.reduce_in_shared_memory(p, p, data.len())? } {
@@ -294,10 +299,7 @@ impl Collective for MpiCollective {
         if src.len() != dst.len() {
             return Err(mpi_err("all_reduce", format!("{} values reduced into {}", src.len(), dst.len())));
         }
-        let lens = self.all_gather(&[src.len() as u64])?;
-        if let Some(bad) = lens.iter().position(|l| l[0] != src.len() as u64) {
-            return Err(mpi_err("all_reduce", format!("rank {bad} reduces {} values, rank {} reduces {}", lens[bad][0], self.rank, src.len())));
-        }
+        self.same_length_everywhere(src.len())?;
         // SAFETY: both slices hold `src.len()` values (checked above).
         if unsafe { self.reduce_in_shared_memory(src.as_ptr(), dst.as_mut_ptr(), src.len())? } {
             return Ok(());

@@ -413,12 +413,10 @@ impl Executor for GpuContext {
     }
 
     fn upload_f32_with(&self, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Buffer> {
-        if let Some(b) = transfer::upload_f32_with(self, len, fill)? {
-            return Ok(Buffer::Wgpu(Arc::new(b)));
+        match transfer::upload_f32_with(self, len, fill)? {
+            Some(b) => Ok(Buffer::Wgpu(Arc::new(b))),
+            None => super::upload_f32_through_host(self, len, fill),
         }
-        let mut v = vec![0f32; len];
-        fill(&mut v)?;
-        self.upload(CpuStorage::F32(v))
     }
 
     fn completion(&self) -> Result<Option<Box<dyn Completion>>> {

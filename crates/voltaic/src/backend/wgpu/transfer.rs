@@ -130,22 +130,17 @@ pub(crate) fn download_start(
             return Err(e);
         }
         let skip = (start as u64 * eb - lo) as usize;
-        if in_place && dtype == DType::F32 && skip == 0 {
-            let view = staging
-                .get_mapped_range(..size + 16)
-                .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?;
-            let flags: Vec<u32> = view[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            // Mappings are aligned to at least 8 bytes (wgpu's MAP_ALIGNMENT).
-            if flags[0] == 0 && bytemuck::try_cast_slice::<u8, f32>(&view[..len * 4]).is_ok() {
-                return Ok(HostData::Mapped(Box::new(MappedRead { view: Some(view), staging: Some(staging), ctx, len }), Default::default()));
-            }
-        }
-        // The values are converted straight out of the mapping (one copy).
         let (flags, values) = {
             let view = staging
                 .get_mapped_range(..size + 16)
                 .map_err(|e| Error::Backend(format!("gpu:{}: mapping a readback buffer failed: {e:?}", ctx.index)))?;
             let flags: Vec<u32> = view[size as usize..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            // f32 values read in place stay in the mapping (aligned to at
+            // least 8 bytes: wgpu's MAP_ALIGNMENT); others are converted
+            // straight out of it (one copy).
+            if flags[0] == 0 && in_place && dtype == DType::F32 && skip == 0 && bytemuck::try_cast_slice::<u8, f32>(&view[..len * 4]).is_ok() {
+                return Ok(HostData::Mapped(Box::new(MappedRead { view: Some(view), staging: Some(staging), ctx, len }), Default::default()));
+            }
             let values = (flags[0] == 0).then(|| from_gpu_bytes(dtype, &view[skip..size as usize], len));
             (flags, values)
         };
