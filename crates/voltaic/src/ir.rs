@@ -99,6 +99,18 @@ pub(crate) struct Epilogue {
     pub acc_dtype: DType,
 }
 
+/// Row-wise or elementwise work fused before a quantized GEMV: it computes
+/// the product's left operand `[m, k]` (element `l = i * k + c` of row `i`,
+/// column `c`) where the product loads it, so the operand never reaches
+/// memory. The stages are those of a [`KernelKind::Rows`] kernel with `m`
+/// rows of `k` elements (none for elementwise work); their loads read the
+/// matmul kernel's inputs.
+#[derive(Clone, Debug, PartialEq, Hash)]
+pub(crate) struct Prologue {
+    pub stages: Vec<RowStage>,
+    pub out: RowStage,
+}
+
 /// One step of a [`KernelKind::Rows`] kernel, computed for each row.
 #[derive(Clone, Debug, PartialEq, Hash)]
 pub(crate) struct RowStage {
@@ -140,7 +152,19 @@ pub(crate) enum KernelKind {
     /// applied to each result before it is stored.
     /// With `quant`, `b` is a block-quantized `[n, k]` matrix (its padded
     /// blocks as u32 words, `[n, words per row]`) multiplied transposed.
-    Matmul { a: Strided, b: Strided, batch: usize, m: usize, k: usize, n: usize, epilogue: Option<Epilogue>, quant: Option<crate::quant::GgmlType> },
+    /// With a prologue (quantized GEMVs only), `a` is not read: the
+    /// prologue computes each element of the left operand.
+    Matmul {
+        a: Strided,
+        b: Strided,
+        batch: usize,
+        m: usize,
+        k: usize,
+        n: usize,
+        epilogue: Option<Epilogue>,
+        quant: Option<crate::quant::GgmlType>,
+        prologue: Option<Prologue>,
+    },
     /// An index-like primitive over its operands (see [`IndexOp`]).
     Index { op: IndexOp, args: Vec<Strided> },
     /// Elementwise work with several outputs over one `shape`: output `j`
@@ -171,12 +195,16 @@ impl KernelKind {
         }
     }
 
-    /// The kernel's expressions in a fixed order; their constants, in this
-    /// order, are the kernel's constants.
+    /// The kernel's expressions in a fixed order (a product's epilogue
+    /// before its prologue's stages); their constants, in this order, are
+    /// the kernel's constants.
     pub fn exprs(&self) -> Vec<&Expr> {
         match self {
             KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } | KernelKind::Multi { expr, .. } => vec![expr],
-            KernelKind::Matmul { epilogue: Some(e), .. } => vec![&e.expr],
+            KernelKind::Matmul { epilogue, prologue, .. } => {
+                let pro = prologue.iter().flat_map(|p| p.stages.iter().chain([&p.out])).map(|s| &s.expr);
+                epilogue.iter().map(|e| &e.expr).chain(pro).collect()
+            }
             KernelKind::Rows { stages, out, .. } => stages.iter().chain([out]).map(|s| &s.expr).collect(),
             _ => vec![],
         }
@@ -186,7 +214,10 @@ impl KernelKind {
     pub fn exprs_mut(&mut self) -> Vec<&mut Expr> {
         match self {
             KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } | KernelKind::Multi { expr, .. } => vec![expr],
-            KernelKind::Matmul { epilogue: Some(e), .. } => vec![&mut e.expr],
+            KernelKind::Matmul { epilogue, prologue, .. } => {
+                let pro = prologue.iter_mut().flat_map(|p| p.stages.iter_mut().chain([&mut p.out])).map(|s| &mut s.expr);
+                epilogue.iter_mut().map(|e| &mut e.expr).chain(pro).collect()
+            }
             KernelKind::Rows { stages, out, .. } => stages.iter_mut().chain([out]).map(|s| &mut s.expr).collect(),
             _ => vec![],
         }

@@ -318,3 +318,87 @@ fn stacked_rows_multiply_as_the_separate_matrices() {
         assert!(e.contains("cat_rows"), "{e}");
     }
 }
+
+/// Row-wise and elementwise work before a GEMV (an RMS norm, a layer norm,
+/// a softmax, SwiGLU's `silu(gate) * up`) runs in the GEMV's loads on the
+/// GPU, one kernel with the residual add after it; on every device the
+/// result is the f64 product of the f64 prologue. Rows of 160 elements
+/// (fewer than a workgroup's threads) and 512 (two strides), 1 to 8 rows,
+/// and 20 rows, which take the dense path without a prologue.
+#[test]
+fn work_before_a_gemv_runs_in_its_loads() {
+    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Rng::new(29);
+    type Prologue = fn(&Tensor, &Tensor) -> voltaic::Result<Tensor>;
+    // Each case: its name, the operand from `x` [m, width] and `g` [k], and its f64 row.
+    let rms: Prologue = |x, g| x.mul(&x.sqr()?.mean(&[-1], true)?.add(1e-5)?.rsqrt()?)?.mul(g);
+    let layer: Prologue = |x, g| {
+        let c = x.sub(&x.mean(&[-1], true)?)?;
+        c.div(&c.sqr()?.mean(&[-1], true)?.add(1e-5)?.sqrt()?)?.mul(g)
+    };
+    let softmax: Prologue = |x, g| x.softmax(-1)?.mul(g);
+    let swiglu: Prologue = |x, _| {
+        let k = x.dims()[1] / 2;
+        x.narrow(1, 0, k)?.silu()?.mul(&x.narrow(1, k, k)?)
+    };
+    let f64_rms = |r: &[f64], g: &[f64]| -> Vec<f64> {
+        let s = (r.iter().map(|v| v * v).sum::<f64>() / r.len() as f64 + 1e-5).sqrt();
+        r.iter().zip(g).map(|(v, g)| v / s * g).collect()
+    };
+    let f64_layer = |r: &[f64], g: &[f64]| -> Vec<f64> {
+        let mean = r.iter().sum::<f64>() / r.len() as f64;
+        let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / r.len() as f64;
+        r.iter().zip(g).map(|(v, g)| (v - mean) / (var + 1e-5).sqrt() * g).collect()
+    };
+    let f64_softmax = |r: &[f64], g: &[f64]| -> Vec<f64> {
+        let mx = r.iter().fold(f64::MIN, |a, &v| a.max(v));
+        let s: f64 = r.iter().map(|v| (v - mx).exp()).sum();
+        r.iter().zip(g).map(|(v, g)| (v - mx).exp() / s * g).collect()
+    };
+    let f64_swiglu = |r: &[f64], _: &[f64]| -> Vec<f64> {
+        let k = r.len() / 2;
+        (0..k).map(|c| r[c] / (1.0 + (-r[c]).exp()) * r[k + c]).collect()
+    };
+    type Reference = dyn Fn(&[f64], &[f64]) -> Vec<f64>;
+    // The layer norm's centred rows are read twice (for the variance and
+    // the output), so the kernel that computes them stays; the last rows
+    // kernel is the prologue.
+    let one: &[&str] = &["matmul"];
+    let cases: [(&str, Prologue, &Reference, usize, &[&str]); 4] = [
+        ("rms norm", rms, &f64_rms, 1, one),
+        ("layer norm", layer, &f64_layer, 1, &["rows", "matmul"]),
+        ("softmax", softmax, &f64_softmax, 1, one),
+        ("swiglu", swiglu, &f64_swiglu, 2, one),
+    ];
+    for (q, k) in [(GgmlType::Q4_1, 160), (GgmlType::Q6K, 512)] {
+        let n = 24;
+        let bytes = random_blocks(&mut rng, q, n, k);
+        let w = host_dequantized(q, &bytes, n, k);
+        for (name, f, reference, widen, kernels) in &cases {
+            for m in [1, 3, 8, 20] {
+                let x = rng.normals(m * k * widen);
+                let g: Vec<f64> = (0..k).map(|_| rng.range(0.5, 1.5)).collect();
+                let res = rng.normals(m * n);
+                let mut want = vec![0f64; m * n];
+                for i in 0..m {
+                    let a = reference(&x[i * k * widen..(i + 1) * k * widen], &g);
+                    for j in 0..n {
+                        want[i * n + j] = (0..k).map(|e| a[e] * w[j * k + e]).sum::<f64>() + res[i * n + j];
+                    }
+                }
+                for dev in devices() {
+                    let wq = QTensor::from_blocks(&bytes, q, &[n, k], dev).unwrap();
+                    let xt = f32_on(x.clone(), &[m, k * widen], dev);
+                    let y = f(&xt, &f32_on(g.clone(), &[k], dev)).unwrap().matmul(&wq.t()).unwrap().add(f32_on(res.clone(), &[m, n], dev)).unwrap();
+                    if dev.is_gpu() && m <= 8 {
+                        let kinds: Vec<&str> = voltaic::inspect(&[&y]).into_iter().map(|k| k.kind).collect();
+                        assert_eq!(&kinds, kernels, "{name} before a GEMV of {m} rows");
+                    }
+                    // The CPU's integer path rounds the activations to 16 bits (see `cpu_reference`).
+                    let tol = if dev.is_gpu() { 2e-5 } else { 1e-4 };
+                    close(&y.to_f64_vec().unwrap(), &want, tol, &format!("{name} then {} [{m}, {k}] @ [{n}, {k}].t() on {dev}", q.name()));
+                }
+            }
+        }
+    }
+}

@@ -66,6 +66,12 @@ pub(crate) struct Capabilities {
     /// The most buffers one kernel may read (an executor's binding limit
     /// less what a kernel binds besides its inputs): fusion stops there.
     pub max_inputs: usize,
+    /// Quantized products of at most this many rows (GEMVs) compute their
+    /// left operand from the row-wise or elementwise work before them (an
+    /// RMS norm, SwiGLU's `silu(gate) * up`; see [`crate::ir::Prologue`]):
+    /// a GPU, where the dispatch it saves costs more than recomputing a
+    /// row in each workgroup. 0: never.
+    pub prologue_rows: usize,
 }
 
 /// Bytes a device holds through Voltaic.

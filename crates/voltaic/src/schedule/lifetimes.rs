@@ -1,4 +1,4 @@
-//! Pass 8, lifetimes: which buffers the realization hands back to their
+//! Pass 9, lifetimes: which buffers the realization hands back to their
 //! nodes, and after which kernel every other buffer can be dropped.
 //!
 //! A node keeps its buffer when something outside the plan still refers to

@@ -216,14 +216,14 @@ fn build_kernel(g: &Dag, inline: &[bool], l: &mut Lowered, i: usize) -> Kernel {
                 (a.layout, bb.layout) = (tall, shared);
                 (m, batch) = (m * batch, 1);
             }
-            KernelKind::Matmul { a, b: bb, batch, m, k, n, epilogue: None, quant: None }
+            KernelKind::Matmul { a, b: bb, batch, m, k, n, epilogue: None, quant: None, prologue: None }
         }
         OpKind::QMatmul(q) => {
             b.ops.push("qmatmul");
             let (x, w) = (&op.inputs[0], &op.inputs[1]);
             let (a, bb) = (b.strided(x), b.strided(w));
             let (m, k, n) = (x.layout.dims()[0], x.layout.dims()[1], node.dims[1]);
-            KernelKind::Matmul { a, b: bb, batch: 1, m, k, n, epilogue: None, quant: Some(*q) }
+            KernelKind::Matmul { a, b: bb, batch: 1, m, k, n, epilogue: None, quant: Some(*q), prologue: None }
         }
         OpKind::Index(iop) => {
             b.ops.push(iop.name());

@@ -8,10 +8,13 @@
 //! 5. [`epilogue`]: elementwise work after a matmul runs in its stores.
 //! 6. [`rows`]: row-wise work becomes one-pass kernels, where the executor
 //!    asks for them (`Capabilities::row_kernels`).
-//! 7. [`siblings`]: elementwise kernels of one shape that share buffers
+//! 7. [`prologue`]: row-wise or elementwise work before a quantized GEMV
+//!    runs in the GEMV's loads, where the executor asks for it
+//!    (`Capabilities::prologue_rows`).
+//! 8. [`siblings`]: elementwise kernels of one shape that share buffers
 //!    become one kernel with several outputs, where the executor runs them
 //!    (`Capabilities::multi_output`).
-//! 8. [`lifetimes`]: which buffers are kept, and when the others are freed.
+//! 9. [`lifetimes`]: which buffers are kept, and when the others are freed.
 
 pub(crate) mod cache;
 pub(crate) mod collect;
@@ -19,6 +22,7 @@ pub(crate) mod epilogue;
 pub(crate) mod fuse;
 pub(crate) mod lifetimes;
 pub(crate) mod lower;
+pub(crate) mod prologue;
 pub(crate) mod refine;
 pub(crate) mod rows;
 pub(crate) mod siblings;
@@ -62,7 +66,7 @@ pub(crate) fn schedule(targets: &[&Value], caps: Capabilities) -> Scheduled {
 }
 
 /// Schedule a collected graph; also returns the cache entry of its plan.
-fn schedule_dag(dag: &collect::Dag, caps: Capabilities) -> (Scheduled, cache::Entry) {
+pub(crate) fn schedule_dag(dag: &collect::Dag, caps: Capabilities) -> (Scheduled, cache::Entry) {
     let inline = fuse::inline_decisions(dag, caps.max_inputs);
     let survives = lifetimes::survivors(dag, &inline);
     let lower::Lowered { mut plan, slot_of, inputs, input_nodes } = lower::lower(dag, &inline);
@@ -72,6 +76,7 @@ fn schedule_dag(dag: &collect::Dag, caps: Capabilities) -> (Scheduled, cache::En
     if caps.row_kernels {
         rows::fuse_rows(&mut plan, &kept, caps.max_inputs);
     }
+    prologue::fuse_prologues(&mut plan, &kept, caps.max_inputs, caps.prologue_rows);
     if caps.multi_output {
         siblings::fuse_siblings(&mut plan, &kept, caps.max_inputs);
     }

@@ -1,4 +1,4 @@
-//! Pass 7, sibling fusion: elementwise kernels over one shape become one
+//! Pass 8, sibling fusion: elementwise kernels over one shape become one
 //! kernel with several outputs, where the executor runs such kernels
 //! (`Capabilities::multi_output`).
 //!

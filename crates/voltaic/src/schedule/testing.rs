@@ -10,7 +10,7 @@ use crate::storage::CpuStorage;
 
 /// Capabilities of an executor without row kernels.
 pub(crate) fn cpu_caps() -> Capabilities {
-    Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX }
+    Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0 }
 }
 
 /// A realized f32 input of zeros on the CPU.
@@ -68,8 +68,21 @@ pub(crate) fn matmul(a: &Value, b: &Value) -> Value {
     pending(OpKind::Matmul, &[a, b], &[m, n])
 }
 
+/// A realized quantized `[n, k]` matrix of `q` (its blocks as u32 words, zeros).
+pub(crate) fn qweight(q: crate::quant::GgmlType, n: usize, k: usize) -> Value {
+    let words = k / q.block().0 * q.padded_block_bytes() / 4;
+    let buf = executor(Device::Cpu).unwrap().upload(CpuStorage::zeros(DType::U32, n * words)).unwrap();
+    Value { node: Node::new(State::Realized(buf), DType::U32, Device::Cpu, vec![n, words], 0), layout: Layout::contiguous(&[n, words]) }
+}
+
+/// `x [m, k] @ w.t()` for `w` a quantized matrix of `q` with `n` rows (see [`qweight`]).
+pub(crate) fn qmatmul(x: &Value, w: &Value, q: crate::quant::GgmlType, n: usize) -> Value {
+    let m = x.layout.dims()[0];
+    pending(OpKind::QMatmul(q), &[x, w], &[m, n])
+}
+
 /// Kind names of the kernels that would realize `targets`.
 pub(crate) fn kinds(targets: &[&Value], row_kernels: bool) -> Vec<&'static str> {
-    let caps = Capabilities { row_kernels, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX };
+    let caps = Capabilities { row_kernels, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0 };
     super::summarize(targets, caps).into_iter().map(|k| k.kind).collect()
 }

@@ -91,7 +91,7 @@ impl CpuExecutor {
 
 impl Executor for CpuExecutor {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX }
+        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0 }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
@@ -148,7 +148,9 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
     let out = match &k.kind {
         KernelKind::Elementwise { expr, shape } => elementwise::run(expr, shape, &inputs, k.dtype),
         KernelKind::Reduce { op, expr, shape, outer, inner } => reduce::run(*op, expr, shape, *outer, *inner, &inputs, k.dtype),
-        KernelKind::Matmul { a, b, batch: _, m, k: kk, n, epilogue, quant } => {
+        // The CPU does not ask for them (`Capabilities::prologue_rows`).
+        KernelKind::Matmul { prologue: Some(_), .. } => bail!(Device, "realize", "a product with a fused prologue reached the CPU executor"),
+        KernelKind::Matmul { a, b, batch: _, m, k: kk, n, epilogue, quant, prologue: None } => {
             let product = |dtype| match quant {
                 Some(q) => quant::matmul(a, b, *q, *m, *kk, *n, &inputs),
                 None => matmul::run(a, b, *m, *kk, *n, &inputs, dtype),

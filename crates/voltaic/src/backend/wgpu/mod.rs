@@ -369,6 +369,17 @@ pub(crate) fn finish_tuning() {
     }
 }
 
+/// Rows up to which quantized GEMVs take prologues
+/// (`VOLTAIC_PROLOGUES=0` turns them off, to measure what they change).
+fn prologue_rows() -> usize {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var("VOLTAIC_PROLOGUES").map_or(true, |v| v != "0")) {
+        quant::GEMV_ROWS
+    } else {
+        0
+    }
+}
+
 /// Whether kernels of several outputs are used (`VOLTAIC_MULTI_OUTPUT=0`
 /// turns them off, to measure what they change).
 fn multi_output() -> bool {
@@ -393,7 +404,7 @@ impl GpuContext {
 
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: multi_output(), max_inputs: self.caps.max_inputs() }
+        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: multi_output(), max_inputs: self.caps.max_inputs(), prologue_rows: prologue_rows() }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {

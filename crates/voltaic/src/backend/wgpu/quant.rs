@@ -7,14 +7,17 @@
 
 use super::codegen::{Dispatch, Shader, WgslProgram};
 use super::kernels::{groups, Gen, WG};
-use crate::error::Result;
-use crate::ir::{Epilogue, Strided as View};
+use super::codegen::{cast, compute_ty, emit_expr_with, Indexer};
+use super::kernels::Reduction;
+use crate::dtype::DType;
+use crate::error::{bail, Result};
+use crate::ir::{Epilogue, Prologue, RowStage, Strided as View};
 use crate::quant::GgmlType;
 use std::fmt::Write;
 
 /// Rows of `x` up to which a product runs as a GEMV (each weight row is
 /// read once for all of them); above, as tiles.
-const GEMV_ROWS: usize = 8;
+pub(crate) const GEMV_ROWS: usize = 8;
 
 /// Threads that share one weight row in the GEMV.
 const ROW_THREADS: usize = 64;
@@ -84,10 +87,16 @@ fn words(q: GgmlType, k: usize) -> (usize, usize) {
 }
 
 impl Gen<'_> {
-    /// The program for `a [m, k] @ w.t()`, `w` a quantized `[n, k]`.
+    /// The program for `a [m, k] @ w.t()`, `w` a quantized `[n, k]`; with a
+    /// prologue (GEMVs only), `a` is what the prologue computes.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn qmatmul(&self, p: &mut WgslProgram, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>) -> Result<()> {
-        p.dispatches.push(if m <= GEMV_ROWS { self.qgemv(a, w, q, m, k, n, epi)? } else { self.qtiled(a, w, q, m, k, n, epi)? });
+    pub(crate) fn qmatmul(&self, p: &mut WgslProgram, a: &View, w: &View, q: GgmlType, mkn: (usize, usize, usize), epi: Option<&Epilogue>, pro: Option<&Prologue>) -> Result<()> {
+        let (m, k, n) = mkn;
+        p.dispatches.push(match pro {
+            _ if m <= GEMV_ROWS => self.qgemv(a, w, q, m, k, n, epi, pro)?,
+            None => self.qtiled(a, w, q, m, k, n, epi)?,
+            Some(_) => bail!(Device, "realize", "a prologue before a quantized product of {m} rows (GEMVs of at most {GEMV_ROWS} take one)"),
+        });
         Ok(())
     }
 
@@ -97,13 +106,22 @@ impl Gen<'_> {
         format!("ld_in{}({}u + ({r}) * {}u + ({c}) * {}u)", a.input, a.layout.offset, s[0], s[1])
     }
 
-    /// A shader with `a`, the blocks of `w` and the output bound, the
-    /// epilogue defined, and `w`'s `qscale`/`qv` functions.
-    fn qshader(&self, a: &View, w: &View, q: GgmlType, epi: Option<&Epilogue>) -> Result<Shader<'_>> {
+    /// A shader with `a` (or the prologue's inputs), the blocks of `w` and
+    /// the output bound, the epilogue defined, and `w`'s `qscale`/`qv` functions.
+    fn qshader(&self, a: &View, w: &View, q: GgmlType, epi: Option<&Epilogue>, pro: Option<&Prologue>) -> Result<Shader<'_>> {
         let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[a.input, w.input]);
+        let mut read = match pro {
+            Some(p) => p.stages.iter().chain([&p.out]).flat_map(|st| st.expr.loads.iter().enumerate().filter(|(i, _)| !st.from.iter().any(|f| f.0 == *i)).map(|(_, l)| l.input)).collect(),
+            None => vec![a.input],
+        };
+        read.push(w.input);
+        self.bind_inputs(&mut sh, &read);
         self.bind_out(&mut sh);
         self.epilogue(&mut sh, epi)?;
+        if let Some(p) = pro {
+            // The prologue's constants follow the epilogue's (`KernelKind::exprs` order).
+            prologue_fns(&mut sh, p, epi.map_or(0, |e| e.expr.consts.len()))?;
+        }
         sh.decl(&deq_fn(q, &format!("in{}", w.input)));
         Ok(sh)
     }
@@ -114,14 +132,27 @@ impl Gen<'_> {
     /// takes runs of 8 elements of the row (one block's worth of loads),
     /// keeps one sum per row of `a`, and the threads of a row add their
     /// sums in workgroup memory.
+    ///
+    /// With a prologue, each workgroup first computes the stages of each
+    /// row of `a` (its threads share each reduction through workgroup
+    /// memory; on a software adapter each thread reduces the row alone,
+    /// without barriers), then evaluates `a`'s elements where it would
+    /// have loaded them.
     #[allow(clippy::too_many_arguments)]
-    fn qgemv(&self, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>) -> Result<Dispatch> {
-        let mut sh = self.qshader(a, w, q, epi)?;
+    fn qgemv(&self, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, pro: Option<&Prologue>) -> Result<Dispatch> {
+        let mut sh = self.qshader(a, w, q, epi, pro)?;
         let (wpb, wpr) = words(q, k);
         let per = q.block().0;
         let threads = if self.caps.software { 1 } else { ROW_THREADS };
         let rows_per_wg = WG as usize / threads;
         let mut s = String::new();
+        if let Some(p) = pro {
+            prologue_stages(&mut sh, &mut s, p, m, k, !self.caps.software);
+        }
+        let a_at = |i: usize, c: &str| match pro {
+            Some(p) => format!("pro_a({i}u * {k}u + {c}{})", stage_args(p.stages.len(), i)),
+            None => Self::a_at(a, &i.to_string(), c),
+        };
         let _ = writeln!(s, "    let t = lid % {threads}u;\n    let j = group * {rows_per_wg}u + lid / {threads}u;");
         let _ = writeln!(s, "    let row = {}u + min(j, {}u) * {wpr}u;", w.layout.offset, n.saturating_sub(1));
         for i in 0..m {
@@ -131,7 +162,7 @@ impl Gen<'_> {
         let _ = writeln!(s, "        let c0 = u * 8u;\n        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
         let _ = writeln!(s, "        let sc = qscale(base, e0);\n        for (var l = 0u; l < 8u; l = l + 1u) {{\n            let v = sc.x * qv(base, e0 + l) + sc.y;");
         for i in 0..m {
-            let _ = writeln!(s, "            acc{i} = acc{i} + v * {};", Self::a_at(a, &i.to_string(), "c0 + l"));
+            let _ = writeln!(s, "            acc{i} = acc{i} + v * {};", a_at(i, "c0 + l"));
         }
         let _ = writeln!(s, "        }}\n    }}");
         if threads == 1 {
@@ -169,7 +200,7 @@ impl Gen<'_> {
     /// cheap next to the multiply-adds.)
     #[allow(clippy::too_many_arguments)]
     fn qtiled(&self, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>) -> Result<Dispatch> {
-        let sh = self.qshader(a, w, q, epi)?;
+        let sh = self.qshader(a, w, q, epi, None)?;
         let (wpb, wpr) = words(q, k);
         let per = q.block().0;
         let (tiles_m, tiles_n) = (m.div_ceil(32), n.div_ceil(32));
@@ -227,5 +258,68 @@ impl Gen<'_> {
             blocks.layout.offset
         );
         sh.finish(format!("dequantize {}", q.name()), WG, groups(total, WG), &b)
+    }
+}
+
+/// `, st0_{i}, st1_{i}, ...`: the values of row `i`'s first `stages` stages, as arguments.
+fn stage_args(stages: usize, i: usize) -> String {
+    (0..stages).map(|s| format!(", st{s}_{i}")).collect()
+}
+
+/// Declare the prologue's functions: `pro_s{s}(l, st0, ...)`, stage `s`'s
+/// value at element `l` of the operand (a reduced stage) or at row `l` (a
+/// per-row stage), and `pro_a(l, st0, ...)`, the operand's element `l`,
+/// each given the earlier stages' values of its row. Their constants start
+/// at `base` among the kernel's.
+fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result<()> {
+    let params = |n: usize| -> String { p.stages[..n].iter().enumerate().map(|(s, st)| format!(", st{s}: {}", compute_ty(st.dtype))).collect() };
+    let values = |st: &RowStage| -> Vec<(usize, String)> { st.from.iter().map(|&(l, s)| (l, format!("st{s}"))).collect() };
+    let mut base = base;
+    for (s, st) in p.stages.iter().chain([&p.out]).enumerate() {
+        sh.set_const_base(base);
+        base += st.expr.consts.len();
+        let mut body = String::new();
+        let mut ix = Indexer::new(&st.shape, "l");
+        let v = emit_expr_with(&mut body, sh, &mut ix, &st.expr, &values(st))?;
+        // A reduced stage's elements and the operand are f32; a per-row value is in its stage's type.
+        let (name, ty) = match st.op {
+            _ if s == p.stages.len() => ("pro_a".to_string(), DType::F32),
+            Some(_) => (format!("pro_s{s}"), DType::F32),
+            None => (format!("pro_s{s}"), st.dtype),
+        };
+        sh.decl(&format!("fn {name}(l: u32{}) -> {} {{\n{body}    return {};\n}}", params(s), compute_ty(ty), cast(st.expr.dtype(), ty, &v)));
+    }
+    Ok(())
+}
+
+/// The GEMV body's opening: `st{s}_{i}`, stage `s` of each of the `m` rows
+/// of `k` elements, reduced by the workgroup's threads together through
+/// workgroup memory (`shared`) or by each thread alone.
+fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: usize, shared: bool) {
+    let (j0, step) = if shared { ("lid", WG) } else { ("0u", 1) };
+    if shared && p.stages.iter().any(|st| st.op.is_some()) {
+        sh.decl(&format!("var<workgroup> sv: array<f32, {WG}>;"));
+    }
+    for i in 0..m {
+        for (s, st) in p.stages.iter().enumerate() {
+            let ty = compute_ty(st.dtype);
+            let Some(op) = st.op else {
+                let _ = writeln!(b, "    let st{s}_{i} = pro_s{s}({i}u{});", stage_args(s, i));
+                continue;
+            };
+            let r = Reduction { op, adt: DType::F32, vdt: DType::F32, out: st.dtype };
+            let fold = |a: &str, v: &str| r.fold(a, "0u", v, "0u");
+            let _ = writeln!(b, "    var st{s}_{i}: {ty};\n    {{\n    var pacc: f32 = {};", r.identity());
+            let _ = writeln!(b, "    for (var j = {j0}; j < {k}u; j = j + {step}u) {{\n        {}\n    }}", fold("pacc", &format!("pro_s{s}({i}u * {k}u + j{})", stage_args(s, i))));
+            if shared {
+                let _ = writeln!(
+                    b,
+                    "    sv[lid] = pacc;\n    workgroupBarrier();\n    for (var h = {}u; h > 0u; h = h >> 1u) {{\n        if (lid < h) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    pacc = sv[0];\n    workgroupBarrier();",
+                    WG / 2,
+                    fold("x", "sv[lid + h]")
+                );
+            }
+            let _ = writeln!(b, "    st{s}_{i} = {};\n    }}", r.finish("pacc", "0u"));
+        }
     }
 }

@@ -63,7 +63,7 @@ fn validate(label: &str, source: &str, caps: &Caps) {
 
 /// The kernels of the plan that would realize `t` on a GPU.
 fn kernels(t: &Tensor) -> Vec<(Kernel, Vec<(DType, usize)>)> {
-    let s = crate::schedule::schedule(&[&t.value], Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: true, max_inputs: lavapipe().max_inputs() });
+    let s = crate::schedule::schedule(&[&t.value], Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: true, max_inputs: lavapipe().max_inputs(), prologue_rows: super::quant::GEMV_ROWS });
     s.plan
         .kernels
         .iter()
@@ -77,6 +77,9 @@ fn check(t: &Tensor, caps: &Caps, seen: &mut Vec<&'static str>) -> usize {
     let mut n = 0;
     for (k, inputs) in kernels(t) {
         seen.push(k.kind.name());
+        if matches!(k.kind, KernelKind::Matmul { prologue: Some(_), .. }) {
+            seen.push("gemv with a prologue");
+        }
         let mut variants = vec![None];
         if let KernelKind::Matmul { m, k: kk, quant: None, .. } = &k.kind {
             variants.extend(TILES.iter().map(|&t| Some(Variant::Tiled(t))));
@@ -191,6 +194,15 @@ fn graphs(dt: DType) -> Vec<Tensor> {
         for m in [1, 3, 20] {
             out.push(randn(&[m, 512], dt).matmul(&w.t()).unwrap().add(randn(&[40], DType::F32)).unwrap().silu().unwrap());
         }
+        // GEMVs with prologues: an RMS norm (a sum), a softmax (a max and a sum), SwiGLU.
+        for m in [1, 3] {
+            let x = randn(&[m, 512], dt);
+            let rms = x.mul(x.sqr().unwrap().mean(&[-1], true).unwrap().add(1e-5).unwrap().rsqrt().unwrap()).unwrap().mul(randn(&[512], dt)).unwrap();
+            out.push(rms.matmul(&w.t()).unwrap().add(randn(&[m, 40], DType::F32)).unwrap());
+            out.push(x.softmax(-1).unwrap().matmul(&w.t()).unwrap());
+            let gu = randn(&[m, 1024], dt);
+            out.push(gu.narrow(1, 0, 512).unwrap().silu().unwrap().mul(gu.narrow(1, 512, 512).unwrap()).unwrap().matmul(&w.t()).unwrap());
+        }
         out.push(w.embedding(&ints(&[5], 40.0, DType::I32)).unwrap());
     }
     out
@@ -211,7 +223,7 @@ fn every_kernel_family_generates_valid_wgsl() {
     }
     seen.sort_unstable();
     seen.dedup();
-    for kind in ["elementwise", "reduce", "rows", "matmul", "gather", "index_select", "scatter_add", "cumsum", "cat", "unfold", "dequantize"] {
+    for kind in ["elementwise", "reduce", "rows", "matmul", "gather", "index_select", "scatter_add", "cumsum", "cat", "unfold", "dequantize", "gemv with a prologue"] {
         assert!(seen.contains(&kind), "no {kind} kernel was generated: {seen:?}");
     }
     assert!(modules > 200, "only {modules} WGSL modules were checked");

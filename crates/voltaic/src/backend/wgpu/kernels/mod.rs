@@ -8,12 +8,13 @@ mod elementwise;
 mod index;
 pub(crate) use index::UNSIGNED_INDEX;
 mod reduce;
+pub(crate) use reduce::Reduction;
 mod rows;
 
 use super::codegen::{Shader, Src, WgslProgram};
 use super::context::Caps;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{bail, Result};
 use crate::ir::{Kernel, KernelKind};
 
 /// Invocations per workgroup of the one-thread-per-element kernels.
@@ -34,8 +35,11 @@ pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], varian
         KernelKind::Elementwise { expr, shape } => p.dispatches.push(g.elementwise(expr, shape, &[expr.instrs.len().saturating_sub(1)])?),
         KernelKind::Multi { expr, shape, stores } => p.dispatches.push(g.elementwise(expr, shape, stores)?),
         KernelKind::Reduce { op, expr, shape, outer, inner } => g.reduce(&mut p, *op, expr, shape, *outer, *inner)?,
-        KernelKind::Matmul { a, b, m, k: kk, n, epilogue, quant: Some(q), .. } => g.qmatmul(&mut p, a, b, *q, *m, *kk, *n, epilogue.as_ref())?,
-        KernelKind::Matmul { a, b, batch, m, k: kk, n, epilogue, quant: None } => {
+        KernelKind::Matmul { a, b, m, k: kk, n, epilogue, quant: Some(q), prologue, .. } => {
+            g.qmatmul(&mut p, a, b, *q, (*m, *kk, *n), epilogue.as_ref(), prologue.as_ref())?
+        }
+        KernelKind::Matmul { prologue: Some(_), .. } => bail!(Device, "realize", "a prologue before a dense product (only quantized GEMVs take one)"),
+        KernelKind::Matmul { a, b, batch, m, k: kk, n, epilogue, quant: None, prologue: None } => {
             let r = b.layout.dims().len();
             let (sbk, sbn) = (b.layout.strides()[r - 2], b.layout.strides()[r - 1]);
             let variant = variant.unwrap_or_else(|| super::matmul::default_variant(*batch, *m, *kk, *n, sbn == 1 || sbk != 1));

@@ -1,0 +1,184 @@
+//! Pass 7, prologue fusion (for executors that ask for it,
+//! `Capabilities::prologue_rows`): row-wise or elementwise work whose
+//! result only a quantized GEMV reads is computed in the GEMV's loads.
+//!
+//! A language model's decode step multiplies one row by each weight: the
+//! RMS norm before the attention and feed-forward projections and
+//! SwiGLU's `silu(gate) * up` before the down projection would each be a
+//! kernel of a few microseconds that writes one short row, which the next
+//! kernel reads back. Each workgroup of the GEMV recomputes that row
+//! instead (the row is a few kilobytes and stays in cache), and the
+//! dispatch, its barrier and the write disappear.
+
+use crate::dtype::DType;
+use crate::ir::{KernelKind, Plan, Prologue, RowStage, Slot};
+use foldhash::HashSet;
+
+/// Fold into each quantized product of at most `max_rows` rows the kernel
+/// that computes its left operand, when the product is that kernel's only
+/// reader, reads it whole and in order, and nobody keeps it. Not when the
+/// product would then read more than `max_inputs` buffers.
+pub(crate) fn fuse_prologues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: usize, max_rows: usize) {
+    if max_rows == 0 {
+        return;
+    }
+    let mut k = 0;
+    while k < plan.kernels.len() {
+        match producer(plan, k, kept, max_inputs, max_rows) {
+            Some(p) => {
+                fuse(plan, p, k);
+                // The producer came before the product, which moved down by one.
+            }
+            None => k += 1,
+        }
+    }
+}
+
+/// The index of the kernel whose result the product at `mi` could compute in its loads.
+fn producer(plan: &Plan, mi: usize, kept: &HashSet<Slot>, max_inputs: usize, max_rows: usize) -> Option<usize> {
+    let mk = &plan.kernels[mi];
+    let KernelKind::Matmul { a, b, batch: 1, m, k, quant: Some(_), prologue: None, epilogue, .. } = &mk.kind else { return None };
+    let (m, k) = (*m, *k);
+    if m > max_rows || !a.layout.is_contiguous() || a.layout.offset != 0 || a.layout.numel() != m * k || a.input == b.input {
+        return None;
+    }
+    let slot = mk.inputs[a.input];
+    // Read by the product's operand only: not by its epilogue, nor by anyone else.
+    let in_epilogue = epilogue.as_ref().is_some_and(|e| e.expr.loads.iter().enumerate().any(|(i, l)| i != e.acc && mk.inputs[l.input] == slot));
+    let readers = plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count();
+    if in_epilogue || readers != 1 || kept.contains(&slot) {
+        return None;
+    }
+    let pi = plan.kernels[..mi].iter().position(|p| p.out == slot)?;
+    let p = &plan.kernels[pi];
+    let shaped = match &p.kind {
+        KernelKind::Elementwise { .. } => true,
+        KernelKind::Rows { outer, inner, .. } => *outer == m && *inner == k,
+        _ => false,
+    };
+    if !shaped || !p.also.is_empty() || p.dtype != DType::F32 || p.numel != m * k || p.inputs.is_empty() {
+        return None;
+    }
+    let mut all: Vec<Slot> = mk.inputs.iter().copied().filter(|&s| s != slot).collect();
+    all.extend(p.inputs.iter().copied());
+    all.sort_unstable();
+    all.dedup();
+    (all.len() <= max_inputs).then_some(pi)
+}
+
+/// Move kernel `pi` into the product at `mi` as its prologue.
+fn fuse(plan: &mut Plan, pi: usize, mi: usize) {
+    let p = plan.kernels.remove(pi);
+    let mk = &mut plan.kernels[mi - 1];
+    let KernelKind::Matmul { a, b, epilogue, prologue, .. } = &mut mk.kind else { unreachable!("checked by `producer`") };
+    // The operand's buffer is gone: drop its input and renumber the later ones.
+    let gone = a.input;
+    mk.inputs.remove(gone);
+    let shift = |i: &mut usize| {
+        if *i > gone {
+            *i -= 1;
+        }
+    };
+    shift(&mut b.input);
+    if let Some(e) = epilogue {
+        for l in e.expr.loads.iter_mut() {
+            shift(&mut l.input);
+        }
+    }
+    // Not read when a prologue computes the operand; kept a valid index.
+    a.input = b.input;
+    let (mut stages, mut out) = match p.kind {
+        KernelKind::Rows { stages, out, .. } => (stages, out),
+        KernelKind::Elementwise { expr, shape } => (vec![], RowStage { op: None, expr, shape, from: vec![], dtype: p.dtype }),
+        _ => unreachable!("checked by `producer`"),
+    };
+    // The prologue's loads read the product's inputs (stage values stay stage reads).
+    for st in stages.iter_mut().chain([&mut out]) {
+        for (li, l) in st.expr.loads.iter_mut().enumerate() {
+            if st.from.iter().any(|&(f, _)| f == li) {
+                continue;
+            }
+            let slot = p.inputs[l.input];
+            l.input = match mk.inputs.iter().position(|&s| s == slot) {
+                Some(i) => i,
+                None => {
+                    mk.inputs.push(slot);
+                    mk.inputs.len() - 1
+                }
+            };
+        }
+    }
+    *prologue = Some(Prologue { stages, out });
+    let mut ops = p.ops;
+    ops.append(&mut mk.ops);
+    mk.ops = ops;
+}
+
+/// Whether `k` is a product with a prologue (for tests of other passes).
+#[cfg(test)]
+pub(crate) fn has_prologue(k: &crate::ir::Kernel) -> bool {
+    matches!(&k.kind, KernelKind::Matmul { prologue: Some(_), .. })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_prologue;
+    use crate::primitive::{BinaryOp, ReduceOp, UnaryOp};
+    use crate::quant::GgmlType;
+    use crate::schedule::testing::*;
+
+    fn caps(prologue_rows: usize) -> crate::backend::Capabilities {
+        crate::backend::Capabilities { row_kernels: true, multi_output: true, max_inputs: 8, prologue_rows, ..cpu_caps() }
+    }
+
+    /// `x * w / sqrt(mean(x^2) + eps)` over the rows of `x` `[m, k]`.
+    fn rms_norm(x: &crate::graph::Value, w: &crate::graph::Value) -> crate::graph::Value {
+        let d = x.layout.dims().to_vec();
+        let ms = reduce(&binary(x, x, BinaryOp::Mul), ReduceOp::Sum, &[1]);
+        let r = unary(&binary(&ms, &constant_like(&ms, 1e-5), BinaryOp::Add), UnaryOp::Rsqrt);
+        binary(&binary(x, &broadcast(&r, &d), BinaryOp::Mul), &broadcast(w, &d), BinaryOp::Mul)
+    }
+
+    fn plan(targets: &[&crate::graph::Value], rows: usize) -> Vec<crate::ir::Kernel> {
+        let s = crate::schedule::schedule_dag(&crate::schedule::collect::collect(targets), caps(rows)).0;
+        s.plan.kernels.clone()
+    }
+
+    #[test]
+    fn a_norm_before_a_quantized_gemv_runs_in_its_loads() {
+        let (x, g) = (input(&[2, 64]), input(&[1, 64]));
+        let w = qweight(GgmlType::Q8_0, 16, 64);
+        let y = qmatmul(&rms_norm(&x, &broadcast(&g, &[2, 64])), &w, GgmlType::Q8_0, 16);
+        let ks = plan(&[&y], 8);
+        assert_eq!(ks.len(), 1, "{:?}", ks.iter().map(|k| k.kind.name()).collect::<Vec<_>>());
+        assert!(has_prologue(&ks[0]));
+        assert_eq!(ks[0].inputs.len(), 3, "x, the norm's weight and the quantized weight");
+        // Without the capability, or above its rows: the rows kernel stays.
+        assert_eq!(plan(&[&y], 0).len(), 2);
+        assert_eq!(plan(&[&y], 1).len(), 2);
+    }
+
+    #[test]
+    fn elementwise_work_before_the_gemv_runs_in_its_loads_but_not_a_kept_or_shared_operand() {
+        let (gate, up) = (input(&[1, 64]), input(&[1, 64]));
+        let (w, w2) = (qweight(GgmlType::Q4_0, 8, 64), qweight(GgmlType::Q4_0, 8, 64));
+        let h = || binary(&unary(&gate, UnaryOp::Exp), &up, BinaryOp::Mul);
+        // (A value the caller still holds is kept, so each case builds its own.)
+        let y = qmatmul(&h(), &w, GgmlType::Q4_0, 8);
+        let ks = plan(&[&y], 8);
+        assert_eq!(ks.len(), 1);
+        assert!(has_prologue(&ks[0]));
+        // Kept (an output of the realization too): computed once, in memory.
+        let hk = h();
+        let y = qmatmul(&hk, &w, GgmlType::Q4_0, 8);
+        assert_eq!(plan(&[&y, &hk], 8).len(), 2);
+        // Read by two products: each reads it from memory.
+        let (y, y2) = {
+            let hs = h();
+            (qmatmul(&hs, &w, GgmlType::Q4_0, 8), qmatmul(&hs, &w2, GgmlType::Q4_0, 8))
+        };
+        let ks = plan(&[&y, &y2], 8);
+        assert_eq!(ks.len(), 3);
+        assert!(!ks.iter().any(has_prologue));
+    }
+}
