@@ -71,6 +71,12 @@ for ex in tensor_basics autograd custom_module minilm fashion_mnist; do
     "$bin" >/dev/null
 done
 
+# GEMV prologues are off by default on software adapters (lavapipe here, where
+# they cost more than they save): the quantized-product tests again with
+# them forced on, so their kernels run in CI too.
+say "VOLTAIC_PROLOGUES=1 cargo test --release -p voltaic --test qtensor"
+VOLTAIC_PROLOGUES=1 cargo test --release -p voltaic --features mpi --test qtensor
+
 # The GPU tests again on wgpu's GL backend (Mesa's llvmpipe over EGL): every
 # kernel kind, and every dtype (llvmpipe's GL has no SHADER_F16: f16 is
 # packed two to a word there, as bf16 is everywhere). They fail, never skip, without a GL adapter.

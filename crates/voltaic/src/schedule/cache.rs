@@ -46,6 +46,7 @@ impl Key {
         let mut t = Vec::with_capacity(g.nodes.len() * 16);
         t.push(Tok::N(caps.row_kernels as u64 | (caps.multi_output as u64) << 1));
         t.push(Tok::N(caps.max_inputs as u64));
+        t.push(Tok::N(caps.prologue_rows as u64));
         for (i, node) in g.nodes.iter().enumerate() {
             // Our own references are `g.nodes` and two per edge (see
             // `lifetimes::survivors`). Only pending nodes' count: whether a

@@ -136,7 +136,11 @@ mod tests {
     use crate::schedule::testing::*;
 
     fn caps(prologue_rows: usize) -> crate::backend::Capabilities {
-        crate::backend::Capabilities { row_kernels: true, multi_output: true, max_inputs: 8, prologue_rows, ..cpu_caps() }
+        caps_with(prologue_rows, 8)
+    }
+
+    fn caps_with(prologue_rows: usize, max_inputs: usize) -> crate::backend::Capabilities {
+        crate::backend::Capabilities { row_kernels: true, multi_output: true, max_inputs, prologue_rows, ..cpu_caps() }
     }
 
     /// `x * w / sqrt(mean(x^2) + eps)` over the rows of `x` `[m, k]`.
@@ -148,8 +152,27 @@ mod tests {
     }
 
     fn plan(targets: &[&crate::graph::Value], rows: usize) -> Vec<crate::ir::Kernel> {
-        let s = crate::schedule::schedule_dag(&crate::schedule::collect::collect(targets), caps(rows)).0;
-        s.plan.kernels.clone()
+        plan_with(targets, caps(rows))
+    }
+
+    fn plan_with(targets: &[&crate::graph::Value], caps: crate::backend::Capabilities) -> Vec<crate::ir::Kernel> {
+        crate::schedule::schedule_dag(&crate::schedule::collect::collect(targets), caps).0.plan.kernels.clone()
+    }
+
+    #[test]
+    fn a_residual_read_by_the_epilogue_and_the_prologue_is_bound_once() {
+        // x + W norm(x): the norm reads x, the residual add after the GEMV reads it too.
+        let (x, g) = (input(&[1, 64]), input(&[1, 64]));
+        let w = qweight(GgmlType::Q8_0, 64, 64);
+        let y = binary(&qmatmul(&rms_norm(&x, &g), &w, GgmlType::Q8_0, 64), &x, BinaryOp::Add);
+        let ks = plan(&[&y], 8);
+        assert_eq!(ks.len(), 1);
+        assert!(has_prologue(&ks[0]));
+        assert_eq!(ks[0].inputs.len(), 3, "x once, the norm's weight, the quantized weight");
+        // Past the binding limit the norm stays a kernel of its own.
+        let ks = plan_with(&[&y], caps_with(8, 2));
+        assert!(!ks.iter().any(has_prologue));
+        assert!(ks.iter().all(|k| k.inputs.len() <= 2));
     }
 
     #[test]

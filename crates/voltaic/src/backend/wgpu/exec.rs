@@ -442,9 +442,11 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
         if crate::backend::profiling() {
             let mut label = compiled.label().unwrap_or(k.kind.name()).to_string();
             // Which types a product ran in: an f32 operand keeps it off the tensor cores.
-            if let KernelKind::Matmul { a, b, .. } = &k.kind {
+            if let KernelKind::Matmul { a, b, prologue, .. } = &k.kind {
                 let dt = |i: usize| k.inputs.get(i).map_or(k.dtype, |&s| plan.slots[s].dtype);
-                label.push_str(&format!(" [{} x {} -> {}] {}", dt(a.input), dt(b.input), k.dtype, k.ops.join(" ")));
+                // A prologue computes the left operand in f32; it has no buffer.
+                let left = if prologue.is_some() { "f32 prologue".to_string() } else { dt(a.input).to_string() };
+                label.push_str(&format!(" [{left} x {} -> {}] {}", dt(b.input), k.dtype, k.ops.join(" ")));
             }
             labels.push(label);
         }

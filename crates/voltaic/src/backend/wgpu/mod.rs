@@ -369,11 +369,16 @@ pub(crate) fn finish_tuning() {
     }
 }
 
-/// Rows up to which quantized GEMVs take prologues
-/// (`VOLTAIC_PROLOGUES=0` turns them off, to measure what they change).
-fn prologue_rows() -> usize {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var("VOLTAIC_PROLOGUES").map_or(true, |v| v != "0")) {
+/// Rows up to which quantized GEMVs take prologues: on hardware adapters
+/// by default; not on a software one, where a GEMV's thread per weight row
+/// makes recomputing the operand cost more than the kernel it saves
+/// (lavapipe: SmolLM2 decode 1.6-1.7 tokens/s without, 1.1-1.26 with).
+/// `VOLTAIC_PROLOGUES=0` turns them off everywhere, `=1` on everywhere
+/// (to measure what they change, and to test them on a software adapter).
+fn prologue_rows(software: bool) -> usize {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let on = SET.get_or_init(|| std::env::var("VOLTAIC_PROLOGUES").ok().map(|v| v != "0")).unwrap_or(!software);
+    if on {
         quant::GEMV_ROWS
     } else {
         0
@@ -404,7 +409,7 @@ impl GpuContext {
 
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: multi_output(), max_inputs: self.caps.max_inputs(), prologue_rows: prologue_rows() }
+        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: multi_output(), max_inputs: self.caps.max_inputs(), prologue_rows: prologue_rows(self.caps.software) }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {

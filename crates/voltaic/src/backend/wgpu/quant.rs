@@ -135,9 +135,8 @@ impl Gen<'_> {
     ///
     /// With a prologue, each workgroup first computes the stages of each
     /// row of `a` (its threads share each reduction through workgroup
-    /// memory; on a software adapter each thread reduces the row alone,
-    /// without barriers), then evaluates `a`'s elements where it would
-    /// have loaded them.
+    /// memory), then evaluates `a`'s elements where it would have loaded
+    /// them.
     #[allow(clippy::too_many_arguments)]
     fn qgemv(&self, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, pro: Option<&Prologue>) -> Result<Dispatch> {
         let mut sh = self.qshader(a, w, q, epi, pro)?;
@@ -147,7 +146,7 @@ impl Gen<'_> {
         let rows_per_wg = WG as usize / threads;
         let mut s = String::new();
         if let Some(p) = pro {
-            prologue_stages(&mut sh, &mut s, p, m, k, !self.caps.software);
+            prologue_stages(&mut sh, &mut s, p, m, k);
         }
         let a_at = |i: usize, c: &str| match pro {
             Some(p) => format!("pro_a({i}u * {k}u + {c}{})", stage_args(p.stages.len(), i)),
@@ -294,10 +293,13 @@ fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result<()> {
 
 /// The GEMV body's opening: `st{s}_{i}`, stage `s` of each of the `m` rows
 /// of `k` elements, reduced by the workgroup's threads together through
-/// workgroup memory (`shared`) or by each thread alone.
-fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: usize, shared: bool) {
-    let (j0, step) = if shared { ("lid", WG) } else { ("0u", 1) };
-    if shared && p.stages.iter().any(|st| st.op.is_some()) {
+/// workgroup memory. (On a software adapter, where the GEMV runs a thread
+/// per weight row without barriers, each thread reducing the rows alone
+/// was no faster: lavapipe decoded SmolLM2 at 1.10 tokens/s either way,
+/// 1.6-1.7 without prologues, which is why they are off there by default.)
+fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: usize) {
+    let (j0, step) = ("lid", WG);
+    if p.stages.iter().any(|st| st.op.is_some()) {
         sh.decl(&format!("var<workgroup> sv: array<f32, {WG}>;"));
     }
     for i in 0..m {
@@ -311,7 +313,7 @@ fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: u
             let fold = |a: &str, v: &str| r.fold(a, "0u", v, "0u");
             let _ = writeln!(b, "    var st{s}_{i}: {ty};\n    {{\n    var pacc: f32 = {};", r.identity());
             let _ = writeln!(b, "    for (var j = {j0}; j < {k}u; j = j + {step}u) {{\n        {}\n    }}", fold("pacc", &format!("pro_s{s}({i}u * {k}u + j{})", stage_args(s, i))));
-            if shared {
+            {
                 let _ = writeln!(
                     b,
                     "    sv[lid] = pacc;\n    workgroupBarrier();\n    for (var h = {}u; h > 0u; h = h >> 1u) {{\n        if (lid < h) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    pacc = sv[0];\n    workgroupBarrier();",

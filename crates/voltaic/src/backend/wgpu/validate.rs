@@ -197,8 +197,11 @@ fn graphs(dt: DType) -> Vec<Tensor> {
         // GEMVs with prologues: an RMS norm (a sum), a softmax (a max and a sum), SwiGLU.
         for m in [1, 3] {
             let x = randn(&[m, 512], dt);
-            let rms = x.mul(x.sqr().unwrap().mean(&[-1], true).unwrap().add(1e-5).unwrap().rsqrt().unwrap()).unwrap().mul(randn(&[512], dt)).unwrap();
-            out.push(rms.matmul(&w.t()).unwrap().add(randn(&[m, 40], DType::F32)).unwrap());
+            // Each product gets a norm of its own (a shared one would be kept, not fused).
+            let rms = || x.mul(x.sqr().unwrap().mean(&[-1], true).unwrap().add(1e-5).unwrap().rsqrt().unwrap()).unwrap().mul(randn(&[512], dt)).unwrap();
+            // With the residual the norm stays apart under lavapipe's binding limit; without it, a prologue.
+            out.push(rms().matmul(&w.t()).unwrap().add(randn(&[m, 40], DType::F32)).unwrap());
+            out.push(rms().matmul(&w.t()).unwrap().mul(0.5).unwrap());
             out.push(x.softmax(-1).unwrap().matmul(&w.t()).unwrap());
             let gu = randn(&[m, 1024], dt);
             out.push(gu.narrow(1, 0, 512).unwrap().silu().unwrap().mul(gu.narrow(1, 512, 512).unwrap()).unwrap().matmul(&w.t()).unwrap());
@@ -221,6 +224,10 @@ fn every_kernel_family_generates_valid_wgsl() {
             }
         }
     }
+    // f32: both adapter profiles, five types, two row counts, three prologues
+    // (a norm with a constant in the epilogue, a softmax, SwiGLU).
+    let prologues = seen.iter().filter(|k| **k == "gemv with a prologue").count();
+    assert!(prologues >= 2 * 5 * 2 * 3, "only {prologues} GEMVs with a prologue were generated");
     seen.sort_unstable();
     seen.dedup();
     for kind in ["elementwise", "reduce", "rows", "matmul", "gather", "index_select", "scatter_add", "cumsum", "cat", "unfold", "dequantize", "gemv with a prologue"] {
