@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine: the llm suite against PyTorch, the LLaMA and
 # quantized-tensor tests on the GPU, and one generation, all logged under
-# $OUT. The 98 MB model does not fit one call's 64 MiB, so it travels in
-# three parts (split -b 34000000 into .l1/p, .l2/p, .l3/p): two calls before
-# this one copy their part to /tmp/llm/ (`mkdir -p /tmp/llm && cp .l1/p
-# /tmp/llm/p1`, likewise p2), and this call carries [".gl", ".bin", ".whl",
-# ".l3"], where .bin holds voltaic, llama and qtensor (gzipped, stripped)
-# and .whl the wheels of `gguf` and PyYAML for the PyTorch peer.
+# $OUT. The 98 MB model does not fit one call's 64 MiB with the repo, so it
+# travels xz-compressed (90.5 MB) in two parts: here, `xz -6 -c MODEL >
+# model.xz`, the first 56,000,000 bytes into .l1/p and the rest into .l2/p
+# (both git-ignored). One call carries [".l1"] and runs `mkdir -p /tmp/llm &&
+# cp .l1/p /tmp/llm/p1`; the next, within 30 seconds, carries [".gl", ".bin",
+# ".whl", ".l2"] and runs this script. .bin holds voltaic, llama and qtensor
+# (stripped, gzipped; the tests from `cargo test --release --no-run`) and
+# .whl the wheels of `gguf` and PyYAML (cp312) for the PyTorch peer.
 set -uo pipefail
 source .gl/env.sh
 export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
 for f in .bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
 chmod +x .bin/*
-cat /tmp/llm/p1 /tmp/llm/p2 .l3/p > /tmp/llm/model.gguf
+cat /tmp/llm/p1 .l2/p | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > /tmp/llm/model.gguf
 sha256sum /tmp/llm/model.gguf | tee "$OUT/model.sha256"
 export VOLTAIC_LLM_MODEL=/tmp/llm/model.gguf
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
