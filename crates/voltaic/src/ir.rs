@@ -127,6 +127,14 @@ pub(crate) struct RowStage {
     pub dtype: DType,
 }
 
+impl RowStage {
+    /// Whether load `load` of the stage's expression stands for an earlier
+    /// stage's value rather than reading one of the kernel's inputs.
+    pub fn reads_stage(&self, load: usize) -> bool {
+        self.from.iter().any(|&(l, _)| l == load)
+    }
+}
+
 /// A strided read of a whole input buffer by a kernel that is not fused
 /// elementwise work (matmul operands, index-like ops).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -102,12 +102,12 @@ fn fuse(plan: &mut Plan, pi: usize, mi: usize) {
     };
     // The prologue's loads read the product's inputs (stage values stay stage reads).
     for st in stages.iter_mut().chain([&mut out]) {
-        for (li, l) in st.expr.loads.iter_mut().enumerate() {
-            if st.from.iter().any(|&(f, _)| f == li) {
+        for li in 0..st.expr.loads.len() {
+            if st.reads_stage(li) {
                 continue;
             }
-            let slot = p.inputs[l.input];
-            l.input = match mk.inputs.iter().position(|&s| s == slot) {
+            let slot = p.inputs[st.expr.loads[li].input];
+            st.expr.loads[li].input = match mk.inputs.iter().position(|&s| s == slot) {
                 Some(i) => i,
                 None => {
                     mk.inputs.push(slot);

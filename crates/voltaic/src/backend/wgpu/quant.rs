@@ -8,10 +8,10 @@
 use super::codegen::{Dispatch, Shader, WgslProgram};
 use super::kernels::{groups, Gen, WG};
 use super::codegen::{cast, compute_ty, emit_expr_with, Indexer};
-use super::kernels::Reduction;
+use super::kernels::{stage_values, Reduction};
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::ir::{Epilogue, Prologue, RowStage, Strided as View};
+use crate::ir::{Epilogue, Prologue, Strided as View};
 use crate::quant::GgmlType;
 use std::fmt::Write;
 
@@ -111,7 +111,7 @@ impl Gen<'_> {
     fn qshader(&self, a: &View, w: &View, q: GgmlType, epi: Option<&Epilogue>, pro: Option<&Prologue>) -> Result<Shader<'_>> {
         let mut sh = self.shader();
         let mut read = match pro {
-            Some(p) => p.stages.iter().chain([&p.out]).flat_map(|st| st.expr.loads.iter().enumerate().filter(|(i, _)| !st.from.iter().any(|f| f.0 == *i)).map(|(_, l)| l.input)).collect(),
+            Some(p) => p.stages.iter().chain([&p.out]).flat_map(|st| st.expr.loads.iter().enumerate().filter(|&(i, _)| !st.reads_stage(i)).map(|(_, l)| l.input)).collect(),
             None => vec![a.input],
         };
         read.push(w.input);
@@ -272,14 +272,13 @@ fn stage_args(stages: usize, i: usize) -> String {
 /// at `base` among the kernel's.
 fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result<()> {
     let params = |n: usize| -> String { p.stages[..n].iter().enumerate().map(|(s, st)| format!(", st{s}: {}", compute_ty(st.dtype))).collect() };
-    let values = |st: &RowStage| -> Vec<(usize, String)> { st.from.iter().map(|&(l, s)| (l, format!("st{s}"))).collect() };
     let mut base = base;
     for (s, st) in p.stages.iter().chain([&p.out]).enumerate() {
         sh.set_const_base(base);
         base += st.expr.consts.len();
         let mut body = String::new();
         let mut ix = Indexer::new(&st.shape, "l");
-        let v = emit_expr_with(&mut body, sh, &mut ix, &st.expr, &values(st))?;
+        let v = emit_expr_with(&mut body, sh, &mut ix, &st.expr, &stage_values(st))?;
         // A reduced stage's elements and the operand are f32; a per-row value is in its stage's type.
         let (name, ty) = match st.op {
             _ if s == p.stages.len() => ("pro_a".to_string(), DType::F32),
@@ -298,29 +297,20 @@ fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result<()> {
 /// was no faster: lavapipe decoded SmolLM2 at 1.10 tokens/s either way,
 /// 1.6-1.7 without prologues, which is why they are off there by default.)
 fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: usize) {
-    let (j0, step) = ("lid", WG);
     if p.stages.iter().any(|st| st.op.is_some()) {
         sh.decl(&format!("var<workgroup> sv: array<f32, {WG}>;"));
     }
     for i in 0..m {
         for (s, st) in p.stages.iter().enumerate() {
-            let ty = compute_ty(st.dtype);
             let Some(op) = st.op else {
                 let _ = writeln!(b, "    let st{s}_{i} = pro_s{s}({i}u{});", stage_args(s, i));
                 continue;
             };
             let r = Reduction { op, adt: DType::F32, vdt: DType::F32, out: st.dtype };
-            let fold = |a: &str, v: &str| r.fold(a, "0u", v, "0u");
-            let _ = writeln!(b, "    var st{s}_{i}: {ty};\n    {{\n    var pacc: f32 = {};", r.identity());
-            let _ = writeln!(b, "    for (var j = {j0}; j < {k}u; j = j + {step}u) {{\n        {}\n    }}", fold("pacc", &format!("pro_s{s}({i}u * {k}u + j{})", stage_args(s, i))));
-            {
-                let _ = writeln!(
-                    b,
-                    "    sv[lid] = pacc;\n    workgroupBarrier();\n    for (var h = {}u; h > 0u; h = h >> 1u) {{\n        if (lid < h) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    pacc = sv[0];\n    workgroupBarrier();",
-                    WG / 2,
-                    fold("x", "sv[lid + h]")
-                );
-            }
+            let _ = writeln!(b, "    var st{s}_{i}: {};\n    {{\n    var pacc: f32 = {};", compute_ty(st.dtype), r.identity());
+            let each = r.fold("pacc", "0u", &format!("pro_s{s}({i}u * {k}u + j{})", stage_args(s, i)), "0u");
+            let _ = writeln!(b, "    for (var j = lid; j < {k}u; j = j + {WG}u) {{\n        {each}\n    }}");
+            let _ = writeln!(b, "{}", r.workgroup_fold("pacc", WG));
             let _ = writeln!(b, "    st{s}_{i} = {};\n    }}", r.finish("pacc", "0u"));
         }
     }

@@ -10,6 +10,7 @@ pub(crate) use index::UNSIGNED_INDEX;
 mod reduce;
 pub(crate) use reduce::Reduction;
 mod rows;
+pub(crate) use rows::stage_values;
 
 use super::codegen::{Shader, Src, WgslProgram};
 use super::context::Caps;

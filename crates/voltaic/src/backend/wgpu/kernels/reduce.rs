@@ -251,6 +251,18 @@ impl Reduction {
         format!("{a} = {};", binary_expr(self.op.combine(), self.adt, a, v))
     }
 
+    /// Statements that combine each of `wg` threads' accumulator `a` (not
+    /// an arg reduction) through the workgroup array `sv` (at least `wg`
+    /// f32s) in a tree, leaving the total in every thread's `a`. Every
+    /// thread of the workgroup must reach them (they hold barriers).
+    pub(crate) fn workgroup_fold(&self, a: &str, wg: u32) -> String {
+        format!(
+            "    sv[lid] = {a};\n    workgroupBarrier();\n    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if (lid < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    {a} = sv[0];\n    workgroupBarrier();",
+            wg / 2,
+            self.fold("x", "0u", "sv[lid + w]", "0u")
+        )
+    }
+
     /// The output value from the final accumulator.
     pub(crate) fn finish(&self, a: &str, ai: &str) -> String {
         if self.op.is_arg() {

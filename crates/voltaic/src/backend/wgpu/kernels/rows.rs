@@ -8,6 +8,12 @@ use crate::error::Result;
 use crate::ir::RowStage;
 use std::fmt::Write;
 
+/// The names of the earlier stages' values that `st`'s loads stand for
+/// (`st{s}`), for `emit_expr_with`.
+pub(crate) fn stage_values(st: &RowStage) -> Vec<(usize, String)> {
+    st.from.iter().map(|&(l, s)| (l, format!("st{s}"))).collect()
+}
+
 impl Gen<'_> {
     /// Row-wise stages in one pass: a thread per row for short rows, else a
     /// workgroup per row whose threads stride along it and combine each
@@ -30,14 +36,13 @@ impl Gen<'_> {
         let (j0, step) = if threaded { ("0u", 1) } else { ("lid", wg) };
         // `unroll` elements per thread and trip: that many loads in flight.
         let unroll: u32 = if !threaded && inner as u32 >= 4 * wg { PER } else { 1 };
-        let values = |st: &RowStage| -> Vec<(usize, String)> { st.from.iter().map(|&(l, s)| (l, format!("st{s}"))).collect() };
         // The loop over a row's elements: `body(u)` sees `l`, the element's linear index.
         let over_row = |b: &mut String, sh: &mut Shader, st: &RowStage, emit: &dyn Fn(u32, &str) -> String| -> Result<()> {
             let _ = writeln!(b, "    for (var j = {j0}; j < {inner}u; j = j + {}u) {{", step * unroll);
             for u in 0..unroll {
                 let _ = writeln!(b, "    {{\n    let jj = j + {}u;\n    if (jj < {inner}u) {{\n    let l = row * {inner}u + jj;", step * u);
                 let mut ix = Indexer::new(&st.shape, "l");
-                let v = emit_expr_with(b, sh, &mut ix, &st.expr, &values(st))?;
+                let v = emit_expr_with(b, sh, &mut ix, &st.expr, &stage_values(st))?;
                 let _ = writeln!(b, "    {}\n    }}\n    }}", emit(u, &v));
             }
             let _ = writeln!(b, "    }}");
@@ -55,7 +60,7 @@ impl Gen<'_> {
             let Some(op) = st.op else {
                 let _ = writeln!(b, "    let l = row;");
                 let mut ix = Indexer::new(&st.shape, "l");
-                let v = emit_expr_with(&mut b, &mut sh, &mut ix, &st.expr, &values(st))?;
+                let v = emit_expr_with(&mut b, &mut sh, &mut ix, &st.expr, &stage_values(st))?;
                 let _ = writeln!(b, "    st{s} = {};\n    }}", cast(st.expr.dtype(), st.dtype, &v));
                 continue;
             };
@@ -72,13 +77,7 @@ impl Gen<'_> {
                 let _ = writeln!(b, "    {}", fold("acc", &format!("acc{u}")));
             }
             if !threaded {
-                let _ = writeln!(b, "    sv[lid] = acc;\n    workgroupBarrier();");
-                let _ = writeln!(
-                    b,
-                    "    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if (lid < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    acc = sv[0];\n    workgroupBarrier();",
-                    wg / 2,
-                    fold("x", "sv[lid + w]")
-                );
+                let _ = writeln!(b, "{}", r.workgroup_fold("acc", wg));
             }
             let _ = writeln!(b, "    st{s} = {};\n    }}", r.finish("acc", "0u"));
         }
