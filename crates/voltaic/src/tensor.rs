@@ -408,6 +408,14 @@ impl Tensor {
         Ok(Tensor::from_buffer(executor(device)?.upload_f32_with(len, fill)?, DType::F32, &[len], device))
     }
 
+    /// A flat f32 tensor of `len` values that the returned fill writes
+    /// later, from any thread; work recorded on it meanwhile is held back
+    /// from the device until then. `None` where the device cannot hold
+    /// work back (see `Executor::upload_f32_later`).
+    pub(crate) fn from_f32_later(len: usize, device: Device) -> Result<Option<(Tensor, Box<dyn crate::backend::LaterFill>)>> {
+        Ok(executor(device)?.upload_f32_later(len)?.map(|(b, f)| (Tensor::from_buffer(b, DType::F32, &[len], device), f)))
+    }
+
     /// The only element of a one-element tensor.
     pub fn item<T: StorageElem>(&self) -> Result<T> {
         if self.numel() != 1 {

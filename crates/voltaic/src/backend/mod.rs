@@ -283,6 +283,15 @@ pub(crate) async fn completed(c: Option<Box<dyn Completion>>) -> Result<()> {
     }
 }
 
+/// The values of a buffer from [`Executor::upload_f32_later`], to come.
+pub(crate) trait LaterFill: Send {
+    /// Write the values with `fill` (write-only, as for
+    /// [`Executor::upload_f32_with`]) and let the work waiting on them go.
+    /// Where `fill` fails the buffer holds NaN. Dropped unused, it holds
+    /// NaN too: held-back work never waits forever.
+    fn fill(self: Box<Self>, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;
+}
+
 /// A device's executor.
 pub(crate) trait Executor: Send + Sync {
     /// What the executor offers.
@@ -310,6 +319,14 @@ pub(crate) trait Executor: Send + Sync {
     /// the upload fails first (out of memory, a lost device).
     fn upload_f32_with(&self, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<Buffer> {
         upload_f32_through_host(self, len, fill)
+    }
+    /// A new f32 buffer of `len` values that the returned [`LaterFill`]
+    /// writes later, from any thread, while work that reads the buffer is
+    /// recorded (and held back from the device until then). `None` where
+    /// the executor cannot hold work back (it runs work as it is given, or
+    /// its thread may not block): the caller uploads when the values exist.
+    fn upload_f32_later(&self, _len: usize) -> Result<Option<(Buffer, Box<dyn LaterFill>)>> {
+        Ok(None)
     }
     /// Everything given to the device so far, submitted; `None` when it has
     /// already finished (an executor that runs work as it is given).

@@ -81,13 +81,53 @@ struct Pending {
     /// Upload staging buffers the recorded copies read: mapped again for
     /// the next upload once this work is submitted (see `record_upload`).
     uploads: Vec<wgpu::Buffer>,
+    /// Copies recorded from staging that another thread still writes
+    /// (see `record_upload_later`): nothing is submitted before they open.
+    gates: Vec<Arc<Gate>>,
 }
 
 impl Pending {
     fn new(encoder: wgpu::CommandEncoder, pass: Option<wgpu::ComputePass<'static>>) -> Pending {
-        Pending { encoder, pass, dispatches: 0, uploads: Vec::new() }
+        Pending { encoder, pass, dispatches: 0, uploads: Vec::new(), gates: Vec::new() }
+    }
+
+    /// Whether a copy in this batch still waits for its values.
+    fn gated(&self) -> bool {
+        self.gates.iter().any(|g| !g.is_open())
     }
 }
+
+/// Opened once by the thread that writes an upload's staging memory (and
+/// unmaps it); a submission that carries the upload's copy waits for it.
+#[derive(Default)]
+pub(crate) struct Gate {
+    open: Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl Gate {
+    pub(crate) fn open(&self) {
+        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.opened.notify_all();
+    }
+
+    fn is_open(&self) -> bool {
+        *self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wait(&self) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        while !*open {
+            open = self.opened.wait(open).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Freed bytes a batch that waits on a gate may hold back (see
+/// `MAX_DEFERRED_BYTES`): an optimizer step recorded behind a gradient
+/// that has not arrived frees the old parameters and moments, and a
+/// submission forced by them would stall the thread that records it.
+const MAX_GATED_DEFERRED_BYTES: u64 = 1 << 30;
 
 /// Upload staging kept mapped for reuse, at most this many bytes.
 const KEPT_UPLOAD_BYTES: u64 = 256 << 20;
@@ -434,8 +474,21 @@ impl GpuContext {
         }
         encode(p.pass.as_mut().expect("an open pass"));
         p.dispatches += dispatches;
-        let full = p.dispatches >= batch_dispatches()
-            || self.pool.lock().unwrap_or_else(|e| e.into_inner()).deferred_bytes() > MAX_DEFERRED_BYTES;
+        let deferred = self.pool.lock().unwrap_or_else(|e| e.into_inner()).deferred_bytes();
+        if p.gated() {
+            // Work behind an upload still being written waits in the batch
+            // (its writer submits it; see `record_upload_later`) unless it
+            // holds back too much memory.
+            if deferred > MAX_GATED_DEFERRED_BYTES {
+                drop(pending);
+                let mut pending = self.lock_ungated();
+                if pending.is_some() {
+                    self.submit_locked(&mut pending, None)?;
+                }
+            }
+            return Ok(());
+        }
+        let full = p.dispatches >= batch_dispatches() || deferred > MAX_DEFERRED_BYTES;
         // An idle GPU gets the work at once, unless a read follows: its
         // submission carries this work too.
         let idle = self.submissions.load(Ordering::Relaxed) <= self.finished.load(Ordering::Acquire) && !crate::backend::is_read_following();
@@ -470,6 +523,34 @@ impl GpuContext {
         p.uploads.push(staging);
     }
 
+    /// As [`record_upload`](Self::record_upload), but `staging` is still
+    /// mapped: another thread writes it, unmaps it and opens the returned
+    /// gate, and until then nothing on this device is submitted (work
+    /// recorded meanwhile waits in the batch; a submission that must happen,
+    /// a read, waits for the gate). Whoever opens it then calls
+    /// [`flush_opened`](Self::flush_opened) so the batch starts at once.
+    pub(crate) fn record_upload_later(&self, staging: wgpu::Buffer, dst: &wgpu::Buffer, size: u64) -> Arc<Gate> {
+        let gate = Arc::new(Gate::default());
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let p = self.pending_or_new(&mut pending);
+        drop(p.pass.take());
+        p.encoder.copy_buffer_to_buffer(&staging, 0, dst, 0, size);
+        p.uploads.push(staging);
+        p.gates.push(gate.clone());
+        gate
+    }
+
+    /// Submit the pending batch if every gate it waits on is open (called
+    /// by the thread that just opened one; a batch still gated is left for
+    /// the last writer).
+    pub(crate) fn flush_opened(&self) -> Result<()> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        match &*pending {
+            Some(p) if !p.gated() => self.submit_locked(&mut pending, None).map(|_| ()),
+            _ => Ok(()),
+        }
+    }
+
     /// Map submitted upload staging buffers again; each rejoins the kept
     /// ones when its mapping completes (the copy that read it has finished).
     pub(crate) fn recycle_uploads(&self, uploads: Vec<wgpu::Buffer>) {
@@ -489,7 +570,7 @@ impl GpuContext {
 
     /// Submit the pending command buffer, if any.
     pub(crate) fn flush(&self) -> Result<Option<wgpu::SubmissionIndex>> {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.lock_ungated();
         if pending.is_none() {
             return Ok(None);
         }
@@ -501,7 +582,7 @@ impl GpuContext {
     /// submit it: a read right after a realization costs one command buffer
     /// and one submission.
     pub(crate) fn submit_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<wgpu::SubmissionIndex> {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.lock_ungated();
         let p = pending.get_or_insert_with(|| Pending::new(self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }), None));
         // Copies go after the compute pass, which must end first.
         drop(p.pass.take());
@@ -513,11 +594,33 @@ impl GpuContext {
     /// submission); waits for the oldest submission when too many are in
     /// flight.
     pub(crate) fn submit(&self, cmd: wgpu::CommandBuffer) -> Result<wgpu::SubmissionIndex> {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.lock_ungated();
         self.submit_locked(&mut pending, Some(cmd))
     }
 
+    /// The pending batch, locked once no gate holds it back. Gates are
+    /// waited for unlocked: the thread that opens one may have to record
+    /// work first (on one thread, or another thread's, before it starts the
+    /// writer), and gates are only added under the lock, so none closes
+    /// between this and a submission made under the same lock.
+    fn lock_ungated(&self) -> std::sync::MutexGuard<'_, Option<Pending>> {
+        loop {
+            let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let closed: Vec<Arc<Gate>> = pending.as_ref().map(|p| p.gates.iter().filter(|g| !g.is_open()).cloned().collect()).unwrap_or_default();
+            if closed.is_empty() {
+                return pending;
+            }
+            drop(pending);
+            for g in closed {
+                g.wait();
+            }
+        }
+    }
+
+    /// Submit the pending batch (which no closed gate may hold: callers
+    /// lock through `lock_ungated` or check `Pending::gated`) and `cmd`.
     fn submit_locked(&self, pending: &mut Option<Pending>, cmd: Option<wgpu::CommandBuffer>) -> Result<wgpu::SubmissionIndex> {
+        debug_assert!(!pending.as_ref().is_some_and(Pending::gated), "a submission of a batch still held back");
         let uploads = pending.as_mut().map(|p| std::mem::take(&mut p.uploads)).unwrap_or_default();
         let first = pending.take().map(Pending::finish);
         let had_pending = first.is_some();

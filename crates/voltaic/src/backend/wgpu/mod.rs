@@ -435,6 +435,10 @@ impl Executor for GpuContext {
         }
     }
 
+    fn upload_f32_later(&self, len: usize) -> Result<Option<(Buffer, Box<dyn super::LaterFill>)>> {
+        Ok(transfer::upload_f32_later(self, len)?.map(|(b, f)| (Buffer::Wgpu(Arc::new(b)), f)))
+    }
+
     fn completion(&self) -> Result<Option<Box<dyn Completion>>> {
         self.check_alive()?;
         let idx = self.flush()?;

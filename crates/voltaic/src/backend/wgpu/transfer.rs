@@ -6,7 +6,7 @@ use super::pool::{alloc, GpuBuf};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::storage::CpuStorage;
-use crate::backend::{Completion, HostData, MappedF32};
+use crate::backend::{Completion, HostData, LaterFill, MappedF32};
 use half::{bf16, f16};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -204,25 +204,7 @@ pub(crate) fn upload_f32_with(ctx: &GpuContext, len: usize, fill: &mut dyn FnMut
     if let Some(e) = err {
         return Err(e);
     }
-    let filled = {
-        let mut view = staging
-            .slice(..size)
-            .get_mapped_range_mut()
-            .map_err(|e| Error::Backend(format!("gpu:{}: mapping an upload buffer failed: {e:?}", ctx.index)))?;
-        let ptr = view.slice(..).as_raw_ptr().cast::<f32>();
-        if !ptr.as_ptr().is_aligned() {
-            Err(Error::Backend(format!("gpu:{}: an upload mapping is not aligned for f32", ctx.index)))
-        } else {
-            // SAFETY: the mapping holds `size` = 4 `len` writable bytes,
-            // aligned for f32 (checked), and lives until `view` is dropped,
-            // after `fill` returns. wgpu hands out only write access because
-            // the memory may be write-combined, or (GL) undefined to read:
-            // `fill` only writes, as `Executor::upload_f32_with` requires of
-            // it (the slice is a vehicle for stores, never read through).
-            let values = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
-            fill(values)
-        }
-    };
+    let filled = write_mapped(ctx.index, &staging, len, fill);
     staging.unmap();
     if let Err(e) = filled {
         // Mapped again for a later upload; nothing was recorded.
@@ -234,6 +216,96 @@ pub(crate) fn upload_f32_with(ctx: &GpuContext, len: usize, fill: &mut dyn FnMut
         return Err(e);
     }
     Ok(Some(buf))
+}
+
+/// Run `fill` on the first `len` f32 values of the mapped upload staging
+/// buffer `staging`.
+fn write_mapped(index: usize, staging: &wgpu::Buffer, len: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+    let size = len as u64 * 4;
+    let mut view = staging
+        .slice(..size)
+        .get_mapped_range_mut()
+        .map_err(|e| Error::Backend(format!("gpu:{index}: mapping an upload buffer failed: {e:?}")))?;
+    let ptr = view.slice(..).as_raw_ptr().cast::<f32>();
+    if !ptr.as_ptr().is_aligned() {
+        return Err(Error::Backend(format!("gpu:{index}: an upload mapping is not aligned for f32")));
+    }
+    // SAFETY: the mapping holds `size` = 4 `len` writable bytes, aligned
+    // for f32 (checked), and lives until `view` is dropped, after `fill`
+    // returns. wgpu hands out only write access because the memory may be
+    // write-combined, or (GL) undefined to read: `fill` only writes, as
+    // `Executor::upload_f32_with` requires of it (the slice is a vehicle
+    // for stores, never read through).
+    let values = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
+    fill(values)
+}
+
+/// A new f32 buffer of `len` values whose copy from mapped staging is
+/// recorded now and whose values the returned [`LaterFill`] writes later,
+/// from any thread (see `GpuContext::record_upload_later`). `None` in a
+/// browser, whose thread may not block on the gate, and above the kept
+/// staging size.
+pub(crate) fn upload_f32_later(ctx: &GpuContext, len: usize) -> Result<Option<(GpuBuf, Box<dyn LaterFill>)>> {
+    let size = len as u64 * 4;
+    if cfg!(target_arch = "wasm32") || len == 0 || size > KEPT_STAGING {
+        return Ok(None);
+    }
+    // Everything that can fail comes before the gate exists: a gate nobody
+    // opens would hold every later submission.
+    let shared = super::context(ctx.index)?;
+    let buf = alloc(ctx, DType::F32, len, size)?;
+    let (staging, err) = ctx.scoped(|| take_upload_staging(ctx, size));
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let gate = ctx.record_upload_later(staging.clone(), buf.raw(), size);
+    Ok(Some((buf, Box::new(LaterUpload { ctx: shared, staging, len, gate: Some(gate) }))))
+}
+
+/// The writing side of [`upload_f32_later`].
+struct LaterUpload {
+    ctx: Arc<GpuContext>,
+    staging: wgpu::Buffer,
+    len: usize,
+    /// Taken when opened.
+    gate: Option<Arc<super::context::Gate>>,
+}
+
+impl LaterUpload {
+    /// Write the values (NaN where `fill` fails), unmap, open the gate and
+    /// submit what waited for it.
+    fn finish(&mut self, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        let Some(gate) = self.gate.take() else { return Ok(()) };
+        let mut filled = write_mapped(self.ctx.index, &self.staging, self.len, fill);
+        if filled.is_err() {
+            // Work that reads these values is already recorded: it must see
+            // them as missing, not as whatever the staging memory held.
+            let _ = write_mapped(self.ctx.index, &self.staging, self.len, &mut |v| {
+                v.fill(f32::NAN);
+                Ok(())
+            });
+        }
+        self.staging.unmap();
+        gate.open();
+        if let Err(e) = self.ctx.flush_opened() {
+            filled = filled.and(Err(e));
+        }
+        filled
+    }
+}
+
+impl LaterFill for LaterUpload {
+    fn fill(mut self: Box<Self>, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        self.finish(fill)
+    }
+}
+
+impl Drop for LaterUpload {
+    fn drop(&mut self) {
+        // Dropped unwritten (its writer failed first): NaN, and the device
+        // goes on.
+        let _ = self.finish(&mut |_| Err(Error::Backend("never written".into())));
+    }
 }
 
 /// Set once by a wgpu callback (a mapping, finished work), waking whoever
@@ -562,5 +634,50 @@ mod tests {
         })
         .unwrap();
         assert_eq!(t.sum_all().unwrap().item::<f32>().unwrap(), 1.5 * n as f32);
+    }
+
+    /// Work recorded on a buffer whose values come later from another
+    /// thread is held back until they arrive, and then sees them; other
+    /// work recorded meanwhile is not lost; an unwritten or failed fill
+    /// leaves NaN, never a hang.
+    #[test]
+    fn work_on_an_upload_to_come_waits_for_its_values() {
+        let g = gpu();
+        for n in [1usize, 1000, (1 << 19) + 3] {
+            let (t, fill) = Tensor::from_f32_later(n, g).unwrap().expect("a native GPU holds work back");
+            let doubled = t.mul(2.0).unwrap().add(1.0).unwrap();
+            doubled.realize().unwrap();
+            // Unrelated work recorded behind the gate.
+            let other = Tensor::arange(0.0, 64.0, 1.0, DType::F32, g).unwrap().sqr().unwrap().sum_all().unwrap();
+            other.realize().unwrap();
+            let value = |i: usize| (i % 97) as f32 - 40.0;
+            let writer = std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                fill.fill(&mut |dst: &mut [f32]| {
+                    for (i, d) in dst.iter_mut().enumerate() {
+                        *d = value(i);
+                    }
+                    Ok(())
+                })
+            });
+            // Blocks until the writer is done.
+            let got = doubled.to_vec::<f32>().unwrap();
+            writer.join().unwrap().unwrap();
+            assert!(got.iter().enumerate().all(|(i, v)| *v == value(i) * 2.0 + 1.0), "{n} values");
+            assert_eq!(other.item::<f32>().unwrap(), (0..64).map(|i| (i * i) as f32).sum::<f32>());
+        }
+        // Dropped unwritten, or written by a failing fill: NaN, and the device goes on.
+        let (t, fill) = Tensor::from_f32_later(300, g).unwrap().unwrap();
+        let y = t.add(1.0).unwrap();
+        drop(fill);
+        assert!(y.to_vec::<f32>().unwrap().iter().all(|v| v.is_nan()));
+        let (t, fill) = Tensor::from_f32_later(300, g).unwrap().unwrap();
+        let err = fill.fill(&mut |d: &mut [f32]| {
+            d.fill(7.0);
+            Err(Error::Distributed { op: "all_reduce", msg: "a peer failed".into() })
+        });
+        assert!(err.unwrap_err().to_string().contains("a peer failed"));
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|v| v.is_nan()));
+        assert_eq!(Tensor::ones(&[5], DType::F32, g).unwrap().sum_all().unwrap().item::<f32>().unwrap(), 5.0);
     }
 }
