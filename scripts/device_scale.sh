@@ -26,6 +26,15 @@ if [[ "$what" == *bench* ]]; then
     $V bench --suite scale --json --runs 5 --plot "$OUT/scale.png" > "$OUT/scale.jsonl" 2> "$OUT/scale.err"
     cat "$OUT/scale.jsonl"; tail -n 5 "$OUT/scale.err"
 fi
+if [[ "$what" == *overlap* ]]; then
+    # Same binary, no peer, alternating: each step's gradient sums off the
+    # replica's thread (1) or on it, before backward returns (0); the MPI
+    # ranks are told too.
+    for o in 0 1 0; do
+        VOLTAIC_DDP_OVERLAP=$o VOLTAIC_MPIRUN="$MPIRUN_BASE -x VOLTAIC_DDP_OVERLAP" $V bench --suite scale --no-peer --json --runs 5 >> "$OUT/scale_overlap$o.jsonl" 2>> "$OUT/scale.err"
+    done
+    cut -c1-200 "$OUT"/scale_overlap*.jsonl
+fi
 if [[ "$what" == *spin* ]]; then
     # The encoder's rows again with reads that sleep in the driver at once
     # instead of polling for 2 ms: do the replicas' polls slow each other?

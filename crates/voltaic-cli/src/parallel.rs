@@ -10,7 +10,7 @@ use voltaic::data::{fashion_mnist, DataLoader, LoaderOpts};
 use voltaic::distributed::{Collective, DataParallel, DeviceGroup, LocalGroup};
 use voltaic::nn::{Forward, Module, Sequential};
 use voltaic::optim::{CosineLr, LrSchedule};
-use voltaic::{Device, Reduction};
+use voltaic::{Device, Reduction, Tensor};
 
 /// This process's devices and the collective each speaks through.
 pub(crate) struct Replicas {
@@ -140,6 +140,7 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let (mut loss_sum, mut seen) = (0.0, 0usize);
         let (mut window, mut window_seen) = (0.0, 0usize);
+        let mut unread: Vec<(Tensor, usize)> = Vec::new();
         for b in DataLoader::new(train.clone(), &opts, epoch as u64)? {
             let b = b?;
             let bs = b.y.numel();
@@ -150,24 +151,34 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
                 let _a = voltaic::AutocastGuard::new(low);
                 dp.step(&[&b.x, &b.y], |m, rows| m.forward(&rows[0])?.cross_entropy(&rows[1], 0.0, Reduction::Mean))?
             };
-            if !loss.is_finite() {
-                bail!("the training loss became {loss} at step {}: lower --lr", progress.step + 1);
-            }
-            if args.loss_log.is_some() {
-                progress.every_step.push(loss);
-            }
-            loss_sum += loss * bs as f64;
-            window += loss * bs as f64;
-            seen += bs;
-            window_seen += bs;
+            // Losses are read once per log interval: a read waits for the
+            // step's gradients, which the GPU path sums while the next
+            // step is recorded.
+            unread.push((loss, bs));
             progress.step += 1;
             pb.inc(1);
             if progress.step.is_multiple_of(50) {
+                for (loss, bs) in read_losses(&mut unread, progress.step)? {
+                    if args.loss_log.is_some() {
+                        progress.every_step.push(loss);
+                    }
+                    loss_sum += loss * bs as f64;
+                    window += loss * bs as f64;
+                    seen += bs;
+                    window_seen += bs;
+                }
                 let avg = window / window_seen as f64;
                 progress.step_losses.push((progress.step as f64 / steps_per_epoch as f64, avg));
                 pb.set_message(format!("loss {avg:.4} {:.0} samples/s", seen as f64 / t0.elapsed().as_secs_f64()));
                 (window, window_seen) = (0.0, 0);
             }
+        }
+        for (loss, bs) in read_losses(&mut unread, progress.step)? {
+            if args.loss_log.is_some() {
+                progress.every_step.push(loss);
+            }
+            loss_sum += loss * bs as f64;
+            seen += bs;
         }
         let secs = t0.elapsed().as_secs_f64();
         pb.finish_and_clear();
@@ -214,4 +225,25 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
         );
     }
     finish(args, &progress, &where_, devices[0])
+}
+
+/// Read the losses of the steps since the last read (one read for all of
+/// them), each with its batch size; `step` is the number of the last one.
+/// A loss that is not finite is an error naming its step.
+fn read_losses(unread: &mut Vec<(Tensor, usize)>, step: usize) -> anyhow::Result<Vec<(f64, usize)>> {
+    if unread.is_empty() {
+        return Ok(Vec::new());
+    }
+    let losses: Vec<(Tensor, usize)> = std::mem::take(unread);
+    let refs: Vec<&Tensor> = losses.iter().map(|(l, _)| l).collect();
+    let values = Tensor::stack(&refs, 0)?.to_f64_vec()?;
+    let first = step + 1 - losses.len();
+    let mut out = Vec::with_capacity(values.len());
+    for (i, (v, (_, bs))) in values.into_iter().zip(&losses).enumerate() {
+        if !v.is_finite() {
+            bail!("the training loss became {v} at step {}: lower --lr", first + i);
+        }
+        out.push((v, *bs));
+    }
+    Ok(out)
 }

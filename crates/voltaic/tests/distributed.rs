@@ -80,7 +80,7 @@ fn data_parallel(build: Build, group: &DeviceGroup, adam: bool) -> DataParallel<
 }
 
 fn parallel_losses(dp: &mut DataParallel<Sequential>, batches: &[(Tensor, Tensor)]) -> Vec<f64> {
-    batches.iter().map(|(x, y)| dp.step(&[x, y], ce).unwrap()).collect()
+    batches.iter().map(|(x, y)| dp.step(&[x, y], ce).unwrap().item::<f32>().unwrap() as f64).collect()
 }
 
 fn assert_same_losses(got: &[f64], want: &[f64], what: &str) {
@@ -207,7 +207,7 @@ fn bucket_sizes_do_not_change_the_sums() {
                             let rows = [x.narrow(0, r * 16, 16).unwrap(), y.narrow(0, r * 16, 16).unwrap()];
                             let l = d.backward(&ce(d.module(), &rows).unwrap(), 0.5).unwrap();
                             o.step().unwrap();
-                            l
+                            l.item::<f32>().unwrap() as f64
                         })
                     })
                     .collect();
@@ -281,7 +281,7 @@ fn bad_batches_are_clear_errors() {
     assert!(e.contains("f64") && e.contains("weight"), "{e}");
     // The group still trains after refused input.
     let y = Tensor::zeros(&[4], DType::I32, Device::Cpu).unwrap();
-    assert!(dp.step(&[&x, &y], ce).unwrap().is_finite());
+    assert!(dp.step(&[&x, &y], ce).unwrap().item::<f32>().unwrap().is_finite());
 }
 
 /// A replica that fails makes the step an error at once on every replica,

@@ -205,7 +205,7 @@ fn time_model<M: Module>(
     voltaic::manual_seed(0);
     let mut dp = DataParallel::with_collectives(devices, comms, build, optimizer)?;
     let refs: Vec<&Tensor> = global.iter().collect();
-    let got: Vec<f64> = (0..3).map(|_| dp.step(&refs, loss)).collect::<voltaic::Result<_>>()?;
+    let got: Vec<f64> = (0..3).map(|_| Ok(dp.step(&refs, loss)?.item::<f32>()? as f64)).collect::<voltaic::Result<_>>()?;
     let rel = if want.is_empty() { 0.0 } else { max_rel(&got, &want) };
     // Warm-up: the autotuner finishes with the kernels it chose.
     let warm = if model == "encoder" { 3 } else { 20 };
@@ -215,8 +215,17 @@ fn time_model<M: Module>(
     voltaic::backend::finish_tuning();
     let reps = if model == "encoder" { 3 } else { 20 };
     let ms = median_ms(1, runs, || {
+        let mut last = None;
         for _ in 0..reps {
-            dp.step(&refs, loss)?;
+            last = Some(dp.step(&refs, loss)?);
+        }
+        // A step may return before its gradients are summed: the run ends
+        // when the last loss is known and every device is done.
+        if let Some(l) = last {
+            l.item::<f32>()?;
+        }
+        for d in devices {
+            d.synchronize()?;
         }
         Ok(())
     })? / reps as f64;

@@ -7,7 +7,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Module, Parameter};
 use crate::tensor::Tensor;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use web_time::Instant;
 
 /// PyTorch DDP's bucket sizes: a small first bucket, so that the reduction
@@ -51,7 +51,7 @@ pub struct SyncStats {
 /// let x = Tensor::randn(&[4, 3], DType::F32, Device::Cpu)?;
 /// let loss = ddp.module().forward(&x)?.sqr()?.mean(&[], false)?;
 /// let global = ddp.backward(&loss, 1.0)?; // this rank holds the whole batch
-/// assert!((global - loss.item::<f32>()? as f64).abs() < 1e-6);
+/// assert!((global.item::<f32>()? - loss.item::<f32>()?).abs() < 1e-6);
 /// assert!(ddp.module().parameters()[0].grad().is_some());
 /// # Ok::<(), voltaic::Error>(())
 /// ```
@@ -62,6 +62,8 @@ pub struct DistributedDataParallel<M> {
     first_bucket_bytes: usize,
     bucket_bytes: usize,
     stats: Mutex<SyncStats>,
+    /// Sums the last bucket of a step while the next step is recorded.
+    reducer: Mutex<Reducer>,
 }
 
 /// A stable digest of a model's layout: names, shapes, dtypes, roles.
@@ -121,6 +123,7 @@ impl<M: Module> DistributedDataParallel<M> {
             first_bucket_bytes: FIRST_BUCKET_BYTES,
             bucket_bytes: BUCKET_BYTES,
             stats: Mutex::new(SyncStats::default()),
+            reducer: Mutex::new(Reducer::default()),
         };
         ddp.broadcast_state(&named)?;
         Ok(ddp)
@@ -184,13 +187,23 @@ impl<M: Module> DistributedDataParallel<M> {
     /// the global batch, then replace every parameter's gradient by the sum
     /// over the ranks: the gradient of the whole batch's mean loss, as one
     /// device computing it would have. Returns the whole batch's loss (the
-    /// weighted sum over the ranks). Collective: every rank calls it once
-    /// per step, also a rank with an empty part (`share` 0).
+    /// weighted sum over the ranks) as a one-element f32 tensor. Collective:
+    /// every rank calls it once per step, also a rank with an empty part
+    /// (`share` 0).
     ///
     /// Buckets are formed from the last parameters backwards (their
     /// gradients are ready first); each is realised, read back and reduced
-    /// while the device computes the next.
-    pub fn backward(&self, loss: &Tensor, share: f64) -> Result<f64> {
+    /// while the device computes the next. On a GPU the last bucket (and the
+    /// loss with it) is summed on a thread of this replica's own after this
+    /// returns: the optimizer step and the next forward pass are recorded
+    /// and encoded meanwhile, held back from the device until the sums are
+    /// uploaded (then submitted at once), so the device does not wait for
+    /// that host work between steps. Anything that reads those gradients or
+    /// the loss waits for them; the next `backward` waits before its first
+    /// collective (`VOLTAIC_DDP_OVERLAP=0` sums the last bucket before
+    /// returning, as the CPU does). Call [`synchronize`](Self::synchronize)
+    /// before a collective of your own on [`comm`](Self::comm).
+    pub fn backward(&self, loss: &Tensor, share: f64) -> Result<Tensor> {
         if !share.is_finite() || !(0.0..=1.0).contains(&share) {
             return Err(Error::Value { op: "DistributedDataParallel::backward", msg: format!("share must be in [0, 1], got {share}") });
         }
@@ -218,12 +231,22 @@ impl<M: Module> DistributedDataParallel<M> {
         let numels: Vec<usize> = order.iter().map(|&i| self.params[i].value().numel()).collect();
         let plan = pieces(&buckets(numels.iter().map(|n| n * 4), self.first_bucket_bytes, self.bucket_bytes), &numels, self.bucket_bytes);
         let n_buckets = plan.len().max(1);
-        // A bucket in flight: its pieces, its flat tensor (held until its
-        // read completes) and the read.
-        let mut in_flight: Option<(Vec<Piece>, Tensor, PendingRead)> = None;
+        // On a GPU every bucket is realized and its read started first, so
+        // the device computes the whole backward pass without waiting for
+        // the host, and the sums run in order on the reducer thread while
+        // this one records on (see above). Otherwise a bucket is summed here
+        // while the device computes the next one.
+        let defer = overlap() && loss.device().is_gpu() && !cfg!(target_arch = "wasm32");
+        if defer {
+            let (read, reduce) = self.reducer.lock().unwrap_or_else(|e| e.into_inner()).reap(false)?;
+            stats.read_seconds += read;
+            stats.reduce_seconds += reduce;
+        }
+        // Buckets in flight: pieces, flat tensor (held until its read
+        // completes) and read.
+        let mut in_flight: Vec<(Vec<Piece>, Tensor, PendingRead)> = Vec::new();
         // The pieces of a large gradient summed so far.
         let mut partial: Vec<Tensor> = Vec::new();
-        let mut global_loss = 0.0;
         for b in 0..n_buckets {
             let members: Vec<Piece> = plan.get(b).map(|c| c.iter().map(|p| Piece { param: order[p.param], ..*p }).collect()).unwrap_or_default();
             let mut grads: Vec<Tensor> = Vec::with_capacity(members.len() + 1);
@@ -245,50 +268,86 @@ impl<M: Module> DistributedDataParallel<M> {
             let flat = flat_f32(&grads)?;
             let read = flat.read_start_in_place()?;
             stats.realize_seconds += t.elapsed().as_secs_f64();
-            if let Some((prev, pflat, pread)) = in_flight.take() {
-                self.reduce(prev, pflat.device(), pread, &mut stats, &mut partial, None)?;
+            if !defer {
+                if let Some((prev, pflat, pread)) = in_flight.pop() {
+                    self.reduce(prev, pflat, pread, &mut stats, &mut partial, false, false)?;
+                }
             }
-            in_flight = Some((members, flat, read));
+            in_flight.push((members, flat, read));
         }
-        if let Some((prev, pflat, pread)) = in_flight.take() {
-            self.reduce(prev, pflat.device(), pread, &mut stats, &mut partial, Some(&mut global_loss))?;
+        let count = in_flight.len();
+        let mut global_loss = None;
+        for (i, (members, flat, read)) in in_flight.into_iter().enumerate() {
+            let last = i + 1 == count;
+            if let Some(l) = self.reduce(members, flat, read, &mut stats, &mut partial, last, defer)? {
+                global_loss = Some(l);
+            }
         }
         stats.buckets = n_buckets;
         stats.total_seconds = start.elapsed().as_secs_f64();
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
-        Ok(global_loss)
+        global_loss.ok_or_else(|| Error::Backend("internal: DistributedDataParallel::backward reduced no last bucket".into()))
     }
 
-    /// Wait for one bucket, sum it over the ranks and hand each parameter
-    /// its part (a view of one uploaded buffer). The sum goes from the
-    /// memory the bucket was read back into straight into the memory it is
-    /// uploaded from: on a GPU both are mapped staging buffers, and the
-    /// host touches each value once.
-    fn reduce(&self, members: Vec<Piece>, device: crate::Device, read: PendingRead, stats: &mut SyncStats, partial: &mut Vec<Tensor>, loss: Option<&mut f64>) -> Result<()> {
-        let t = Instant::now();
-        let host = read.wait()?;
-        stats.read_seconds += t.elapsed().as_secs_f64();
-        // A flat f32 tensor read in place is always seen as f32 values.
-        let src = host.as_f32().ok_or_else(|| Error::Backend("DistributedDataParallel: a gradient bucket did not read back as f32".into()))?;
-        // The loss travels as the last value of the last bucket; it is
-        // summed on its own, because the upload memory may not be read.
-        let n = src.len() - loss.is_some() as usize;
-        if let Some(l) = loss {
-            let mut v = [src[n]];
-            let t = Instant::now();
-            self.comm.all_reduce_sum(&mut v)?;
-            stats.reduce_seconds += t.elapsed().as_secs_f64();
-            *l = v[0] as f64;
+    /// Wait until the buckets of the last step are summed and uploaded
+    /// (see [`backward`](Self::backward)); the first error, if one failed.
+    pub fn synchronize(&self) -> Result<()> {
+        self.settle(None)
+    }
+
+    /// Wait for the reducer thread's buckets, if any are out; their read
+    /// and reduce seconds count in `stats` (the step that waits for them).
+    fn settle(&self, stats: Option<&mut SyncStats>) -> Result<()> {
+        let (read, reduce) = self.reducer.lock().unwrap_or_else(|e| e.into_inner()).reap(true)?;
+        if let Some(s) = stats {
+            s.read_seconds += read;
+            s.reduce_seconds += reduce;
         }
-        let src = &src[..n];
-        let mut reduce_seconds = 0.0;
-        let summed = Tensor::from_f32_fill(n, device, &mut |dst: &mut [f32]| {
-            let t = Instant::now();
-            self.comm.all_reduce_sum_into(src, dst)?;
-            reduce_seconds = t.elapsed().as_secs_f64();
-            Ok(())
-        })?;
-        stats.reduce_seconds += reduce_seconds;
+        Ok(())
+    }
+
+    /// Sum one bucket over the ranks and hand each parameter its part (a
+    /// view of one uploaded buffer); the last bucket carries the loss as
+    /// its last value, returned as a view too. The sum goes from the memory
+    /// the bucket was read back into straight into the memory it is
+    /// uploaded from: on a GPU both are mapped staging buffers, and the host
+    /// touches each value once. With `defer` the sum is left to the reducer
+    /// thread (buckets in order), the upload's values to come.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(&self, members: Vec<Piece>, flat: Tensor, read: PendingRead, stats: &mut SyncStats, partial: &mut Vec<Tensor>, last: bool, defer: bool) -> Result<Option<Tensor>> {
+        let device = flat.device();
+        let n = members.iter().map(|p| p.len).sum::<usize>() + last as usize;
+        let later = if defer { Tensor::from_f32_later(n, device)? } else { None };
+        let summed = match later {
+            Some((summed, fill)) => {
+                let comm = self.comm.clone();
+                let mut fill = Some(fill);
+                self.reducer.lock().unwrap_or_else(|e| e.into_inner()).start(Box::new(move || {
+                    // Dropped unwritten on an error: NaN for whatever reads it.
+                    let sums = sum_bucket(&*comm, read, n, &mut |src, reduce| fill.take().map_or(Ok(()), |f| f.fill(&mut |dst| reduce(src, dst))));
+                    drop(flat);
+                    if let Err(e) = &sums {
+                        // The other ranks wait in this collective.
+                        comm.abort(&e.to_string());
+                    }
+                    sums
+                }))?;
+                summed
+            }
+            None => {
+                // One collective at a time per rank: the reducer's come first.
+                self.settle(Some(stats))?;
+                let mut summed = None;
+                let (read_s, reduce_s) = sum_bucket(&*self.comm, read, n, &mut |src, reduce| {
+                    summed = Some(Tensor::from_f32_fill(n, device, &mut |dst| reduce(src, dst))?);
+                    Ok(())
+                })?;
+                drop(flat);
+                stats.read_seconds += read_s;
+                stats.reduce_seconds += reduce_s;
+                summed.ok_or_else(|| Error::Backend("internal: a gradient bucket was not uploaded".into()))?
+            }
+        };
         stats.bytes += n * 4;
         let mut at = 0;
         for p in &members {
@@ -311,7 +370,139 @@ impl<M: Module> DistributedDataParallel<M> {
             let g = g.reshape_dims(v.dims())?;
             v.set_grad(Some(if g.dtype() == v.dtype() { g } else { g.to_dtype(v.dtype())? }))?;
         }
+        if !last {
+            return Ok(None);
+        }
+        // Realized at once (held back with the sums on a GPU), so that the
+        // loss does not keep the whole bucket's buffer alive.
+        let loss = summed.narrow(0, n - 1, 1)?.reshape_dims(&[])?.copied()?;
+        loss.realize()?;
+        Ok(Some(loss))
+    }
+}
+
+/// Whether the last bucket is summed while the next step is recorded
+/// (`VOLTAIC_DDP_OVERLAP=0`: before `backward` returns).
+fn overlap() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_DDP_OVERLAP").map_or(true, |v| v != "0"))
+}
+
+/// Sums `src` over the ranks into `dst` (the collective's all-reduce, timed).
+type SumInto<'a> = dyn FnMut(&[f32], &mut [f32]) -> Result<()> + 'a;
+
+/// Wait for a bucket's read (`n` values) and sum it over the ranks into
+/// the memory `upload` offers (it calls its second argument with the
+/// values read and that memory). Returns the seconds spent reading and
+/// reducing.
+fn sum_bucket(
+    comm: &dyn Collective,
+    read: PendingRead,
+    n: usize,
+    upload: &mut dyn FnMut(&[f32], &mut SumInto) -> Result<()>,
+) -> Result<(f64, f64)> {
+    let t = Instant::now();
+    let host = read.wait()?;
+    let read_seconds = t.elapsed().as_secs_f64();
+    // A flat f32 tensor read in place is always seen as f32 values.
+    let src = host.as_f32().ok_or_else(|| Error::Backend("DistributedDataParallel: a gradient bucket did not read back as f32".into()))?;
+    if src.len() != n {
+        return Err(Error::Backend(format!("internal: a gradient bucket of {n} values read back {}", src.len())));
+    }
+    let mut reduce_seconds = 0.0;
+    upload(src, &mut |src, dst| {
+        let t = Instant::now();
+        let r = comm.all_reduce_sum_into(src, dst);
+        reduce_seconds = t.elapsed().as_secs_f64();
+        r
+    })?;
+    Ok((read_seconds, reduce_seconds))
+}
+
+/// A bucket summed off the replica's thread: its read and reduce seconds.
+type Sums = Result<(f64, f64)>;
+
+type Job = Box<dyn FnOnce() -> Sums + Send>;
+
+/// One long-lived thread per replica that sums gradient buckets in the
+/// order given (a thread per step costs more than the work it hides; see
+/// `workers`). The buckets of at most about one step are out at a time: the
+/// next step's first read is submitted only after they are uploaded.
+#[derive(Default)]
+struct Reducer {
+    thread: Option<(mpsc::Sender<Job>, mpsc::Receiver<Sums>, std::thread::JoinHandle<()>)>,
+    /// Jobs given and not yet reaped.
+    out: usize,
+}
+
+fn stopped() -> Error {
+    Error::Distributed { op: "DistributedDataParallel::backward", msg: "the thread summing gradients has stopped".into() }
+}
+
+impl Reducer {
+    /// Hand `job` to the thread (started on first use).
+    fn start(&mut self, job: Job) -> Result<()> {
+        if self.thread.is_none() {
+            let (jobs, rx) = mpsc::channel::<Job>();
+            let (tx, done) = mpsc::channel();
+            let handle = std::thread::Builder::new()
+                .name("voltaic-reduce".into())
+                .spawn(move || {
+                    for job in rx {
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+                            .unwrap_or_else(|_| Err(Error::Distributed { op: "DistributedDataParallel::backward", msg: "the thread summing gradients panicked".into() }));
+                        if tx.send(r).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .map_err(|e| Error::Distributed { op: "DistributedDataParallel::backward", msg: format!("could not start a thread to sum gradients: {e}") })?;
+            self.thread = Some((jobs, done, handle));
+        }
+        let (jobs, _, _) = self.thread.as_ref().expect("started");
+        jobs.send(job).map_err(|_| stopped())?;
+        self.out += 1;
         Ok(())
+    }
+
+    /// The finished jobs' seconds added up (with `block`, all of them,
+    /// waiting), or the first error among them.
+    fn reap(&mut self, block: bool) -> Sums {
+        let mut total = (0.0, 0.0);
+        let mut first: Option<Error> = None;
+        while self.out > 0 {
+            let Some((_, done, _)) = self.thread.as_ref() else { break };
+            let r = if block {
+                done.recv().unwrap_or_else(|_| Err(stopped()))
+            } else {
+                match done.try_recv() {
+                    Ok(r) => r,
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => Err(stopped()),
+                }
+            };
+            self.out -= 1;
+            match r {
+                Ok((read, reduce)) => {
+                    total.0 += read;
+                    total.1 += reduce;
+                }
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(total), Err)
+    }
+}
+
+impl Drop for Reducer {
+    fn drop(&mut self) {
+        let _ = self.reap(true);
+        if let Some((jobs, _, handle)) = self.thread.take() {
+            drop(jobs);
+            let _ = handle.join();
+        }
     }
 }
 

@@ -103,11 +103,11 @@ pub fn shard(n: usize, rank: usize, world: usize) -> (usize, usize) {
 /// let mut dp = DataParallel::new(&group, |d| Linear::new(4, 1, true, d), |m| Box::new(Sgd::new(m.parameters(), 0.1)))?;
 /// let x = Tensor::randn(&[10, 4], DType::F32, Device::Cpu)?;
 /// let y = Tensor::randn(&[10, 1], DType::F32, Device::Cpu)?;
-/// let first = dp.step(&[&x, &y], |m, b| m.forward(&b[0])?.sub(&b[1])?.sqr()?.mean(&[], false))?;
+/// let first = dp.step(&[&x, &y], |m, b| m.forward(&b[0])?.sub(&b[1])?.sqr()?.mean(&[], false))?.item::<f32>()?;
 /// for _ in 0..20 {
 ///     dp.step(&[&x, &y], |m, b| m.forward(&b[0])?.sub(&b[1])?.sqr()?.mean(&[], false))?;
 /// }
-/// let last = dp.step(&[&x, &y], |m, b| m.forward(&b[0])?.sub(&b[1])?.sqr()?.mean(&[], false))?;
+/// let last = dp.step(&[&x, &y], |m, b| m.forward(&b[0])?.sub(&b[1])?.sqr()?.mean(&[], false))?.item::<f32>()?;
 /// assert!(last < first);
 /// # Ok::<(), voltaic::Error>(())
 /// ```
@@ -204,13 +204,17 @@ impl<M: Module> DataParallel<M> {
     /// split along dim 0 over all the run's replicas ([`shard`]), each
     /// replica's rows are moved to its device, `loss` gives the mean loss
     /// of a replica's rows, and after the backward passes, the gradient
-    /// sum and the optimizer steps, the whole batch's loss is returned.
+    /// sum and the optimizer steps, the whole batch's loss is returned as
+    /// a one-element tensor on the first device. On GPUs the step may
+    /// return before the last gradients are summed (see
+    /// [`DistributedDataParallel::backward`]): reading the loss waits for
+    /// them, so read it only as often as it is logged.
     ///
     /// An error on any replica (a device out of memory or lost, a failing
     /// `loss`) is returned from every replica's side at once; the replicas
     /// may then differ, so later steps are refused: rebuild from a
     /// checkpoint.
-    pub fn step<F>(&mut self, batch: &[&Tensor], loss: F) -> Result<f64>
+    pub fn step<F>(&mut self, batch: &[&Tensor], loss: F) -> Result<Tensor>
     where
         F: Fn(&M, &[Tensor]) -> Result<Tensor> + Sync,
     {
@@ -234,7 +238,7 @@ impl<M: Module> DataParallel<M> {
         let loss = &loss;
         let jobs = self.replicas.iter().zip(self.optimizers.iter_mut()).zip(&self.devices).map(|((r, opt), &device)| {
             let comm = r.comm().clone();
-            (comm, move || -> Result<f64> {
+            (comm, move || -> Result<Tensor> {
                 let _a = crate::AutocastGuard::new(autocast);
                 let _g = (!grad).then(crate::NoGradGuard::new);
                 let comm = r.comm();
@@ -253,7 +257,7 @@ impl<M: Module> DataParallel<M> {
             })
         });
         match on_threads(&self.workers, jobs) {
-            Ok(values) => Ok(values[0]),
+            Ok(mut values) => Ok(values.swap_remove(0)),
             Err(e) => {
                 self.failed = Some(e.to_string());
                 Err(e)

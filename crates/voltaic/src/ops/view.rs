@@ -18,6 +18,14 @@ impl Tensor {
         Ok(out.track(&[self], |g, _| Ok(vec![Some(g.clone())])))
     }
 
+    /// The elements in a buffer of their own, even where the view is
+    /// contiguous already: a small view kept for long would hold its
+    /// whole buffer alive.
+    pub(crate) fn copied(&self) -> Result<Tensor> {
+        let out = Tensor::from_op(OpKind::Copy, &[self], self.dtype(), self.device(), self.dims().to_vec())?;
+        Ok(out.track(&[self], |g, _| Ok(vec![Some(g.clone())])))
+    }
+
     /// The same elements in a new shape; one dimension may be -1 (inferred).
     /// A view when the strides allow it, otherwise a contiguous copy (as PyTorch's `reshape`).
     pub fn reshape(&self, shape: &[isize]) -> Result<Tensor> {
