@@ -158,6 +158,8 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
             progress.step += 1;
             pb.inc(1);
             if progress.step.is_multiple_of(50) {
+                // A failed gradient sum is its own error, not a NaN loss.
+                dp.synchronize()?;
                 for (loss, bs) in read_losses(&mut unread, progress.step)? {
                     if args.loss_log.is_some() {
                         progress.every_step.push(loss);
@@ -173,6 +175,7 @@ fn train(args: &TrainArgs, reps: Replicas) -> anyhow::Result<()> {
                 (window, window_seen) = (0.0, 0);
             }
         }
+        dp.synchronize()?;
         for (loss, bs) in read_losses(&mut unread, progress.step)? {
             if args.loss_log.is_some() {
                 progress.every_step.push(loss);

@@ -129,12 +129,32 @@ fn two_devices_on_one_gpu_adapter_match_one_device_for_50_steps() {
     let want = one_device(mlp, g, &b, true);
     let mut dp = data_parallel(mlp, &group, true);
     assert_same_losses(&parallel_losses(&mut dp, &b), &want, "mlp on two devices of one adapter");
+    dp.synchronize().unwrap();
     assert_replicas_agree(&dp, 2);
     // Each replica computed on its own device.
     for (i, d) in group.devices().iter().enumerate() {
         assert_eq!(dp.replica(i).unwrap().parameters()[0].value().device(), *d);
         assert!(d.stats().unwrap().dispatches > 0, "{d} ran nothing");
     }
+}
+
+/// Two replicas given the same wgpu device (through `with_collectives`,
+/// which does not open a device per replica) share its command batches:
+/// they sum on their own threads (one's held-back work would hold the
+/// other's reads) and still train as one device does.
+#[test]
+fn two_replicas_on_one_wgpu_device_train_without_stalling() {
+    let _turn = turn();
+    let g = gpu();
+    let train = data(64 * 6);
+    let b = batches(&train, 64, 6);
+    let want = one_device(mlp, g, &b, true);
+    voltaic::manual_seed(11);
+    let mut dp = DataParallel::with_collectives(&[g, g], LocalGroup::ranks(2), mlp, |m| -> Box<dyn Optimizer + Send> { Box::new(Adam::new(m.parameters(), 1e-3)) }).unwrap();
+    let start = Instant::now();
+    assert_same_losses(&parallel_losses(&mut dp, &b), &want, "mlp, two replicas on one wgpu device");
+    dp.synchronize().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
 }
 
 /// On two devices of a GPU adapter: small buckets send the large

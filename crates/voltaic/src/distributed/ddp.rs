@@ -23,11 +23,15 @@ pub struct SyncStats {
     /// Bytes of gradient reduced (f32).
     pub bytes: usize,
     /// From the start of the synchronisation to its end (realising the
-    /// gradients, reading them back, reducing, uploading).
+    /// gradients, reading them back, reducing, uploading); where the sums
+    /// run on the reducer thread, until the buckets are handed to it.
     pub total_seconds: f64,
-    /// Inside the collective (waiting for the peers and adding).
+    /// Inside the collective (waiting for the peers and adding). Where the
+    /// sums run on the replica's reducer thread (a GPU), these are the sums
+    /// of earlier steps that had finished when this backward pass began.
     pub reduce_seconds: f64,
-    /// Waiting for the device to compute and return a bucket.
+    /// Waiting for the device to compute and return a bucket (on the
+    /// reducer thread: as `reduce_seconds`).
     pub read_seconds: f64,
     /// Recording the backward graph (before any bucket is realised).
     pub backward_seconds: f64,
@@ -56,14 +60,20 @@ pub struct SyncStats {
 /// # Ok::<(), voltaic::Error>(())
 /// ```
 pub struct DistributedDataParallel<M> {
+    /// Sums buckets while the next step is recorded. First, so that it is
+    /// dropped (its last sums finished) before the collective: MPI is
+    /// finalised where its last handle is dropped.
+    reducer: Mutex<Reducer>,
+    /// Whether a GPU's sums may run on the reducer (off for replicas that
+    /// share one wgpu device: one's held-back work would hold the other's
+    /// reads, which its sums wait for).
+    overlap: bool,
     module: M,
     comm: Arc<dyn Collective>,
     params: Vec<Parameter>,
     first_bucket_bytes: usize,
     bucket_bytes: usize,
     stats: Mutex<SyncStats>,
-    /// Sums the last bucket of a step while the next step is recorded.
-    reducer: Mutex<Reducer>,
 }
 
 /// A stable digest of a model's layout: names, shapes, dtypes, roles.
@@ -124,6 +134,7 @@ impl<M: Module> DistributedDataParallel<M> {
             bucket_bytes: BUCKET_BYTES,
             stats: Mutex::new(SyncStats::default()),
             reducer: Mutex::new(Reducer::default()),
+            overlap: true,
         };
         ddp.broadcast_state(&named)?;
         Ok(ddp)
@@ -150,6 +161,13 @@ impl<M: Module> DistributedDataParallel<M> {
     /// Give the module back.
     pub fn into_inner(self) -> M {
         self.module
+    }
+
+    /// Keep the sums on the calling thread, before `backward` returns (for
+    /// replicas that share one wgpu device).
+    pub(crate) fn without_overlap(mut self) -> Self {
+        self.overlap = false;
+        self
     }
 
     /// The collective this replica reduces through.
@@ -236,7 +254,7 @@ impl<M: Module> DistributedDataParallel<M> {
         // the host, and the sums run in order on the reducer thread while
         // this one records on (see above). Otherwise a bucket is summed here
         // while the device computes the next one.
-        let defer = overlap() && loss.device().is_gpu() && !cfg!(target_arch = "wasm32");
+        let defer = self.overlap && overlap() && loss.device().is_gpu() && !cfg!(target_arch = "wasm32");
         if defer {
             let (read, reduce) = self.reducer.lock().unwrap_or_else(|e| e.into_inner()).reap(false)?;
             stats.read_seconds += read;

@@ -152,9 +152,11 @@ impl<M: Module> DataParallel<M> {
         let modules: Vec<M> = devices.iter().map(|&d| build(d)).collect::<Result<_>>()?;
         let workers = Workers::new(devices.len())
             .map_err(|e| Error::Distributed { op: "DataParallel::with_collectives", msg: format!("starting a thread per replica: {e}") })?;
-        let replicas: Vec<DistributedDataParallel<M>> = on_threads(&workers, modules.into_iter().zip(comms).map(|(m, c)| {
+        let replicas: Vec<DistributedDataParallel<M>> = on_threads(&workers, modules.into_iter().zip(comms).zip(devices).map(|((m, c), d)| {
             let abort = c.clone();
-            (abort, move || DistributedDataParallel::new(m, c))
+            // Replicas on one wgpu device share its command batches.
+            let shared = d.is_gpu() && devices.iter().filter(|&e| e == d).count() > 1;
+            (abort, move || DistributedDataParallel::new(m, c).map(|r| if shared { r.without_overlap() } else { r }))
         }))?;
         let optimizers = replicas.iter().map(|r| optimizer(r.module())).collect();
         Ok(DataParallel { replicas, optimizers, devices: devices.to_vec(), failed: None, workers })
@@ -198,6 +200,26 @@ impl<M: Module> DataParallel<M> {
     /// What each replica's last gradient synchronisation cost.
     pub fn last_sync(&self) -> Vec<SyncStats> {
         self.replicas.iter().map(|r| r.last_sync()).collect()
+    }
+
+    /// Wait until every replica's gradient sums of the last step are
+    /// uploaded; the first error of one that failed (a step may return
+    /// before its sums end: see [`step`](Self::step)). After an error,
+    /// later steps are refused, as after a failed step.
+    pub fn synchronize(&mut self) -> Result<()> {
+        let mut first = None;
+        for r in &self.replicas {
+            if let Err(e) = r.synchronize() {
+                first.get_or_insert(e);
+            }
+        }
+        match first {
+            Some(e) => {
+                self.failed = Some(e.to_string());
+                Err(e)
+            }
+            None => Ok(()),
+        }
     }
 
     /// One training step on a global batch: each of `batch`'s tensors is

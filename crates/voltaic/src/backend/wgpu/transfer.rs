@@ -275,8 +275,13 @@ impl LaterUpload {
     /// Write the values (NaN where `fill` fails), unmap, open the gate and
     /// submit what waited for it.
     fn finish(&mut self, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
-        let Some(gate) = self.gate.take() else { return Ok(()) };
+        if self.gate.is_none() {
+            return Ok(());
+        }
+        // The gate is taken only after `fill` returns: if it panics, `Drop`
+        // still finds it, writes NaN and opens it.
         let mut filled = write_mapped(self.ctx.index, &self.staging, self.len, fill);
+        let Some(gate) = self.gate.take() else { return filled };
         if filled.is_err() {
             // Work that reads these values is already recorded: it must see
             // them as missing, not as whatever the staging memory held.
