@@ -343,11 +343,24 @@ impl Collective for MpiCollective {
 
     fn abort(&self, why: &str) {
         eprintln!("voltaic: rank {} of {} failed: {why}; ending the MPI job", self.rank, self.size);
-        // Not through the lock: the failing thread may hold it.
-        // SAFETY: MPI_Abort does not return. At the Serialized level no
-        // other thread may be inside an MPI call meanwhile: a process runs
-        // one replica, whose thread is the one failing here (or the main
-        // thread after it), so none is.
+        // Taken if it comes free soon, so that no other thread of this rank
+        // (a replica's gradient-summing thread) is inside MPI meanwhile;
+        // not waited for longer: the failing thread, or a thread stuck in a
+        // collective with a rank that is gone, may hold it for ever.
+        let start = std::time::Instant::now();
+        let _held = loop {
+            match self.world.try_lock() {
+                Ok(g) => break Some(g),
+                Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if start.elapsed() < std::time::Duration::from_secs(2) => std::thread::sleep(std::time::Duration::from_millis(1)),
+                Err(std::sync::TryLockError::WouldBlock) => break None,
+            }
+        };
+        // SAFETY: MPI_Abort does not return. With the lock held no other
+        // thread of this process is inside an MPI call (every call holds
+        // it); without it, one is blocked in a collective that cannot end,
+        // and ending the job is what remains (the launcher ends it anyway
+        // once this rank is gone).
         unsafe {
             mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 3);
         }
