@@ -2,6 +2,7 @@
 //! all-reduce that turns its gradients into the whole batch's.
 
 use super::collective::Collective;
+use super::workers::Workers;
 use crate::backend::PendingRead;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -211,16 +212,17 @@ impl<M: Module> DistributedDataParallel<M> {
     ///
     /// Buckets are formed from the last parameters backwards (their
     /// gradients are ready first); each is realised, read back and reduced
-    /// while the device computes the next. On a GPU the last bucket (and the
-    /// loss with it) is summed on a thread of this replica's own after this
-    /// returns: the optimizer step and the next forward pass are recorded
+    /// while the device computes the next. On a GPU every bucket's read is
+    /// started first and the sums (the loss's with the last bucket) run in
+    /// order on a thread of this replica's own after this returns: the
+    /// optimizer step and the next forward and backward passes are recorded
     /// and encoded meanwhile, held back from the device until the sums are
     /// uploaded (then submitted at once), so the device does not wait for
     /// that host work between steps. Anything that reads those gradients or
-    /// the loss waits for them; the next `backward` waits before its first
-    /// collective (`VOLTAIC_DDP_OVERLAP=0` sums the last bucket before
-    /// returning, as the CPU does). Call [`synchronize`](Self::synchronize)
-    /// before a collective of your own on [`comm`](Self::comm).
+    /// the loss waits for them (`VOLTAIC_DDP_OVERLAP=0` sums each bucket
+    /// before returning, as the CPU does). Call
+    /// [`synchronize`](Self::synchronize) before a collective of your own on
+    /// [`comm`](Self::comm).
     pub fn backward(&self, loss: &Tensor, share: f64) -> Result<Tensor> {
         if !share.is_finite() || !(0.0..=1.0).contains(&share) {
             return Err(Error::Value { op: "DistributedDataParallel::backward", msg: format!("share must be in [0, 1], got {share}") });
@@ -399,8 +401,8 @@ impl<M: Module> DistributedDataParallel<M> {
     }
 }
 
-/// Whether the last bucket is summed while the next step is recorded
-/// (`VOLTAIC_DDP_OVERLAP=0`: before `backward` returns).
+/// Whether a GPU's buckets are summed on the reducer thread while the next
+/// step is recorded (`VOLTAIC_DDP_OVERLAP=0`: before `backward` returns).
 fn overlap() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("VOLTAIC_DDP_OVERLAP").map_or(true, |v| v != "0"))
@@ -448,7 +450,8 @@ type Job = Box<dyn FnOnce() -> Sums + Send>;
 /// next step's first read is submitted only after they are uploaded.
 #[derive(Default)]
 struct Reducer {
-    thread: Option<(mpsc::Sender<Job>, mpsc::Receiver<Sums>, std::thread::JoinHandle<()>)>,
+    /// The thread, and the channel its jobs report on.
+    thread: Option<(Workers, mpsc::Sender<Sums>, mpsc::Receiver<Sums>)>,
     /// Jobs given and not yet reaped.
     out: usize,
 }
@@ -461,24 +464,23 @@ impl Reducer {
     /// Hand `job` to the thread (started on first use).
     fn start(&mut self, job: Job) -> Result<()> {
         if self.thread.is_none() {
-            let (jobs, rx) = mpsc::channel::<Job>();
-            let (tx, done) = mpsc::channel();
-            let handle = std::thread::Builder::new()
-                .name("voltaic-reduce".into())
-                .spawn(move || {
-                    for job in rx {
-                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
-                            .unwrap_or_else(|_| Err(Error::Distributed { op: "DistributedDataParallel::backward", msg: "the thread summing gradients panicked".into() }));
-                        if tx.send(r).is_err() {
-                            break;
-                        }
-                    }
-                })
+            let workers = Workers::named(1, "voltaic-reduce")
                 .map_err(|e| Error::Distributed { op: "DistributedDataParallel::backward", msg: format!("could not start a thread to sum gradients: {e}") })?;
-            self.thread = Some((jobs, done, handle));
+            let (tx, done) = mpsc::channel();
+            self.thread = Some((workers, tx, done));
         }
-        let (jobs, _, _) = self.thread.as_ref().expect("started");
-        jobs.send(job).map_err(|_| stopped())?;
+        let (workers, tx, _) = self.thread.as_ref().expect("started");
+        let tx = tx.clone();
+        // Every job reports (panics caught), so `reap` never waits for one
+        // that was lost; the thread ends only with the reducer.
+        let sent = workers.send(0, move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+                .unwrap_or_else(|_| Err(Error::Distributed { op: "DistributedDataParallel::backward", msg: "the thread summing gradients panicked".into() }));
+            let _ = tx.send(r);
+        });
+        if !sent {
+            return Err(stopped());
+        }
         self.out += 1;
         Ok(())
     }
@@ -489,7 +491,7 @@ impl Reducer {
         let mut total = (0.0, 0.0);
         let mut first: Option<Error> = None;
         while self.out > 0 {
-            let Some((_, done, _)) = self.thread.as_ref() else { break };
+            let Some((_, _, done)) = self.thread.as_ref() else { break };
             let r = if block {
                 done.recv().unwrap_or_else(|_| Err(stopped()))
             } else {
@@ -516,11 +518,8 @@ impl Reducer {
 
 impl Drop for Reducer {
     fn drop(&mut self) {
+        // Its last sums end before the thread (joined as the field drops).
         let _ = self.reap(true);
-        if let Some((jobs, _, handle)) = self.thread.take() {
-            drop(jobs);
-            let _ = handle.join();
-        }
     }
 }
 

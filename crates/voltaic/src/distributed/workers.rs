@@ -20,11 +20,16 @@ pub(crate) struct Workers {
 impl Workers {
     /// Start `n` threads named `voltaic-replica-{i}`.
     pub(crate) fn new(n: usize) -> std::io::Result<Workers> {
+        Workers::named(n, "voltaic-replica")
+    }
+
+    /// Start `n` threads named `{name}-{i}`.
+    pub(crate) fn named(n: usize, name: &str) -> std::io::Result<Workers> {
         let mut senders = Vec::with_capacity(n);
         let mut handles = Vec::with_capacity(n);
         for i in 0..n {
             let (tx, rx) = mpsc::channel::<Job>();
-            handles.push(std::thread::Builder::new().name(format!("voltaic-replica-{i}")).spawn(move || {
+            handles.push(std::thread::Builder::new().name(format!("{name}-{i}")).spawn(move || {
                 for job in rx {
                     job();
                 }
@@ -32,6 +37,12 @@ impl Workers {
             senders.push(tx);
         }
         Ok(Workers { senders, handles })
+    }
+
+    /// Give thread `i` a job to run after those given before, without
+    /// waiting for it; false when the thread has ended.
+    pub(crate) fn send(&self, i: usize, job: impl FnOnce() + Send + 'static) -> bool {
+        self.senders[i].send(Box::new(job)).is_ok()
     }
 
     /// Run job `i` on thread `i` (at most one job per thread) and return

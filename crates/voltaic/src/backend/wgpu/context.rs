@@ -481,10 +481,7 @@ impl GpuContext {
             // holds back too much memory.
             if deferred > MAX_GATED_DEFERRED_BYTES {
                 drop(pending);
-                let mut pending = self.lock_ungated();
-                if pending.is_some() {
-                    self.submit_locked(&mut pending, None)?;
-                }
+                self.flush()?;
             }
             return Ok(());
         }
@@ -515,12 +512,18 @@ impl GpuContext {
     /// time, which took most of the time of a data-parallel step's
     /// gradient uploads.
     pub(crate) fn record_upload(&self, staging: wgpu::Buffer, dst: &wgpu::Buffer, size: u64) {
+        self.record_copy(staging, dst, size, None);
+    }
+
+    /// The copy of `record_upload`, held back by `gate` if one is given.
+    fn record_copy(&self, staging: wgpu::Buffer, dst: &wgpu::Buffer, size: u64, gate: Option<Arc<Gate>>) {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let p = self.pending_or_new(&mut pending);
         // Copies go outside compute passes.
         drop(p.pass.take());
         p.encoder.copy_buffer_to_buffer(&staging, 0, dst, 0, size);
         p.uploads.push(staging);
+        p.gates.extend(gate);
     }
 
     /// As [`record_upload`](Self::record_upload), but `staging` is still
@@ -531,12 +534,7 @@ impl GpuContext {
     /// [`flush_opened`](Self::flush_opened) so the batch starts at once.
     pub(crate) fn record_upload_later(&self, staging: wgpu::Buffer, dst: &wgpu::Buffer, size: u64) -> Arc<Gate> {
         let gate = Arc::new(Gate::default());
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let p = self.pending_or_new(&mut pending);
-        drop(p.pass.take());
-        p.encoder.copy_buffer_to_buffer(&staging, 0, dst, 0, size);
-        p.uploads.push(staging);
-        p.gates.push(gate.clone());
+        self.record_copy(staging, dst, size, Some(gate.clone()));
         gate
     }
 
