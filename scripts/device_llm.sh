@@ -35,3 +35,11 @@ if [[ "$what" == *generate* ]]; then
     .bin/voltaic generate "The capital of France is" --device gpu -n 64 --json 2>&1 | tee "$OUT/generate.txt"
     VOLTAIC_PROFILE=1 .bin/voltaic generate "Hi" --device gpu -n 3 2>&1 | tail -80 > "$OUT/profile.txt"
 fi
+if [[ "$what" == *decode* ]]; then
+    # The decode row alone, then one generation timed one pass per realization
+    # (VOLTAIC_PROFILE=pass) and one kernel per pass (VOLTAIC_PROFILE=1).
+    .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer --json 2> "$OUT/decode.err" | tee "$OUT/decode.jsonl"
+    VOLTAIC_PROFILE=pass .bin/voltaic generate "Hi" --device gpu -n 8 > "$OUT/profile_pass.txt" 2>&1
+    VOLTAIC_PROFILE=1 .bin/voltaic generate "Hi" --device gpu -n 8 > "$OUT/profile_kernels.txt" 2>&1
+    grep -E "one pass|total over|cached plan" "$OUT/profile_pass.txt" | tail -12
+fi

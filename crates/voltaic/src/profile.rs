@@ -16,8 +16,29 @@ use web_time::Instant;
 
 /// Whether `VOLTAIC_PROFILE` asks for profiles (read once).
 pub(crate) fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VOLTAIC_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0"))
+    mode().is_some()
+}
+
+/// How GPU kernels are timed under `VOLTAIC_PROFILE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GpuTiming {
+    /// `VOLTAIC_PROFILE=1`: a pass per kernel, each bracketed by timestamps.
+    /// Tells kernels apart, but every kernel pays a pass's start and drain.
+    PerKernel,
+    /// `VOLTAIC_PROFILE=pass`: the realization's kernels in one pass, as
+    /// they run unprofiled, bracketed once: what the device really spends
+    /// on the realization, launches and barriers between kernels included.
+    Pass,
+}
+
+/// The timing `VOLTAIC_PROFILE` asks for, if any (read once).
+pub(crate) fn mode() -> Option<GpuTiming> {
+    static MODE: std::sync::OnceLock<Option<GpuTiming>> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("VOLTAIC_PROFILE").ok()?.as_str() {
+        "" | "0" => None,
+        "pass" => Some(GpuTiming::Pass),
+        _ => Some(GpuTiming::PerKernel),
+    })
 }
 
 /// A phase of the host's work on a realization.

@@ -567,7 +567,9 @@ impl Timing {
             total += us;
             eprintln!("  {:>10.1} us  {:>12} elements  {label}", us, numel);
         }
-        eprintln!("  {total:>10.1} us  total over {} kernels", rows.len());
+        if rows.len() > 1 {
+            eprintln!("  {total:>10.1} us  total over {} kernels", rows.len());
+        }
         Ok(())
     }
 }
