@@ -43,3 +43,21 @@ if [[ "$what" == *decode* ]]; then
     VOLTAIC_PROFILE=1 .bin/voltaic generate "Hi" --device gpu -n 8 > "$OUT/profile_kernels.txt" 2>&1
     grep -E "one pass|total over|cached plan" "$OUT/profile_pass.txt" | tail -12
 fi
+if [[ "$what" == *submit* ]]; then
+    # Batches submitted by a thread of their own (the default) or by the
+    # thread that records them (VOLTAIC_SUBMIT_THREAD=0), alternated; the
+    # greedy tokens must not change.
+    for i in 1 2; do
+        for v in 1 0; do
+            VOLTAIC_SUBMIT_THREAD=$v .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep llm_decode | sed "s/^/thread=$v /" | tee -a "$OUT/submit.txt"
+        done
+    done
+    for v in 1 0; do
+        VOLTAIC_SUBMIT_THREAD=$v .bin/voltaic generate "The capital of France is" --device gpu -n 48 --json 2>/dev/null | tail -1 | python3 -c "import json,sys; d=json.loads(sys.stdin.read()); print('thread=$v', d['ids'])" | tee -a "$OUT/submit.txt"
+    done
+    for v in 1 0 1 0; do
+        for f in train_mlp_b64 train_cnn_b256 encoder_f; do
+            VOLTAIC_SUBMIT_THREAD=$v .bin/voltaic bench --suite train --device gpu --filter $f --no-peer 2>&1 | grep -E "^(train_|encoder)" | sed "s/^/thread=$v /" | tee -a "$OUT/submit.txt"
+        done
+    done
+fi

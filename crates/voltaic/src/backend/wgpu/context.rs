@@ -84,11 +84,13 @@ struct Pending {
     /// Copies recorded from staging that another thread still writes
     /// (see `record_upload_later`): nothing is submitted before they open.
     gates: Vec<Arc<Gate>>,
+    /// The batch's number (see `Pool::defer`).
+    batch: u64,
 }
 
 impl Pending {
-    fn new(encoder: wgpu::CommandEncoder, pass: Option<wgpu::ComputePass<'static>>) -> Pending {
-        Pending { encoder, pass, dispatches: 0, uploads: Vec::new(), gates: Vec::new() }
+    fn new(encoder: wgpu::CommandEncoder, batch: u64) -> Pending {
+        Pending { encoder, pass: None, dispatches: 0, uploads: Vec::new(), gates: Vec::new(), batch }
     }
 
     /// Whether a copy in this batch still waits for its values.
@@ -121,6 +123,30 @@ impl Gate {
             open = self.opened.wait(open).unwrap_or_else(|e| e.into_inner());
         }
     }
+}
+
+/// A thread that submits the batches `encode_pending` fills, so the thread
+/// that records them goes on recording: wgpu does most of its work on a
+/// command buffer (validating each dispatch, tracking its buffers, placing
+/// barriers) when the buffer is finished, about 1.5-2 us a dispatch on the
+/// H100's hosts, as much as Voltaic's own encoding. Batches reach the queue
+/// in the order they were handed over, and every other submission waits
+/// for those handed over before it (`GpuContext::drain`), so the queue
+/// sees the same order as when one thread submitted everything.
+/// `VOLTAIC_SUBMIT_THREAD=0` submits on the recording thread.
+struct Submitter {
+    /// At most one batch waits while another is submitted: a thread that
+    /// records faster than batches are submitted waits here, not later.
+    jobs: std::sync::mpsc::SyncSender<Pending>,
+    handed: Arc<(Mutex<Handed>, std::sync::Condvar)>,
+}
+
+/// Batches handed to the [`Submitter`] and submitted, and its first error.
+#[derive(Default)]
+struct Handed {
+    sent: u64,
+    done: u64,
+    error: Option<Error>,
 }
 
 /// Freed bytes a batch that waits on a gate may hold back (see
@@ -187,6 +213,10 @@ pub(crate) struct GpuContext {
     /// when the device is polled).
     finished: Arc<AtomicU64>,
     pending: Mutex<Option<Pending>>,
+    /// Batches begun so far (the last one's number).
+    batches: AtomicU64,
+    /// Where full batches go to be submitted (native targets).
+    submitter: std::sync::OnceLock<Submitter>,
     /// A small buffer that index kernels flag out-of-range indices in; read
     /// with every transfer to the host.
     pub index_error: wgpu::Buffer,
@@ -318,6 +348,8 @@ impl GpuContext {
             in_flight: Mutex::new(VecDeque::new()),
             finished: Arc::new(AtomicU64::new(0)),
             pending: Mutex::new(None),
+            batches: AtomicU64::new(0),
+            submitter: std::sync::OnceLock::new(),
             index_error,
             compiled: AtomicU64::new(0),
             submissions: AtomicU64::new(0),
@@ -488,19 +520,107 @@ impl GpuContext {
         let full = p.dispatches >= batch_dispatches() || deferred > MAX_DEFERRED_BYTES;
         // An idle GPU gets the work at once, unless a read follows: its
         // submission carries this work too.
-        let idle = self.submissions.load(Ordering::Relaxed) <= self.finished.load(Ordering::Acquire) && !crate::backend::is_read_following();
+        let idle = self.submissions.load(Ordering::Relaxed) + self.handed_not_submitted() <= self.finished.load(Ordering::Acquire)
+            && !crate::backend::is_read_following();
         if now || full || idle {
-            self.submit_locked(&mut pending, None)?;
+            self.hand_off(pending)?;
         }
         Ok(())
+    }
+
+    /// Start the thread that submits full batches (see [`Submitter`]); on
+    /// a browser, or with `VOLTAIC_SUBMIT_THREAD=0`, batches are submitted
+    /// by the thread that fills them.
+    pub(crate) fn start_submitter(self: &Arc<Self>) {
+        if cfg!(target_arch = "wasm32") || std::env::var("VOLTAIC_SUBMIT_THREAD").is_ok_and(|v| v == "0") {
+            return;
+        }
+        let (jobs, queue) = std::sync::mpsc::sync_channel::<Pending>(1);
+        let handed: Arc<(Mutex<Handed>, std::sync::Condvar)> = Arc::default();
+        let (ctx, counts) = (Arc::downgrade(self), handed.clone());
+        let spawned = std::thread::Builder::new().name(format!("voltaic-submit-gpu{}", self.index)).spawn(move || {
+            // Ends when the context, which holds the sender, is dropped.
+            while let Ok(p) = queue.recv() {
+                let res = match ctx.upgrade() {
+                    Some(ctx) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.submit_batch(Some(p), None, false)))
+                        .unwrap_or_else(|_| Err(Error::Backend("internal: submitting a batch of GPU work panicked".into())))
+                        .map(|_| ()),
+                    None => Ok(()),
+                };
+                let mut h = counts.0.lock().unwrap_or_else(|e| e.into_inner());
+                h.done += 1;
+                if let Err(e) = res {
+                    h.error.get_or_insert(e);
+                }
+                counts.1.notify_all();
+            }
+        });
+        if spawned.is_ok() {
+            let _ = self.submitter.set(Submitter { jobs, handed });
+        }
+    }
+
+    /// Batches handed to the submitter and not yet submitted.
+    fn handed_not_submitted(&self) -> u64 {
+        self.submitter.get().map_or(0, |s| {
+            let h = s.handed.0.lock().unwrap_or_else(|e| e.into_inner());
+            h.sent - h.done
+        })
+    }
+
+    /// Submit the pending batch through the submitter, or here when there is none.
+    fn hand_off(&self, mut pending: std::sync::MutexGuard<'_, Option<Pending>>) -> Result<()> {
+        let Some(sub) = self.submitter.get() else {
+            return self.submit_locked(&mut pending, None).map(|_| ());
+        };
+        {
+            let mut h = sub.handed.0.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(e) = h.error.take() {
+                // The batch stays pending.
+                return Err(e);
+            }
+            h.sent += 1;
+        }
+        let p = pending.take().expect("encode_pending hands over the batch it filled");
+        // Sent under the lock on the batch, so batches reach the submitter in
+        // the order they were recorded in, whichever thread hands them over
+        // (the next may reuse buffers this one reads). The submitter never
+        // takes that lock.
+        if let Err(std::sync::mpsc::SendError(p)) = sub.jobs.send(p) {
+            // The thread is gone (it never exits while the context lives): submit here.
+            sub.handed.0.lock().unwrap_or_else(|e| e.into_inner()).done += 1;
+            self.submit_batch(Some(p), None, true)?;
+        }
+        drop(pending);
+        Ok(())
+    }
+
+    /// Wait until every batch handed to the submitter is submitted; its
+    /// first error, if it had one.
+    fn drain(&self) -> Result<()> {
+        let Some(sub) = self.submitter.get() else { return Ok(()) };
+        let (lock, changed) = &*sub.handed;
+        let mut h = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if h.done < h.sent {
+            let t = web_time::Instant::now();
+            while h.done < h.sent {
+                h = changed.wait(h).unwrap_or_else(|e| e.into_inner());
+            }
+            crate::profile::add(crate::profile::Phase::Wait, t.elapsed());
+        }
+        match h.error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// The pending command buffer, begun if there is none.
     fn pending_or_new<'a>(&self, pending: &'a mut Option<Pending>) -> &'a mut Pending {
         pending.get_or_insert_with(|| {
+            let batch = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
             // Before anything this work uses can be freed.
-            self.pool.lock().unwrap_or_else(|e| e.into_inner()).defer();
-            Pending::new(self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }), None)
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).defer(batch);
+            Pending::new(self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }), batch)
         })
     }
 
@@ -570,6 +690,8 @@ impl GpuContext {
     pub(crate) fn flush(&self) -> Result<Option<wgpu::SubmissionIndex>> {
         let mut pending = self.lock_ungated();
         if pending.is_none() {
+            // Batches handed to the submitter are submitted before this returns.
+            self.drain()?;
             return Ok(None);
         }
         self.submit_locked(&mut pending, None).map(Some)
@@ -581,7 +703,7 @@ impl GpuContext {
     /// and one submission.
     pub(crate) fn submit_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<wgpu::SubmissionIndex> {
         let mut pending = self.lock_ungated();
-        let p = pending.get_or_insert_with(|| Pending::new(self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }), None));
+        let p = self.pending_or_new(&mut pending);
         // Copies go after the compute pass, which must end first.
         drop(p.pass.take());
         record(&mut p.encoder);
@@ -619,12 +741,22 @@ impl GpuContext {
     /// lock through `lock_ungated` or check `Pending::gated`) and `cmd`.
     fn submit_locked(&self, pending: &mut Option<Pending>, cmd: Option<wgpu::CommandBuffer>) -> Result<wgpu::SubmissionIndex> {
         debug_assert!(!pending.as_ref().is_some_and(Pending::gated), "a submission of a batch still held back");
+        // Batches handed to the submitter reach the queue first.
+        self.drain()?;
+        self.submit_batch(pending.take(), cmd, true)
+    }
+
+    /// Submit `pending` (finished here) and then `cmd`; `timed` on the
+    /// thread whose host profile this is (not the submitter's).
+    fn submit_batch(&self, pending: Option<Pending>, cmd: Option<wgpu::CommandBuffer>, timed: bool) -> Result<wgpu::SubmissionIndex> {
+        let mut pending = pending;
         let uploads = pending.as_mut().map(|p| std::mem::take(&mut p.uploads)).unwrap_or_default();
-        let first = pending.take().map(Pending::finish);
-        let had_pending = first.is_some();
-        let idx = crate::profile::time(crate::profile::Phase::Submit, || self.queue.submit(first.into_iter().chain(cmd)));
-        if had_pending {
-            self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred();
+        let batch = pending.as_ref().map(|p| p.batch);
+        let first = pending.map(Pending::finish);
+        let submit = || self.queue.submit(first.into_iter().chain(cmd));
+        let idx = if timed { crate::profile::time(crate::profile::Phase::Submit, submit) } else { submit() };
+        if let Some(batch) = batch {
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).release_deferred(batch);
         }
         self.recycle_uploads(uploads);
         let finished = self.finished.clone();
@@ -645,8 +777,13 @@ impl GpuContext {
             // waking from that sleep can take longer than the queued work
             // lasts, and the GPU would idle (see `spin_until`).
             let done = |_| submitted.saturating_sub(self.finished.load(Ordering::Acquire)) <= limit;
-            if !self.spin_until(&done)? {
-                self.wait(Some(oldest))?;
+            let finished = if timed { self.spin_until(&done)? } else { self.spin_until_untimed(&done)? };
+            if !finished {
+                if timed {
+                    self.wait(Some(oldest))?;
+                } else {
+                    self.wait_untimed(Some(oldest))?;
+                }
             }
         } else {
             drop(q);

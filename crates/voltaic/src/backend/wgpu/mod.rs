@@ -302,6 +302,7 @@ pub(crate) fn open_replica(index: usize) -> Result<usize> {
     let mut replicas = reg.replicas.lock().unwrap_or_else(|e| e.into_inner());
     let new = REPLICA_BASE + replicas.len();
     let ctx = Arc::new(pollster::block_on(GpuContext::open(new, adapter))?);
+    ctx.start_submitter();
     replicas.push(adapter_index);
     reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).insert(new, ctx);
     Ok(new)
@@ -348,7 +349,8 @@ pub(crate) async fn context_async(index: usize) -> Result<Arc<GpuContext>> {
         });
     };
     let ctx = Arc::new(GpuContext::open(index, adapter).await?);
-    // Two openers racing keep the first device.
+    // Two openers racing keep the first device (the other's submitter ends with it).
+    ctx.start_submitter();
     Ok(reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).entry(index).or_insert(ctx).clone())
 }
 

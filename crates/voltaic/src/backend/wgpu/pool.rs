@@ -27,12 +27,19 @@ const MIN_BUCKET: u64 = 256;
 /// use them, and a queue write into one (an upload, a kernel's constants)
 /// would run before those commands, at the start of the submission. A
 /// kernel of the pending pass may take them (see [`alloc_in_pass`]).
+/// Batches are numbered, and a buffer waits for the submission of the
+/// last batch begun when it was freed: a batch may still be on its way to
+/// the queue (see `GpuContext::hand_off`) while the next one is recorded.
 pub(crate) struct Pool {
     /// Free buffers by bucket, by number.
     free: HashMap<u64, BTreeMap<u64, wgpu::Buffer>>,
     deferring: bool,
+    /// The last batch begun (see [`Pool::defer`]).
+    batch: u64,
     /// Buffers freed since the pending work began, by bucket, by number.
     deferred: HashMap<u64, BTreeMap<u64, wgpu::Buffer>>,
+    /// The batch each deferred buffer waits for, by number.
+    waits_for: HashMap<u64, u64>,
     /// The number of the next buffer created.
     next: u64,
     deferred_bytes: u64,
@@ -52,21 +59,47 @@ pub(crate) fn bucket(bytes: u64) -> u64 {
 
 impl Pool {
     pub(crate) fn new(max_buffer: u64) -> Pool {
-        Pool { free: HashMap::new(), deferring: false, deferred: HashMap::new(), next: 0, deferred_bytes: 0, stats: MemoryStats::default(), max_buffer }
+        Pool {
+            free: HashMap::new(),
+            deferring: false,
+            batch: 0,
+            deferred: HashMap::new(),
+            waits_for: HashMap::new(),
+            next: 0,
+            deferred_bytes: 0,
+            stats: MemoryStats::default(),
+            max_buffer,
+        }
     }
 
-    /// Hold freed buffers back from reuse until `release_deferred`.
-    pub(crate) fn defer(&mut self) {
+    /// Batch `batch` (numbered from 1 up) began: hold buffers freed from
+    /// now on back from reuse until `release_deferred` of it or a later one.
+    pub(crate) fn defer(&mut self, batch: u64) {
         self.deferring = true;
+        self.batch = self.batch.max(batch);
     }
 
-    /// The pending work was submitted: buffers freed meanwhile can be reused
-    /// (the queue orders later work after it).
-    pub(crate) fn release_deferred(&mut self) {
-        self.deferring = false;
-        self.deferred_bytes = 0;
-        for (size, mut d) in self.deferred.drain() {
-            self.free.entry(size).or_default().append(&mut d);
+    /// Batch `batch` and those before it were submitted: buffers freed
+    /// meanwhile can be reused (the queue orders later work after them).
+    pub(crate) fn release_deferred(&mut self, batch: u64) {
+        if batch >= self.batch {
+            self.deferring = false;
+            self.deferred_bytes = 0;
+            self.waits_for.clear();
+            for (size, mut d) in self.deferred.drain() {
+                self.free.entry(size).or_default().append(&mut d);
+            }
+            return;
+        }
+        // A later batch is still recorded or on its way: only what waited for these.
+        for (&size, d) in self.deferred.iter_mut() {
+            let done: Vec<u64> = d.keys().copied().filter(|n| self.waits_for.get(n).is_none_or(|&b| b <= batch)).collect();
+            for n in done {
+                let b = d.remove(&n).expect("listed above");
+                self.waits_for.remove(&n);
+                self.deferred_bytes -= size;
+                self.free.entry(size).or_default().insert(n, b);
+            }
         }
     }
 
@@ -107,6 +140,7 @@ impl Pool {
         // while encoded commands use it.
         self.free.clear();
         self.deferred.clear();
+        self.waits_for.clear();
         self.deferred_bytes = 0;
         self.stats.cached = 0;
     }
@@ -154,6 +188,8 @@ impl Drop for GpuBuf {
             p.stats.cached += b.size();
             if p.deferring {
                 p.deferred_bytes += b.size();
+                let batch = p.batch;
+                p.waits_for.insert(self.number, batch);
                 p.deferred.entry(b.size()).or_default().insert(self.number, b);
             } else {
                 p.free.entry(b.size()).or_default().insert(self.number, b);
@@ -200,6 +236,9 @@ fn alloc_from(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64, i
     let from_deferred = in_pass && first(&p.deferred).is_some_and(|d| first(&p.free).is_none_or(|f| d < f));
     let taken = if from_deferred {
         let t = p.deferred.get_mut(&size).and_then(|f| f.pop_first());
+        if let Some((n, _)) = &t {
+            p.waits_for.remove(n);
+        }
         p.deferred_bytes -= size;
         t
     } else {
@@ -250,7 +289,41 @@ fn alloc_from(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64, i
 
 #[cfg(test)]
 mod tests {
-    use super::bucket;
+    use super::{bucket, GpuBuf, Pool};
+    use crate::dtype::DType;
+    use std::sync::{Arc, Mutex};
+
+    /// A buffer freed while batch 2 is recorded and batch 1 is still on its
+    /// way to the queue waits for batch 2's submission, not batch 1's: the
+    /// submitter's release of batch 1 must not hand it to a queue write that
+    /// would run before batch 2 reads it.
+    #[test]
+    fn a_freed_buffer_waits_for_the_batch_that_was_open_when_it_was_freed() {
+        assert!(!crate::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+        let ctx = crate::backend::wgpu::context(0).unwrap();
+        let pool = Arc::new(Mutex::new(Pool::new(1 << 30)));
+        let buf = |number: u64| GpuBuf {
+            buffer: Some(ctx.device.create_buffer(&wgpu::BufferDescriptor { label: None, size: 256, usage: wgpu::BufferUsages::STORAGE, mapped_at_creation: false })),
+            number,
+            numel: 64,
+            dtype: DType::F32,
+            pool: pool.clone(),
+        };
+        let free = |p: &Pool| p.free.get(&256).map_or(0, |f| f.len());
+        let (a, b, c) = (buf(0), buf(1), buf(2));
+        pool.lock().unwrap().defer(1);
+        drop(a); // read by batch 1
+        pool.lock().unwrap().defer(2);
+        drop(b); // read by batch 2
+        pool.lock().unwrap().release_deferred(1);
+        assert_eq!(free(&pool.lock().unwrap()), 1, "batch 1 submitted: only its buffer is free");
+        assert!(pool.lock().unwrap().deferring, "batch 2 is still recorded");
+        drop(c);
+        assert_eq!(free(&pool.lock().unwrap()), 1, "a buffer freed meanwhile waits too");
+        pool.lock().unwrap().release_deferred(2);
+        let p = pool.lock().unwrap();
+        assert_eq!((free(&p), p.deferred_bytes(), p.deferring), (3, 0, false));
+    }
 
     #[test]
     fn buckets_waste_at_most_a_quarter() {
