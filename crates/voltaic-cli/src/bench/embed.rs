@@ -45,11 +45,21 @@ pub fn torch_peer(cases: &[&str], runs: usize, device: Device) -> anyhow::Result
 pub fn run_case(name: &str, device: Device, runs: usize) -> anyhow::Result<(f64, String)> {
     let (batch, seq) = shape(name)?;
     let e = SentenceEmbedder::from_dir(crate::embed::model_dir(None)?, device)?;
-    let (ids, mask) = e.batch(&ids(batch, seq))?;
+    let tokens = ids(batch, seq);
+    let (ids, mask) = e.batch(&tokens)?;
     let _g = voltaic::NoGradGuard::new();
-    let run = || -> voltaic::Result<Tensor> { mean_pool_normalize(&e.model.forward(&ids, &mask)?, &mask) };
-    // Unit vectors, and the batch path agrees with one sentence alone.
+    // What `embed_ids` runs per batch: the ids uploaded, then the encoder
+    // (replayed from a capture after two calls of this shape).
+    let run = || -> voltaic::Result<Tensor> {
+        let (ids, mask) = e.batch(&tokens)?;
+        e.embed_batch(&ids, &mask)
+    };
+    // Unit vectors, and the batch path agrees with one sentence alone and
+    // with the encoder run through the graph.
     let all = run()?;
+    let eager = mean_pool_normalize(&e.model.forward(&ids, &mask)?, &mask)?.to_vec::<f32>()?;
+    let gap = all.to_vec::<f32>()?.iter().zip(&eager).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    anyhow::ensure!(gap < 1e-5, "{name}: embed_batch and the graph's forward differ by {gap}");
     let norms = all.sqr()?.sum(&[-1], false)?.to_vec::<f32>()?;
     anyhow::ensure!(norms.iter().all(|n| (n - 1.0).abs() < 1e-4), "{name}: embeddings are not unit vectors");
     let (one_ids, one_mask) = (ids.narrow(0, 0, 1)?, mask.narrow(0, 0, 1)?);

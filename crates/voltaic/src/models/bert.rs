@@ -8,8 +8,9 @@ use crate::error::{bail, Error, Result};
 use crate::io::safetensors::SafetensorsFile;
 use crate::nn::{Forward, LayerNorm, Linear, Module, Parameter};
 use crate::tensor::Tensor;
-use crate::Device;
+use crate::{Capture, Device};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 /// The fields of a BERT `config.json` that the encoder uses.
 #[derive(Clone, Debug, serde::Deserialize)]
@@ -280,12 +281,18 @@ pub fn mean_pool_normalize(hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
 /// ```
 pub struct SentenceEmbedder {
     /// The encoder.
-    pub model: BertModel,
+    pub model: Arc<BertModel>,
     tokenizer: tokenizers::Tokenizer,
     /// Longest input in tokens (`[CLS]` and `[SEP]` included); longer text is cut.
     pub max_len: usize,
     device: Device,
+    /// [`SentenceEmbedder::embed_batch`]'s captured forward passes, one per
+    /// autocast type (a replay runs the plans of the type it was traced in).
+    replays: Mutex<Vec<(Option<DType>, Capture<EmbedStep>)>>,
 }
+
+/// The function [`SentenceEmbedder::embed_batch`] captures: `(ids, mask)` to `[embeddings]`.
+type EmbedStep = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>;
 
 impl SentenceEmbedder {
     /// Load from `dir` (`config.json`, `model.safetensors`, `tokenizer.json`,
@@ -324,7 +331,7 @@ impl SentenceEmbedder {
         tokenizer
             .with_truncation(Some(tokenizers::TruncationParams { max_length: max_len, ..Default::default() }))
             .map_err(|e| Error::Format(format!("{tname}: {e}")))?;
-        Ok(SentenceEmbedder { model, tokenizer, max_len, device })
+        Ok(SentenceEmbedder { model: Arc::new(model), tokenizer, max_len, device, replays: Mutex::new(Vec::new()) })
     }
 
     /// Token ids of each sentence, `[CLS]` and `[SEP]` included, cut at `max_len`.
@@ -365,6 +372,45 @@ impl SentenceEmbedder {
         Ok((Tensor::from_vec(flat, &[ids.len(), t], self.device)?, Tensor::from_vec(mask, &[ids.len(), t], self.device)?))
     }
 
+    /// Unit-length embeddings `[B, hidden]` of a padded batch (`ids` and
+    /// `mask` as [`SentenceEmbedder::batch`] makes them): the encoder, mean
+    /// pooling and normalisation, replayed from a [`Capture`] once two calls
+    /// have had this shape (no graph is recorded or scheduled then: for a
+    /// short batch that host work takes longer than the GPU's). `ids` and
+    /// `mask` must be new tensors each call, as `batch` makes them; the
+    /// same tensors again run through the graph (correct, only slower).
+    pub fn embed_batch(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        if ids.rank() != 2 || mask.dims() != ids.dims() {
+            bail!(Shape, "SentenceEmbedder::embed_batch", "takes ids and a mask of one shape [batch, tokens]; got {:?} and {:?}", ids.dims(), mask.dims());
+        }
+        let _g = crate::NoGradGuard::new();
+        let kind = crate::autocast_dtype();
+        let mut replays = self.replays.lock().unwrap_or_else(|e| e.into_inner());
+        let i = match replays.iter().position(|(k, _)| *k == kind) {
+            Some(i) => i,
+            None => {
+                let model = self.model.clone();
+                let step: EmbedStep = Box::new(move |x: &[Tensor]| Ok(vec![mean_pool_normalize(&model.forward(&x[0], &x[1])?, &x[1])?]));
+                replays.push((kind, Capture::new(step)));
+                replays.len() - 1
+            }
+        };
+        let mut out = replays[i].1.call(&[ids, mask])?;
+        Ok(out.pop().expect("the step returns the embeddings"))
+    }
+
+    /// How [`SentenceEmbedder::embed_batch`]'s calls ran so far (through
+    /// the graph, or replayed), over every autocast type.
+    pub fn replay_stats(&self) -> crate::CaptureStats {
+        let replays = self.replays.lock().unwrap_or_else(|e| e.into_inner());
+        replays.iter().map(|(_, c)| c.stats()).fold(crate::CaptureStats::default(), |a, s| crate::CaptureStats {
+            eager_calls: a.eager_calls + s.eager_calls,
+            replays: a.replays + s.replays,
+            captures: a.captures + s.captures,
+            mismatches: a.mismatches + s.mismatches,
+        })
+    }
+
     /// Unit-length embeddings `[N, hidden]` of sentences, computed in one
     /// padded batch.
     pub fn embed(&self, sentences: &[&str]) -> Result<Tensor> {
@@ -395,12 +441,11 @@ impl SentenceEmbedder {
                 groups.push(vec![i]);
             }
         }
-        let _g = crate::NoGradGuard::new();
         let mut parts = Vec::with_capacity(groups.len());
         for g in &groups {
             let batch: Vec<Vec<u32>> = g.iter().map(|&i| ids[i].clone()).collect();
             let (bids, mask) = self.batch(&batch)?;
-            parts.push(mean_pool_normalize(&self.model.forward(&bids, &mask)?, &mask)?);
+            parts.push(self.embed_batch(&bids, &mask)?);
         }
         let sorted = if parts.len() == 1 { parts.pop().expect("one part") } else { Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)? };
         // Back to the caller's order.
