@@ -169,4 +169,8 @@ fn replayed_embeddings_match_the_reference_and_follow_autocast() {
     assert_eq!(&e.embed(&sentences).unwrap().to_vec::<f32>().unwrap(), first.as_ref().unwrap(), "f32 after autocast");
     let after = e.replay_stats();
     assert!(after.replays >= stats.replays + 2, "the autocast calls were replayed too: {after:?}");
+    // A mask unlike the ids is refused, by the encoder's own check.
+    let (ids, mask) = e.batch(&[items[0].ids.clone()]).unwrap();
+    let err = e.embed_batch(&ids, &mask.narrow(1, 0, mask.dims()[1] - 1).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("mask"), "{err}");
 }

@@ -748,8 +748,7 @@ impl GpuContext {
 
     /// Submit `pending` (finished here) and then `cmd`; `timed` on the
     /// thread whose host profile this is (not the submitter's).
-    fn submit_batch(&self, pending: Option<Pending>, cmd: Option<wgpu::CommandBuffer>, timed: bool) -> Result<wgpu::SubmissionIndex> {
-        let mut pending = pending;
+    fn submit_batch(&self, mut pending: Option<Pending>, cmd: Option<wgpu::CommandBuffer>, timed: bool) -> Result<wgpu::SubmissionIndex> {
         let uploads = pending.as_mut().map(|p| std::mem::take(&mut p.uploads)).unwrap_or_default();
         let batch = pending.as_ref().map(|p| p.batch);
         let first = pending.map(Pending::finish);
@@ -777,13 +776,16 @@ impl GpuContext {
             // waking from that sleep can take longer than the queued work
             // lasts, and the GPU would idle (see `spin_until`).
             let done = |_| submitted.saturating_sub(self.finished.load(Ordering::Acquire)) <= limit;
-            let finished = if timed { self.spin_until(&done)? } else { self.spin_until_untimed(&done)? };
-            if !finished {
-                if timed {
-                    self.wait(Some(oldest))?;
-                } else {
+            let throttle = || -> Result<()> {
+                if !self.spin_until_untimed(&done)? {
                     self.wait_untimed(Some(oldest))?;
                 }
+                Ok(())
+            };
+            if timed {
+                crate::profile::exclusive(crate::profile::Phase::Wait, throttle)?;
+            } else {
+                throttle()?;
             }
         } else {
             drop(q);

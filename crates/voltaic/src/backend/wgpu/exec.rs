@@ -490,37 +490,29 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
         })?;
         return Ok(outs);
     }
+    // Profiling: a pass per kernel (`VOLTAIC_PROFILE=1`) or all kernels in
+    // one pass as they run unprofiled (`=pass`), each pass bracketed by
+    // timestamps, submitted and read back at once.
+    let per_kernel = crate::profile::mode() != Some(crate::profile::GpuTiming::Pass);
+    let passes = if per_kernel { plan.kernels.len() } else { 1 };
     let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
-    if crate::profile::mode() == Some(crate::profile::GpuTiming::Pass) {
-        // The kernels in one pass as they run unprofiled, timed once,
-        // submitted and read back at once.
-        let t = super::transfer::Timing::new(ctx, 1);
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: Some(t.writes(0)) });
-        for (e, _) in &encoded {
-            dispatch(&mut pass, e);
-        }
-        drop(pass);
-        t.resolve(&mut encoder);
-        let idx = ctx.submit(encoder.finish())?;
-        let row = format!("one pass of {} kernels, {} dispatches", plan.kernels.len(), encoded.len());
-        t.report(ctx, idx, &[(row, plan.kernels.iter().map(|k| k.numel).sum())])?;
-        return Ok(outs);
-    }
-    // Profiling: a pass per kernel, each bracketed by timestamps, submitted
-    // and read back at once.
-    let t = super::transfer::Timing::new(ctx, plan.kernels.len());
-    for ki in 0..plan.kernels.len() {
+    let t = super::transfer::Timing::new(ctx, passes);
+    for pi in 0..passes {
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: None,
-            timestamp_writes: Some(t.writes(ki)),
+            timestamp_writes: Some(t.writes(pi)),
         });
-        for (e, _) in encoded.iter().filter(|(_, k)| *k == ki) {
+        for (e, _) in encoded.iter().filter(|(_, k)| !per_kernel || *k == pi) {
             dispatch(&mut pass, e);
         }
     }
     t.resolve(&mut encoder);
     let idx = ctx.submit(encoder.finish())?;
-    let rows: Vec<(String, usize)> = plan.kernels.iter().zip(&labels).map(|(k, l)| (l.clone(), k.numel)).collect();
+    let rows: Vec<(String, usize)> = if per_kernel {
+        plan.kernels.iter().zip(&labels).map(|(k, l)| (l.clone(), k.numel)).collect()
+    } else {
+        vec![(format!("one pass of {} kernels, {} dispatches", plan.kernels.len(), encoded.len()), plan.kernels.iter().map(|k| k.numel).sum())]
+    };
     t.report(ctx, idx, &rows)?;
     Ok(outs)
 }

@@ -36,10 +36,9 @@ pub(crate) struct Pool {
     deferring: bool,
     /// The last batch begun (see [`Pool::defer`]).
     batch: u64,
-    /// Buffers freed since the pending work began, by bucket, by number.
-    deferred: HashMap<u64, BTreeMap<u64, wgpu::Buffer>>,
-    /// The batch each deferred buffer waits for, by number.
-    waits_for: HashMap<u64, u64>,
+    /// Buffers freed since the pending work began, by bucket, by number,
+    /// each with the batch it waits for.
+    deferred: HashMap<u64, BTreeMap<u64, (wgpu::Buffer, u64)>>,
     /// The number of the next buffer created.
     next: u64,
     deferred_bytes: u64,
@@ -64,7 +63,6 @@ impl Pool {
             deferring: false,
             batch: 0,
             deferred: HashMap::new(),
-            waits_for: HashMap::new(),
             next: 0,
             deferred_bytes: 0,
             stats: MemoryStats::default(),
@@ -82,25 +80,19 @@ impl Pool {
     /// Batch `batch` and those before it were submitted: buffers freed
     /// meanwhile can be reused (the queue orders later work after them).
     pub(crate) fn release_deferred(&mut self, batch: u64) {
+        // Unless a later batch is still recorded or on its way, all of them.
         if batch >= self.batch {
             self.deferring = false;
-            self.deferred_bytes = 0;
-            self.waits_for.clear();
-            for (size, mut d) in self.deferred.drain() {
-                self.free.entry(size).or_default().append(&mut d);
-            }
-            return;
         }
-        // A later batch is still recorded or on its way: only what waited for these.
         for (&size, d) in self.deferred.iter_mut() {
-            let done: Vec<u64> = d.keys().copied().filter(|n| self.waits_for.get(n).is_none_or(|&b| b <= batch)).collect();
+            let done: Vec<u64> = d.iter().filter(|(_, (_, waits))| *waits <= batch).map(|(&n, _)| n).collect();
             for n in done {
-                let b = d.remove(&n).expect("listed above");
-                self.waits_for.remove(&n);
+                let (b, _) = d.remove(&n).expect("listed above");
                 self.deferred_bytes -= size;
                 self.free.entry(size).or_default().insert(n, b);
             }
         }
+        self.deferred.retain(|_, d| !d.is_empty());
     }
 
     /// Bytes freed since the pending work began.
@@ -117,7 +109,7 @@ impl Pool {
     /// still names one (it is never bound again: the pool cannot hand the
     /// buffer out any more).
     pub(crate) fn destroy_cached(&mut self) {
-        for b in self.deferred.values().flat_map(|d| d.values()) {
+        for (b, _) in self.deferred.values().flat_map(|d| d.values()) {
             b.destroy();
         }
         self.release_cached();
@@ -140,7 +132,6 @@ impl Pool {
         // while encoded commands use it.
         self.free.clear();
         self.deferred.clear();
-        self.waits_for.clear();
         self.deferred_bytes = 0;
         self.stats.cached = 0;
     }
@@ -189,8 +180,7 @@ impl Drop for GpuBuf {
             if p.deferring {
                 p.deferred_bytes += b.size();
                 let batch = p.batch;
-                p.waits_for.insert(self.number, batch);
-                p.deferred.entry(b.size()).or_default().insert(self.number, b);
+                p.deferred.entry(b.size()).or_default().insert(self.number, (b, batch));
             } else {
                 p.free.entry(b.size()).or_default().insert(self.number, b);
             }
@@ -232,15 +222,12 @@ fn alloc_from(ctx: &super::GpuContext, dtype: DType, numel: usize, bytes: u64, i
     let size = bucket(bytes.max(4));
     let mut p = ctx.pool.lock().unwrap_or_else(|e| e.into_inner());
     check_size(ctx.index, p.max_buffer, dtype, numel, bytes)?;
-    let first = |m: &HashMap<u64, BTreeMap<u64, wgpu::Buffer>>| m.get(&size).and_then(|f| f.first_key_value()).map(|(&n, _)| n);
-    let from_deferred = in_pass && first(&p.deferred).is_some_and(|d| first(&p.free).is_none_or(|f| d < f));
+    let first_free = p.free.get(&size).and_then(|f| f.first_key_value()).map(|(&n, _)| n);
+    let first_deferred = p.deferred.get(&size).and_then(|f| f.first_key_value()).map(|(&n, _)| n);
+    let from_deferred = in_pass && first_deferred.is_some_and(|d| first_free.is_none_or(|f| d < f));
     let taken = if from_deferred {
-        let t = p.deferred.get_mut(&size).and_then(|f| f.pop_first());
-        if let Some((n, _)) = &t {
-            p.waits_for.remove(n);
-        }
         p.deferred_bytes -= size;
-        t
+        p.deferred.get_mut(&size).and_then(|f| f.pop_first()).map(|(n, (b, _))| (n, b))
     } else {
         p.free.get_mut(&size).and_then(|f| f.pop_first())
     };
