@@ -749,10 +749,18 @@ impl Gen<'_> {
         let whole_k = k.is_multiple_of(bk);
         let a4 = ct == "f32" && f32_in(a) && a_kfast && whole_k && m.is_multiple_of(bm) && na % 4 == 0 && aligned(la, sam);
         let b4 = ct == "f32" && f32_in(bv) && sbn == 1 && whole_k && n.is_multiple_of(bn) && nb % 4 == 0 && aligned(lb, sbk);
-        if a4 {
+        // The same along the other dim: `a` with m contiguous (a weight
+        // gradient's `dY^T`) and `b` with k contiguous (a Linear layer's
+        // `W^T`), four elements of a line of the tile per load; without
+        // them a Linear layer's weight loaded one bounds-checked element at
+        // a time.
+        let a4m = ct == "f32" && f32_in(a) && sam == 1 && sak != 1 && whole_k && m.is_multiple_of(bm) && na % 4 == 0 && aligned(la, sak);
+        let b4k = ct == "f32" && f32_in(bv) && sbk == 1 && sbn != 1 && whole_k && n.is_multiple_of(bn) && nb % 4 == 0 && aligned(lb, sbn);
+        let (av, bvec) = (a4 || a4m, b4 || b4k);
+        if av {
             sh.bind_raw(Src::Input(a.input), "a4", "array<vec4<f32>>", false);
         }
-        if b4 {
+        if bvec {
             sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f32>>", false);
         }
         let tx_n = bn / tn;
@@ -772,23 +780,27 @@ impl Gen<'_> {
         }
         // Where each of this thread's global loads lands in the tiles.
         for i in 0..na / 4 {
+            let e = format!("(lid + {}u)", i * threads);
             if a4 {
-                let e = format!("(lid + {}u)", i * threads);
                 let _ = writeln!(s, "    let ar4_{i} = {e} / {}u;\n    let ak4_{i} = ({e} % {}u) * 4u;", bk / 4, bk / 4);
+            } else if a4m {
+                let _ = writeln!(s, "    let ar4_{i} = ({e} % {}u) * 4u;\n    let ak4_{i} = {e} / {}u;", bm / 4, bm / 4);
             }
         }
         for i in 0..nb / 4 {
+            let e = format!("(lid + {}u)", i * threads);
             if b4 {
-                let e = format!("(lid + {}u)", i * threads);
                 let _ = writeln!(s, "    let bk4_{i} = {e} / {}u;\n    let bc4_{i} = ({e} % {}u) * 4u;", bn / 4, bn / 4);
+            } else if b4k {
+                let _ = writeln!(s, "    let bc4_{i} = {e} / {}u;\n    let bk4_{i} = ({e} % {}u) * 4u;", bk / 4, bk / 4);
             }
         }
-        for i in 0..if a4 { 0 } else { na } {
+        for i in 0..if av { 0 } else { na } {
             let e = format!("(lid + {}u)", i * threads);
             let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
             let _ = writeln!(s, "    let ar{i} = {ar};\n    let ak{i} = {ak};\n    let arok{i} = row0 + ar{i} < {m}u;");
         }
-        for i in 0..if b4 { 0 } else { nb } {
+        for i in 0..if bvec { 0 } else { nb } {
             let e = format!("(lid + {}u)", i * threads);
             let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
             let _ = writeln!(s, "    let bc{i} = {bc};\n    let bk{i} = {bkk};\n    let bcok{i} = col0 + bc{i} < {n}u;");
@@ -802,24 +814,22 @@ impl Gen<'_> {
         }
         // Global loads of step `kt` into registers.
         let load = |s: &mut String, kt: &str| {
-            if a4 {
-                for i in 0..na / 4 {
-                    let _ = writeln!(s, "    ra4_{i} = a4[(abase + (row0 + ar4_{i}) * {sam}u + {kt} + ak4_{i}) / 4u];");
-                }
+            for i in 0..if av { na / 4 } else { 0 } {
+                let at = if a4 { format!("(row0 + ar4_{i}) * {sam}u + {kt} + ak4_{i}") } else { format!("({kt} + ak4_{i}) * {sak}u + row0 + ar4_{i}") };
+                let _ = writeln!(s, "    ra4_{i} = a4[(abase + {at}) / 4u];");
             }
-            if b4 {
-                for i in 0..nb / 4 {
-                    let _ = writeln!(s, "    rb4_{i} = b4[(bbase + ({kt} + bk4_{i}) * {sbk}u + col0 + bc4_{i}) / 4u];");
-                }
+            for i in 0..if bvec { nb / 4 } else { 0 } {
+                let at = if b4 { format!("({kt} + bk4_{i}) * {sbk}u + col0 + bc4_{i}") } else { format!("(col0 + bc4_{i}) * {sbn}u + {kt} + bk4_{i}") };
+                let _ = writeln!(s, "    rb4_{i} = b4[(bbase + {at}) / 4u];");
             }
-            for i in 0..if a4 { 0 } else { na } {
+            for i in 0..if av { 0 } else { na } {
                 let _ = writeln!(
                     s,
                     "    ra{i} = {zero};\n    if (arok{i} && {kt} + ak{i} < k1) {{ ra{i} = ld_in{ai}(abase + (row0 + ar{i}) * {sam}u + ({kt} + ak{i}) * {sak}u); }}",
                     ai = a.input
                 );
             }
-            for i in 0..if b4 { 0 } else { nb } {
+            for i in 0..if bvec { 0 } else { nb } {
                 let _ = writeln!(
                     s,
                     "    rb{i} = {zero};\n    if (bcok{i} && {kt} + bk{i} < k1) {{ rb{i} = ld_in{bi}(bbase + ({kt} + bk{i}) * {sbk}u + (col0 + bc{i}) * {sbn}u); }}",
@@ -828,14 +838,14 @@ impl Gen<'_> {
             }
         };
         for i in 0..na {
-            if !a4 {
+            if !av {
                 let _ = writeln!(s, "    var ra{i}: {ct};");
             } else if i % 4 == 0 {
                 let _ = writeln!(s, "    var ra4_{}: vec4<f32>;", i / 4);
             }
         }
         for i in 0..nb {
-            if !b4 {
+            if !bvec {
                 let _ = writeln!(s, "    var rb{i}: {ct};");
             } else if i % 4 == 0 {
                 let _ = writeln!(s, "    var rb4_{}: vec4<f32>;", i / 4);
@@ -852,6 +862,10 @@ impl Gen<'_> {
                         let _ = writeln!(s, "    As[{base_a} + (ak4_{i} + {j}u) * {sa}u + ar4_{i} / 4u][ar4_{i} % 4u] = ra4_{i}[{j}];");
                     }
                 }
+            } else if a4m {
+                for i in 0..na / 4 {
+                    let _ = writeln!(s, "    As[{base_a} + ak4_{i} * {sa}u + ar4_{i} / 4u] = ra4_{i};");
+                }
             } else {
                 for i in 0..na {
                     let _ = writeln!(s, "    As[{base_a} + ak{i} * {sa}u + ar{i} / 4u][ar{i} % 4u] = ra{i};");
@@ -860,6 +874,12 @@ impl Gen<'_> {
             if b4 {
                 for i in 0..nb / 4 {
                     let _ = writeln!(s, "    Bs[{base_b} + bk4_{i} * {sb}u + bc4_{i} / 4u] = rb4_{i};");
+                }
+            } else if b4k {
+                for i in 0..nb / 4 {
+                    for j in 0..4 {
+                        let _ = writeln!(s, "    Bs[{base_b} + (bk4_{i} + {j}u) * {sb}u + bc4_{i} / 4u][bc4_{i} % 4u] = rb4_{i}[{j}];");
+                    }
                 }
             } else {
                 for i in 0..nb {
@@ -929,7 +949,7 @@ impl Gen<'_> {
             }
         }
         let split = if direct { String::new() } else { format!(" in {splits} splits") };
-        let vec = match (a4, b4) {
+        let vec = match (av, bvec) {
             (true, true) => " vec4 a b",
             (true, false) => " vec4 a",
             (false, true) => " vec4 b",
@@ -1108,6 +1128,11 @@ mod tests {
             // Whole tiles: vec4 loads of both operands, of `a` only (n = 130),
             // and batched with a view of `a` offset by one row.
             check(Variant::Tiled(tile), &[2, 256, 32], &[2, 32, 256], false, false, DType::F32);
+            // Whole tiles of transposed operands: `a` with m contiguous, `b`
+            // with k contiguous (a Linear layer's weight), each as vec4s.
+            for (ta, tb) in [(true, false), (false, true), (true, true)] {
+                check(Variant::Tiled(tile), &[2, 256, 32], &[2, 32, 256], ta, tb, DType::F32);
+            }
         }
         for tile in [TILES[0], TILES[6], TILES[7]] {
             check(Variant::Tiled(tile), &[256, 32], &[32, 130], false, false, DType::F32);
