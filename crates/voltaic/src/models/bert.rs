@@ -119,6 +119,70 @@ struct Layer {
     out: Linear,
     #[module(rename = "output.LayerNorm")]
     out_norm: LayerNorm,
+    /// The three input projections stacked into one product (see [`Layer::qkv`]).
+    #[module(skip)]
+    stacked: Mutex<Option<Stacked>>,
+}
+
+/// Query, key and value weights and biases stacked as one `[3h, h]` linear
+/// layer, with the six parameter values they were made from.
+struct Stacked {
+    from: Vec<Tensor>,
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Layer {
+    /// Queries, keys and values `[B, T, h]` of `x`, from one product with
+    /// the three weights stacked (`[B*T, h] x [h, 3h]`) rather than three:
+    /// a third of the dispatches, and for a batch of sentences three times
+    /// the output tiles to spread over the GPU (each `h x h` product left
+    /// an H100's SMs partly idle). Where gradients flow, the stacking is
+    /// part of the graph, so each weight gets its own; otherwise a stacked
+    /// copy is kept (made when the model is built, so a captured forward
+    /// pass sees the same graph on every call) and reused for as long as
+    /// the parameters hold the same tensors.
+    fn qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let Some(from) = self.stack_sources() else {
+            return Ok((self.query.forward(x)?, self.key.forward(x)?, self.value.forward(x)?));
+        };
+        if x.rank() == 0 || x.dims()[x.rank() - 1] != from[0].dims()[1] {
+            bail!(Shape, "Linear", "expected input [..., {}], got {:?}", from[0].dims()[1], x.dims());
+        }
+        let tracked = crate::is_grad_enabled() && from.iter().any(|t| t.is_tracked());
+        let (weight, bias) = if tracked {
+            (Tensor::cat(&[&from[0], &from[1], &from[2]], 0)?, Tensor::cat(&[&from[3], &from[4], &from[5]], 0)?)
+        } else {
+            self.stacked_copy(from)?
+        };
+        let h = weight.dims()[0] / 3;
+        // Under autocast the bias joins the product in its low type, as in `Linear`.
+        let y = x.matmul(&weight.t()?)?.add(crate::ops::autocast::low(&bias)?)?;
+        Ok((y.narrow(-1, 0, h)?, y.narrow(-1, h, h)?, y.narrow(-1, 2 * h, h)?))
+    }
+
+    /// The query, key and value weights, then their biases; `None` where a
+    /// bias is missing (the three then run apart).
+    fn stack_sources(&self) -> Option<Vec<Tensor>> {
+        let biases = [&self.query.bias, &self.key.bias, &self.value.bias].map(|b| b.as_ref().map(|b| b.value()));
+        let [Some(bq), Some(bk), Some(bv)] = biases else { return None };
+        Some(vec![self.query.weight.value(), self.key.weight.value(), self.value.weight.value(), bq, bk, bv])
+    }
+
+    /// The kept stacked weight and bias of `from`, made (and realized) anew
+    /// when the parameters hold other tensors than last time.
+    fn stacked_copy(&self, from: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
+        let mut kept = self.stacked.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = kept.as_ref().filter(|s| s.from.iter().zip(&from).all(|(a, b)| a.same_storage(b) && a.dims() == b.dims())) {
+            return Ok((s.weight.clone(), s.bias.clone()));
+        }
+        let d: Vec<Tensor> = from.iter().map(|t| t.detach()).collect();
+        let weight = Tensor::cat(&[&d[0], &d[1], &d[2]], 0)?;
+        let bias = Tensor::cat(&[&d[3], &d[4], &d[5]], 0)?;
+        Tensor::realize_all(&[&weight, &bias])?;
+        *kept = Some(Stacked { from, weight: weight.clone(), bias: bias.clone() });
+        Ok((weight, bias))
+    }
 }
 
 /// A BERT encoder with Hugging Face's parameter names (no `bert.` prefix):
@@ -171,7 +235,7 @@ impl BertModel {
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
             let p = format!("encoder.layer.{l}");
-            layers.push(Layer {
+            let layer = Layer {
                 query: w.linear(&format!("{p}.attention.self.query"), h, h)?,
                 key: w.linear(&format!("{p}.attention.self.key"), h, h)?,
                 value: w.linear(&format!("{p}.attention.self.value"), h, h)?,
@@ -180,7 +244,14 @@ impl BertModel {
                 inter: w.linear(&format!("{p}.intermediate.dense"), h, config.intermediate_size)?,
                 out: w.linear(&format!("{p}.output.dense"), config.intermediate_size, h)?,
                 out_norm: w.layer_norm(&format!("{p}.output.LayerNorm"), h, eps)?,
-            });
+                stacked: Mutex::new(None),
+            };
+            // Stacked now, not in the first forward pass: a captured pass
+            // would otherwise see a first call unlike the later ones.
+            if let Some(from) = layer.stack_sources() {
+                layer.stacked_copy(from)?;
+            }
+            layers.push(layer);
         }
         Ok(BertModel {
             word: w.get("embeddings.word_embeddings.weight", &[config.vocab_size, h])?,
@@ -246,9 +317,8 @@ impl BertModel {
         let scale = 1.0 / (d as f64).sqrt();
         for l in &self.layers {
             let split = |y: Tensor| y.reshape_dims(&[b, t, heads, d])?.permute(&[0, 2, 1, 3]);
-            let q = split(l.query.forward(&x)?)?;
-            let k = split(l.key.forward(&x)?)?;
-            let v = split(l.value.forward(&x)?)?;
+            let (q, k, v) = l.qkv(&x)?;
+            let (q, k, v) = (split(q)?, split(k)?, split(v)?);
             let scores = q.matmul(&k.transpose(-1, -2)?)?.mul(scale)?.add(&bias)?;
             let ctx = scores.softmax(-1)?.matmul(&v)?.permute(&[0, 2, 1, 3])?.reshape_dims(&[b, t, h])?;
             x = l.attn_norm.forward(&x.add(&l.attn_out.forward(&ctx)?)?)?;
@@ -480,4 +550,78 @@ pub fn minilm_dir() -> Result<std::path::PathBuf> {
 /// `$XDG_CACHE_HOME/voltaic`, else `~/.cache/voltaic`).
 pub fn minilm_cache_dir() -> Option<std::path::PathBuf> {
     crate::io::cache_dir().map(|d| d.join("python"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(device: Device) -> Layer {
+        let h = 8;
+        let w = Weights { file: None, path: Path::new("(initialised)"), device };
+        let l = |o, i| w.linear("t", i, o).unwrap();
+        let norm = || w.layer_norm("t", h, 1e-12).unwrap();
+        let layer = Layer {
+            query: l(h, h),
+            key: l(h, h),
+            value: l(h, h),
+            attn_out: l(h, h),
+            attn_norm: norm(),
+            inter: l(12, h),
+            out: l(h, 12),
+            out_norm: norm(),
+            stacked: Mutex::new(None),
+        };
+        // Biases other than BERT's zeros, so a misplaced one shows.
+        for p in [&layer.query, &layer.key, &layer.value] {
+            p.bias.as_ref().unwrap().set(Tensor::randn(&[h], DType::F32, device).unwrap()).unwrap();
+        }
+        layer
+    }
+
+    fn close(a: &Tensor, b: &Tensor, what: &str) {
+        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}[{i}]: stacked {x}, apart {y}");
+        }
+    }
+
+    /// The stacked product gives each projection's values and, where
+    /// gradients flow, each weight and bias its own gradient, as three
+    /// `Linear` layers do; without gradients its kept copy follows a
+    /// parameter that is given a new value.
+    #[test]
+    fn stacked_projections_match_three_linears_in_values_and_gradients() {
+        for device in [Device::Cpu, Device::Gpu(0)] {
+            let l = layer(device);
+            let x = Tensor::randn(&[2, 3, 8], DType::F32, device).unwrap();
+            let r: Vec<Tensor> = (0..3).map(|_| Tensor::randn(&[2, 3, 8], DType::F32, device).unwrap()).collect();
+            let loss = |q: &Tensor, k: &Tensor, v: &Tensor| q.mul(&r[0])?.add(&k.mul(&r[1])?)?.add(&v.mul(&r[2])?)?.sum_all();
+            let params = [&l.query, &l.key, &l.value];
+            let grads = |stacked: bool| -> Vec<Tensor> {
+                for p in params {
+                    p.weight.zero_grad();
+                    p.bias.as_ref().unwrap().zero_grad();
+                }
+                let (q, k, v) = if stacked { l.qkv(&x).unwrap() } else { (l.query.forward(&x).unwrap(), l.key.forward(&x).unwrap(), l.value.forward(&x).unwrap()) };
+                loss(&q, &k, &v).unwrap().backward().unwrap();
+                params.iter().flat_map(|p| [p.weight.grad().unwrap(), p.bias.as_ref().unwrap().grad().unwrap()]).collect()
+            };
+            let (apart, stacked) = (grads(false), grads(true));
+            for (i, (s, a)) in stacked.iter().zip(&apart).enumerate() {
+                close(s, a, &format!("{device} gradient {i}"));
+            }
+            let _g = crate::NoGradGuard::new();
+            let check = |what: &str| {
+                let (q, k, v) = l.qkv(&x).unwrap();
+                for (s, p) in [q, k, v].iter().zip(params) {
+                    close(s, &p.forward(&x).unwrap(), &format!("{device} {what}"));
+                }
+            };
+            check("values");
+            l.key.weight.set(Tensor::randn(&[8, 8], DType::F32, device).unwrap()).unwrap();
+            check("values after a new key weight");
+        }
+    }
 }
