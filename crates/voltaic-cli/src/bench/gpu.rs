@@ -26,6 +26,10 @@ pub const CASES: &[&str] = &[
     "matmul_f16_4096",
     "layernorm_rows_8192",
     "matmul_bf16_4096",
+    "linear_f32_8192x384x384",
+    "linear_f32_8192x384x1152",
+    "linear_f32_8192x384x1536",
+    "linear_f32_8192x1536x384",
 ];
 
 const TORCH_PEER: &str = include_str!("torch_peer.py");
@@ -111,13 +115,25 @@ fn as_f32(t: &Tensor) -> anyhow::Result<Vec<f32>> {
 }
 
 fn matmul_case(dev: Device, runs: usize, batch: &[usize], m: usize, k: usize, n: usize, dt: DType) -> anyhow::Result<(f64, String)> {
-    let bsz: usize = batch.iter().product();
-    let mut da = batch.to_vec();
-    da.extend([m, k]);
     let mut db = batch.to_vec();
     db.extend([k, n]);
+    product_case(dev, runs, batch, m, k, n, Tensor::randn(&db, dt, dev)?)
+}
+
+/// `x @ W^T` as a Linear layer runs it: `W` `[n, k]` stored row by row, so
+/// the product reads `b` with k contiguous (the shapes of MiniLM's
+/// encoder, hidden 384 and feed-forward 1536, for a batch of 64 sequences
+/// of 128 tokens).
+fn linear_case(dev: Device, runs: usize, m: usize, k: usize, n: usize) -> anyhow::Result<(f64, String)> {
+    let w = Tensor::randn(&[n, k], DType::F32, dev)?;
+    product_case(dev, runs, &[], m, k, n, w.t()?)
+}
+
+fn product_case(dev: Device, runs: usize, batch: &[usize], m: usize, k: usize, n: usize, b: Tensor) -> anyhow::Result<(f64, String)> {
+    let (bsz, dt): (usize, DType) = (batch.iter().product(), b.dtype());
+    let mut da = batch.to_vec();
+    da.extend([m, k]);
     let a = Tensor::randn(&da, dt, dev)?;
-    let b = Tensor::randn(&db, dt, dev)?;
     poison(dev, bsz * m * n)?;
     let c = a.matmul(&b)?;
     let tol = if dt == DType::F16 { 2e-2 } else { 1e-4 };
@@ -161,6 +177,10 @@ pub fn run_case(name: &str, dev: Device, runs: usize) -> anyhow::Result<(f64, St
         "gemv_f32_4096" => matmul_case(dev, runs, &[], 1, 4096, 4096, DType::F32),
         "matmul_f16_4096" => matmul_case(dev, runs, &[], 4096, 4096, 4096, DType::F16),
         "matmul_bf16_4096" => matmul_bf16_case(dev, runs, 4096),
+        "linear_f32_8192x384x384" => linear_case(dev, runs, 8192, 384, 384),
+        "linear_f32_8192x384x1152" => linear_case(dev, runs, 8192, 384, 1152),
+        "linear_f32_8192x384x1536" => linear_case(dev, runs, 8192, 384, 1536),
+        "linear_f32_8192x1536x384" => linear_case(dev, runs, 8192, 1536, 384),
         "add_f32_256m" => {
             let n = 1 << 28;
             let a = Tensor::randn(&[n], DType::F32, dev)?;

@@ -87,6 +87,12 @@ for c in cases:
         ms = mm_case(4096, 4096, 4096, dtype=torch.float16)
     elif c == "matmul_bf16_4096":
         ms = mm_case(4096, 4096, 4096, dtype=torch.bfloat16)
+    elif c.startswith("linear_f32_"):
+        m, k, n = (int(v) for v in c.removeprefix("linear_f32_").split("x"))
+        x = torch.randn(m, k, device=dev)
+        w = torch.randn(n, k, device=dev)
+        check(torch.nn.functional.linear(x[:8], w), x[:8].double() @ w.double().t(), 1e-4, "linear")
+        ms = median_ms(lambda: torch.nn.functional.linear(x, w))
     elif c == "add_f32_256m":
         a = torch.randn(1 << 28, device=dev)
         b = torch.randn(1 << 28, device=dev)
