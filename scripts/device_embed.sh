@@ -82,4 +82,47 @@ if [[ "$what" == *steps* ]]; then
         done
     done
 fi
+if [[ "$what" == *knobs* ]]; then
+    # embed_b64 under the submission settings, to find where a batch's time
+    # beyond its kernels goes.
+    .bin/voltaic bench --suite embed --device gpu --filter embed_b64 --no-peer > /dev/null 2>> "$OUT/err.txt"
+    for knob in "" VOLTAIC_SUBMIT_THREAD=0 VOLTAIC_BATCH_DISPATCHES=1 VOLTAIC_BATCH_DISPATCHES=1000 VOLTAIC_MAX_IN_FLIGHT=1 VOLTAIC_MAX_IN_FLIGHT=2 VOLTAIC_MAX_IN_FLIGHT=32 ""; do
+        echo "${knob:-default} $(env $knob .bin/voltaic bench --suite embed --device gpu --filter embed_b64 --no-peer --runs 5 --json 2>> "$OUT/err.txt")" | tee -a "$OUT/knobs.txt"
+    done
+fi
+if [[ "$what" == *clocks* ]]; then
+    # SM clock, power and throttle reasons every 50 ms while embed_b64 runs,
+    # Voltaic's loop and then PyTorch's.
+    .bin/voltaic bench --suite embed --device gpu --filter embed_b64 --no-peer > /dev/null 2>> "$OUT/err.txt"
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv -lms 50 > "$OUT/clocks.csv" &
+    smi=$!
+    sleep 1; echo "voltaic start $(date +%T.%N)" >> "$OUT/clocks-marks.txt"
+    .bin/voltaic bench --suite embed --device gpu --filter embed_b64 --no-peer --runs 20 2>> "$OUT/err.txt" | tee -a "$OUT/clocks-marks.txt"
+    echo "voltaic end $(date +%T.%N)" >> "$OUT/clocks-marks.txt"; sleep 1
+    echo "peer start $(date +%T.%N)" >> "$OUT/clocks-marks.txt"
+    .bin/voltaic bench --suite embed --device gpu --filter embed_b64 --runs 20 2>> "$OUT/err.txt" | tee -a "$OUT/clocks-marks.txt"
+    echo "peer end $(date +%T.%N)" >> "$OUT/clocks-marks.txt"
+    kill $smi
+fi
+if [[ "$what" == *tuning* ]]; then
+    # The tuner's choices for embed_b64's products in fresh processes (empty
+    # caches, measured before the first run), twice per binary, with the SM
+    # clock sampled meanwhile.
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50 > "$OUT/tuning-clocks.csv" &
+    smi=$!
+    for b in voltaic voltaic-before voltaic voltaic-before; do
+        echo "$b start $(date +%T.%N)" >> "$OUT/tuning-marks.txt"
+        VOLTAIC_CACHE_DIR=$(mktemp -d) VOLTAIC_AUTOTUNE=sync VOLTAIC_AUTOTUNE_LOG=2 .bin/$b bench --suite embed --device gpu --filter embed_b64 --runs 3 --no-peer 2>> "$OUT/tuning-$b.txt" | tee -a "$OUT/tuning-marks.txt"
+        echo "$b end $(date +%T.%N)" >> "$OUT/tuning-marks.txt"
+        grep "autotune: 1 8192.* -> " "$OUT/tuning-$b.txt" | tail -4
+    done
+    kill $smi
+fi
+if [[ "$what" == *fresh* ]]; then
+    # The embed suite as a first-time user runs it: each binary with an
+    # empty Voltaic cache (background tuning), PyTorch in the same run.
+    for b in voltaic voltaic-before voltaic; do
+        VOLTAIC_CACHE_DIR=$(mktemp -d) .bin/$b bench --suite embed --device gpu --json 2>> "$OUT/err.txt" | sed "s/^/$b /" | tee -a "$OUT/fresh.jsonl"
+    done
+fi
 (cd "$OUT" && tar czf /tmp/voltaic-out.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/voltaic-out.tgz "$OUT/all.tgz")
