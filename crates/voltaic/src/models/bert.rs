@@ -147,18 +147,10 @@ impl Layer {
         let Some(from) = self.stack_sources() else {
             return Ok((self.query.forward(x)?, self.key.forward(x)?, self.value.forward(x)?));
         };
-        if x.rank() == 0 || x.dims()[x.rank() - 1] != from[0].dims()[1] {
-            bail!(Shape, "Linear", "expected input [..., {}], got {:?}", from[0].dims()[1], x.dims());
-        }
         let tracked = crate::is_grad_enabled() && from.iter().any(|t| t.is_tracked());
-        let (weight, bias) = if tracked {
-            (Tensor::cat(&[&from[0], &from[1], &from[2]], 0)?, Tensor::cat(&[&from[3], &from[4], &from[5]], 0)?)
-        } else {
-            self.stacked_copy(from)?
-        };
+        let (weight, bias) = if tracked { stack(&from)? } else { self.stacked_copy(from)? };
         let h = weight.dims()[0] / 3;
-        // Under autocast the bias joins the product in its low type, as in `Linear`.
-        let y = x.matmul(&weight.t()?)?.add(crate::ops::autocast::low(&bias)?)?;
+        let y = crate::nn::linear(x, &weight, Some(&bias))?;
         Ok((y.narrow(-1, 0, h)?, y.narrow(-1, h, h)?, y.narrow(-1, 2 * h, h)?))
     }
 
@@ -177,13 +169,16 @@ impl Layer {
         if let Some(s) = kept.as_ref().filter(|s| s.from.iter().zip(&from).all(|(a, b)| a.same_storage(b) && a.dims() == b.dims())) {
             return Ok((s.weight.clone(), s.bias.clone()));
         }
-        let d: Vec<Tensor> = from.iter().map(|t| t.detach()).collect();
-        let weight = Tensor::cat(&[&d[0], &d[1], &d[2]], 0)?;
-        let bias = Tensor::cat(&[&d[3], &d[4], &d[5]], 0)?;
+        let (weight, bias) = stack(&from.iter().map(|t| t.detach()).collect::<Vec<_>>())?;
         Tensor::realize_all(&[&weight, &bias])?;
         *kept = Some(Stacked { from, weight: weight.clone(), bias: bias.clone() });
         Ok((weight, bias))
     }
+}
+
+/// The stacked weight and bias of [`Layer::stack_sources`]'s six tensors.
+fn stack(from: &[Tensor]) -> Result<(Tensor, Tensor)> {
+    Ok((Tensor::cat(&[&from[0], &from[1], &from[2]], 0)?, Tensor::cat(&[&from[3], &from[4], &from[5]], 0)?))
 }
 
 /// A BERT encoder with Hugging Face's parameter names (no `bert.` prefix):

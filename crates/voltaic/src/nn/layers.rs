@@ -29,16 +29,22 @@ impl Linear {
 
 impl Forward for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.weight.value();
-        if x.rank() == 0 || x.dims()[x.rank() - 1] != w.dims()[1] {
-            bail!(Shape, "Linear", "expected input [..., {}], got {:?}", w.dims()[1], x.dims());
-        }
-        let y = x.matmul(&w.t()?)?;
-        match &self.bias {
-            // Under autocast the bias joins the product in its low type (as torch's addmm).
-            Some(b) => y.add(crate::ops::autocast::low(&b.value())?),
-            None => Ok(y),
-        }
+        linear(x, &self.weight.value(), self.bias.as_ref().map(|b| b.value()).as_ref())
+    }
+}
+
+/// `x @ weight^T + bias` for tensors rather than a module's parameters
+/// (PyTorch `F.linear`): what [`Linear`] runs, and what a model that
+/// stacks several layers' weights into one product runs on the stack.
+pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if x.rank() == 0 || x.dims()[x.rank() - 1] != weight.dims()[1] {
+        bail!(Shape, "Linear", "expected input [..., {}], got {:?}", weight.dims()[1], x.dims());
+    }
+    let y = x.matmul(&weight.t()?)?;
+    match bias {
+        // Under autocast the bias joins the product in its low type (as torch's addmm).
+        Some(b) => y.add(crate::ops::autocast::low(b)?),
+        None => Ok(y),
     }
 }
 

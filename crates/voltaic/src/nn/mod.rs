@@ -20,6 +20,7 @@ pub mod init;
 mod layers;
 mod loss;
 
+pub(crate) use layers::linear;
 pub use layers::{AvgPool2d, BatchNorm, BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, LayerNorm, Linear, MaxPool2d};
 pub use loss::{binary_cross_entropy_with_logits, nll_loss};
 

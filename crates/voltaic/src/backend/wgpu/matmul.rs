@@ -756,11 +756,11 @@ impl Gen<'_> {
         // a time.
         let a4m = ct == "f32" && f32_in(a) && sam == 1 && sak != 1 && whole_k && m.is_multiple_of(bm) && na % 4 == 0 && aligned(la, sak);
         let b4k = ct == "f32" && f32_in(bv) && sbk == 1 && sbn != 1 && whole_k && n.is_multiple_of(bn) && nb % 4 == 0 && aligned(lb, sbn);
-        let (av, bvec) = (a4 || a4m, b4 || b4k);
-        if av {
+        let (a_vec, b_vec) = (a4 || a4m, b4 || b4k);
+        if a_vec {
             sh.bind_raw(Src::Input(a.input), "a4", "array<vec4<f32>>", false);
         }
-        if bvec {
+        if b_vec {
             sh.bind_raw(Src::Input(bv.input), "b4", "array<vec4<f32>>", false);
         }
         let tx_n = bn / tn;
@@ -795,12 +795,12 @@ impl Gen<'_> {
                 let _ = writeln!(s, "    let bc4_{i} = {e} / {}u;\n    let bk4_{i} = ({e} % {}u) * 4u;", bk / 4, bk / 4);
             }
         }
-        for i in 0..if av { 0 } else { na } {
+        for i in 0..if a_vec { 0 } else { na } {
             let e = format!("(lid + {}u)", i * threads);
             let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
             let _ = writeln!(s, "    let ar{i} = {ar};\n    let ak{i} = {ak};\n    let arok{i} = row0 + ar{i} < {m}u;");
         }
-        for i in 0..if bvec { 0 } else { nb } {
+        for i in 0..if b_vec { 0 } else { nb } {
             let e = format!("(lid + {}u)", i * threads);
             let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
             let _ = writeln!(s, "    let bc{i} = {bc};\n    let bk{i} = {bkk};\n    let bcok{i} = col0 + bc{i} < {n}u;");
@@ -814,22 +814,22 @@ impl Gen<'_> {
         }
         // Global loads of step `kt` into registers.
         let load = |s: &mut String, kt: &str| {
-            for i in 0..if av { na / 4 } else { 0 } {
+            for i in 0..if a_vec { na / 4 } else { 0 } {
                 let at = if a4 { format!("(row0 + ar4_{i}) * {sam}u + {kt} + ak4_{i}") } else { format!("({kt} + ak4_{i}) * {sak}u + row0 + ar4_{i}") };
                 let _ = writeln!(s, "    ra4_{i} = a4[(abase + {at}) / 4u];");
             }
-            for i in 0..if bvec { nb / 4 } else { 0 } {
+            for i in 0..if b_vec { nb / 4 } else { 0 } {
                 let at = if b4 { format!("({kt} + bk4_{i}) * {sbk}u + col0 + bc4_{i}") } else { format!("(col0 + bc4_{i}) * {sbn}u + {kt} + bk4_{i}") };
                 let _ = writeln!(s, "    rb4_{i} = b4[(bbase + {at}) / 4u];");
             }
-            for i in 0..if av { 0 } else { na } {
+            for i in 0..if a_vec { 0 } else { na } {
                 let _ = writeln!(
                     s,
                     "    ra{i} = {zero};\n    if (arok{i} && {kt} + ak{i} < k1) {{ ra{i} = ld_in{ai}(abase + (row0 + ar{i}) * {sam}u + ({kt} + ak{i}) * {sak}u); }}",
                     ai = a.input
                 );
             }
-            for i in 0..if bvec { 0 } else { nb } {
+            for i in 0..if b_vec { 0 } else { nb } {
                 let _ = writeln!(
                     s,
                     "    rb{i} = {zero};\n    if (bcok{i} && {kt} + bk{i} < k1) {{ rb{i} = ld_in{bi}(bbase + ({kt} + bk{i}) * {sbk}u + (col0 + bc{i}) * {sbn}u); }}",
@@ -838,14 +838,14 @@ impl Gen<'_> {
             }
         };
         for i in 0..na {
-            if !av {
+            if !a_vec {
                 let _ = writeln!(s, "    var ra{i}: {ct};");
             } else if i % 4 == 0 {
                 let _ = writeln!(s, "    var ra4_{}: vec4<f32>;", i / 4);
             }
         }
         for i in 0..nb {
-            if !bvec {
+            if !b_vec {
                 let _ = writeln!(s, "    var rb{i}: {ct};");
             } else if i % 4 == 0 {
                 let _ = writeln!(s, "    var rb4_{}: vec4<f32>;", i / 4);
@@ -949,7 +949,7 @@ impl Gen<'_> {
             }
         }
         let split = if direct { String::new() } else { format!(" in {splits} splits") };
-        let vec = match (av, bvec) {
+        let vec = match (a_vec, b_vec) {
             (true, true) => " vec4 a b",
             (true, false) => " vec4 a",
             (false, true) => " vec4 b",
