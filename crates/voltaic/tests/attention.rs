@@ -161,6 +161,42 @@ fn masked_chunks_and_no_keys() {
     }
 }
 
+/// BERT's layout: heads split from a `[B, T, heads * d]` projection (leading
+/// dims that do not flatten into one), a padding mask `[B, 1, 1, T]`
+/// broadcast over heads and queries, on the GPU and the CPU, against f64
+/// loops.
+#[test]
+fn heads_of_a_projection_with_a_padding_mask() {
+    let mut rng = Rng::new(23);
+    let (b, t, heads, d) = (16, 40, 8, 8);
+    let h = heads * d;
+    let (pq, pk, pv) = (rng.normals(b * t * h), rng.normals(b * t * h), rng.normals(b * t * h));
+    let lens: Vec<usize> = (0..b).map(|i| 1 + (i * 7) % t).collect();
+    let bias: Vec<f64> = (0..b * t).map(|x| if x % t < lens[x / t] { 0.0 } else { -1e9 }).collect();
+    let mut want = vec![0.0; b * heads * t * d];
+    for bi in 0..b {
+        for hi in 0..heads {
+            for i in 0..t {
+                let at = |p: &[f64], j: usize, c: usize| p[(bi * t + j) * h + hi * d + c];
+                let s: Vec<f64> = (0..t).map(|j| (0..d).map(|c| at(&pq, i, c) * at(&pk, j, c)).sum::<f64>() * 0.25 + bias[bi * t + j]).collect();
+                let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                let total: f64 = w.iter().sum();
+                for c in 0..d {
+                    want[((bi * heads + hi) * t + i) * d + c] = (0..t).map(|j| w[j] * at(&pv, j, c)).sum::<f64>() / total;
+                }
+            }
+        }
+    }
+    for dev in [Device::Cpu, gpu()] {
+        let split = |p: &[f64]| tensor(p, &[b, t, h], dev).reshape_dims(&[b, t, heads, d]).unwrap().permute(&[0, 2, 1, 3]).unwrap();
+        let mask = tensor(&bias, &[b, 1, 1, t], dev);
+        let got = split(&pq).scaled_dot_product_attention(&split(&pk), &split(&pv), Some(&mask), Some(0.25)).unwrap();
+        assert_eq!(got.dims(), [b, heads, t, d]);
+        close(&got.to_f64_vec().unwrap(), &want, 1e-4, &format!("{dev}"));
+    }
+}
+
 /// Tracked inputs take the differentiable form: the same values, and
 /// gradients that match finite differences.
 #[test]

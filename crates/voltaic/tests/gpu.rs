@@ -510,9 +510,11 @@ fn large_contiguous_elementwise_kernels_match_cpu() {
 #[test]
 fn row_wise_work_runs_in_one_kernel_and_matches_cpu() {
     let mut rng = Rng::new(21);
-    // A thread per row (short rows), 64- and 256-wide workgroups per row.
+    // A thread per row (short rows), 64- and 256-wide workgroups per row,
+    // and segments of 32 threads for many rows (a partial last workgroup
+    // of 8 rows; rows shorter than a segment's four trips and longer).
     // (Rows of at most 8 are unrolled into elementwise code instead.)
-    for dims in [[300, 19], [37, 50], [40, 700], [5, 3001]] {
+    for dims in [[300, 19], [37, 50], [40, 700], [5, 3001], [1029, 37], [1100, 160], [1024, 1024]] {
         let x = randn(&mut rng, &dims, DType::F32).mul(3.0).unwrap();
         let n = dims[1];
         let g = randn(&mut rng, &[n], DType::F32);
@@ -534,16 +536,22 @@ fn row_wise_work_runs_in_one_kernel_and_matches_cpu() {
             t[0].sub(&t[0].min(&[-1], true)?)?.div(&t[0].abs()?.add(1.0)?.log()?.sum(&[-1], true)?.exp()?)
         });
     }
-    // A row holding NaN is NaN throughout, as on the CPU; infinities too.
-    let mut v: Vec<f32> = (0..4 * 40).map(|i| (i as f32 * 0.37).sin()).collect();
-    v[45] = f32::NAN;
-    v[100] = f32::INFINITY;
-    let x = Tensor::from_vec(v, &[4, 40], Device::Cpu).unwrap();
-    same("softmax with NaN and inf", &[x], 1e-5, 1e-7, |t| t[0].softmax(-1));
+    // A row holding NaN is NaN throughout, as on the CPU; infinities too
+    // (workgroup rows and segments).
+    for rows in [4, 1030] {
+        let mut v: Vec<f32> = (0..rows * 40).map(|i| (i as f32 * 0.37).sin()).collect();
+        v[45] = f32::NAN;
+        v[100] = f32::INFINITY;
+        v[rows * 40 - 3] = f32::NAN;
+        let x = Tensor::from_vec(v, &[rows, 40], Device::Cpu).unwrap();
+        same(&format!("softmax with NaN and inf, {rows} rows"), &[x], 1e-5, 1e-7, |t| t[0].softmax(-1));
+    }
     // f16 rows compute in f32.
-    let h = randn(&mut rng, &[33, 70], DType::F32);
-    for dt in half_dtypes() {
-        same(&format!("{dt} softmax rows"), &[h.to_dtype(dt).unwrap()], 1e-2, 1e-3, |t| t[0].softmax(-1));
+    for dims in [[33, 70], [1030, 70]] {
+        let h = randn(&mut rng, &dims, DType::F32);
+        for dt in half_dtypes() {
+            same(&format!("{dt} softmax rows {dims:?}"), &[h.to_dtype(dt).unwrap()], 1e-2, 1e-3, |t| t[0].softmax(-1));
+        }
     }
     // Results someone keeps are not folded away: the max is asked for too.
     let x = randn(&mut rng, &[20, 30], DType::F32).to_device(gpu()).unwrap();

@@ -90,9 +90,10 @@ pub enum IndexOp {
     /// dequantized to f32: `[index len, cols]`; inputs (blocks, index).
     Dequantize { qtype: crate::quant::GgmlType, cols: usize, caller: Caller },
     /// `softmax(q @ k^T * scale + mask) @ v` in one pass over the keys (an
-    /// online softmax): q `[B, M, D]`, k `[B, N, D]`, v `[B, N, E]`, an
-    /// additive float mask seen as `[B, M, N]` (broadcast views allowed);
-    /// `[B, M, E]`; inputs (q, k, v, mask).
+    /// online softmax): q `[..., M, D]`, k `[..., N, D]`, v `[..., N, E]`
+    /// with the same leading dims (at least one), an additive float mask
+    /// seen as `[..., M, N]` (broadcast views allowed); `[..., M, E]`;
+    /// inputs (q, k, v, mask).
     Attention { scale: f64 },
 }
 

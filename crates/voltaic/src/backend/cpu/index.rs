@@ -31,7 +31,9 @@ pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DT
 fn attention(scale: f64, args: &[View], inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
     let (qd, kd, vd) = (q.layout.dims(), k.layout.dims(), v.layout.dims());
-    let (b, m, d, n, e) = (qd[0], qd[1], qd[2], kd[1], vd[2]);
+    // Leading dims in row-major order, as the dense copies below hold them.
+    let r = qd.len();
+    let (b, m, d, n, e) = (qd[..r - 2].iter().product::<usize>(), qd[r - 2], qd[r - 1], kd[r - 2], vd[r - 1]);
     let (qv, kv, vv, mv) = (dense_f32(q, inputs), dense_f32(k, inputs), dense_f32(v, inputs), dense_f32(mask, inputs));
     let mut out = vec![0f32; b * m * e];
     use rayon::prelude::*;

@@ -42,11 +42,12 @@ impl Gen<'_> {
     }
 
     /// `softmax(q k^T * scale + mask) v` (see `IndexOp::Attention`), a
-    /// workgroup per query row: the keys go by in chunks of `ATT_WG`, a thread
-    /// per key computing its score, and an online softmax rescales the
-    /// running sum and each thread's output elements when a chunk raises
+    /// workgroup per query row: the keys go by in chunks of `ATT_WG`, a
+    /// thread per key computing its score, and an online softmax rescales
+    /// the running sum and each thread's output elements when a chunk raises
     /// the maximum. The scores are never stored: one kernel where the
-    /// unfused form is two products and a softmax.
+    /// unfused form is two products and a softmax. The leading dims are
+    /// walked as they lie (heads split from a projection do not flatten).
     fn attention(&self, scale: f64, args: &[View]) -> Dispatch {
         const ATT_WG: usize = 64;
         let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
@@ -54,30 +55,34 @@ impl Gen<'_> {
         self.bind_inputs(&mut sh, &[q.input, k.input, v.input, mask.input]);
         self.bind_out(&mut sh);
         let (qd, kd, vd) = (q.layout.dims(), k.layout.dims(), v.layout.dims());
-        let (rows, m, d, n, e) = (qd[0] * qd[1], qd[1].max(1), qd[2], kd[1], vd[2]);
+        let r = qd.len();
+        let lead_dims = &qd[..r - 2];
+        let (m, d, n, e) = (qd[r - 2].max(1), qd[r - 1], kd[r - 2], vd[r - 1]);
+        let rows = lead_dims.iter().product::<usize>() * qd[r - 2];
         // Output elements each thread owns: e = lid, lid + ATT_WG, ...
         let per = e.div_ceil(ATT_WG).max(1);
         sh.decl(&format!("var<workgroup> qs: array<f32, {}>;", d.max(1)));
         sh.decl(&format!("var<workgroup> red: array<f32, {ATT_WG}>;"));
-        let at = |l: &Layout, digits: [&str; 3]| strided(&digits.map(String::from), l);
         let (qi, ki, vi, mi) = (q.input, k.input, v.input, mask.input);
         let mut b = String::new();
         // `row` is uniform across the workgroup, so the barriers below are too.
         let _ = writeln!(b, "    let row = group;\n    if (row >= {rows}u) {{ return; }}\n    let bi = row / {m}u;\n    let mi = row % {m}u;");
-        let _ = writeln!(b, "    for (var i = lid; i < {d}u; i = i + {ATT_WG}u) {{ qs[i] = ld_in{qi}({}); }}", at(&q.layout, ["bi", "mi", "i"]));
+        let lead = unravel(&mut b, &mut sh, "bi", lead_dims);
+        let at = |l: &Layout, tail: [&str; 2]| at_lead(&lead, l, tail);
+        let _ = writeln!(b, "    for (var i = lid; i < {d}u; i = i + {ATT_WG}u) {{ qs[i] = ld_in{qi}({}); }}", at(&q.layout, ["mi", "i"]));
         // The running maximum starts at -inf: a finite sentinel would sit
         // above scores masked with f32::MIN and zero their weights.
         let _ = writeln!(b, "    workgroupBarrier();\n    let ninf = bitcast<f32>(0xff800000u);\n    var mx = ninf;\n    var l = 0.0;\n    var acc: array<f32, {per}>;");
         let _ = writeln!(b, "    for (var c = 0u; c < {n}u; c = c + {ATT_WG}u) {{\n    let p = c + lid;\n    var s = ninf;\n    if (p < {n}u) {{");
-        let _ = writeln!(b, "        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["bi", "p", "i"]));
-        let _ = writeln!(b, "        s = dot * {} + ld_in{mi}({});\n    }}", literal(scale, DType::F32), at(&mask.layout, ["bi", "mi", "p"]));
+        let _ = writeln!(b, "        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["p", "i"]));
+        let _ = writeln!(b, "        s = dot * {} + ld_in{mi}({});\n    }}", literal(scale, DType::F32), at(&mask.layout, ["mi", "p"]));
         let _ = writeln!(b, "    red[lid] = s;\n    workgroupBarrier();\n    var cm = ninf;\n    for (var j = 0u; j < {ATT_WG}u; j = j + 1u) {{ cm = max(cm, red[j]); }}");
         // While every score so far is -inf nothing is accumulated (weights 0, scale 1).
         let _ = writeln!(b, "    let nm = max(mx, cm);\n    let w = select(0.0, exp(s - nm), p < {n}u && nm > ninf);\n    let alpha = select(exp(mx - nm), 1.0, mx == nm);\n    workgroupBarrier();\n    red[lid] = w;\n    workgroupBarrier();");
         let _ = writeln!(b, "    l = l * alpha;\n    for (var r = 0u; r < {per}u; r = r + 1u) {{ acc[r] = acc[r] * alpha; }}");
         let _ = writeln!(b, "    let cnt = min({ATT_WG}u, {n}u - c);\n    for (var j = 0u; j < cnt; j = j + 1u) {{\n        let wj = red[j];\n        l = l + wj;\n        let pj = c + j;");
         for r in 0..per {
-            let _ = writeln!(b, "        {{ let ee = lid + {}u; if (ee < {e}u) {{ acc[{r}] = acc[{r}] + wj * ld_in{vi}({}); }} }}", r * ATT_WG, at(&v.layout, ["bi", "pj", "ee"]));
+            let _ = writeln!(b, "        {{ let ee = lid + {}u; if (ee < {e}u) {{ acc[{r}] = acc[{r}] + wj * ld_in{vi}({}); }} }}", r * ATT_WG, at(&v.layout, ["pj", "ee"]));
         }
         let _ = writeln!(b, "    }}\n    mx = nm;\n    workgroupBarrier();\n    }}");
         for r in 0..per {
@@ -564,3 +569,11 @@ fn strided_all(digits: &[String], l: &Layout) -> String {
     format!("({})", terms.join(" + "))
 }
 
+
+/// The offset of element `tail` (two digits) of `l`, whose leading dims are
+/// at the digits `lead`.
+fn at_lead(lead: &[String], l: &Layout, tail: [&str; 2]) -> String {
+    let mut digits = lead.to_vec();
+    digits.extend(tail.map(String::from));
+    strided(&digits, l)
+}

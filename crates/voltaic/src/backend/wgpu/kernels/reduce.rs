@@ -263,6 +263,17 @@ impl Reduction {
         )
     }
 
+    /// [`Self::workgroup_fold`] within segments of `width` threads (a power
+    /// of two dividing the workgroup; `lane` is the thread's place in its
+    /// segment): every thread of a segment ends with the segment's value.
+    pub(crate) fn segment_fold(&self, a: &str, width: u32) -> String {
+        format!(
+            "    sv[lid] = {a};\n    workgroupBarrier();\n    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if (lane < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    {a} = sv[lid - lane];\n    workgroupBarrier();",
+            width / 2,
+            self.fold("x", "0u", "sv[lid + w]", "0u")
+        )
+    }
+
     /// The output value from the final accumulator.
     pub(crate) fn finish(&self, a: &str, ai: &str) -> String {
         if self.op.is_arg() {

@@ -2,6 +2,9 @@
 
 use super::reduce::Reduction;
 use super::{groups, Gen, PER, WG};
+
+/// Threads per row of a segmented row kernel.
+const SEG: u32 = 32;
 use crate::backend::wgpu::codegen::{cast, compute_ty, emit_expr_with, Dispatch, Indexer, Shader};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -15,27 +18,46 @@ pub(crate) fn stage_values(st: &RowStage) -> Vec<(usize, String)> {
 }
 
 impl Gen<'_> {
-    /// Row-wise stages in one pass: a thread per row for short rows, else a
-    /// workgroup per row whose threads stride along it and combine each
-    /// reduction in shared memory. Loads of earlier stages read `st{s}`.
+    /// Row-wise stages in one pass: a thread per row for short rows; a
+    /// segment of `SEG` threads per row, several rows to a workgroup, for
+    /// many rows of moderate length (a softmax over attention scores); else
+    /// a workgroup per row. Threads stride along their row and combine
+    /// each reduction in shared memory. Loads of earlier stages read `st{s}`.
     pub(crate) fn rows(&self, outer: usize, inner: usize, stages: &[RowStage], out: &RowStage) -> Result<Dispatch> {
         let mut sh = self.shader();
         let used: Vec<usize> = (0..self.inputs.len()).collect();
         self.bind_inputs(&mut sh, &used);
         self.bind_out(&mut sh);
         let threaded = inner <= 32;
-        let wg: u32 = if threaded || inner > 2048 { WG } else { 64 };
+        // A workgroup per row leaves most of a 64-thread group waiting on
+        // its barriers when a row is a few hundred elements, and the rows
+        // then run in many waves (98,304 rows of 128 for BERT's softmax at
+        // batch 64); segments keep the threads busy and the waves few.
+        let segmented = !threaded && inner <= 1024 && outer >= 1024;
+        let wg: u32 = if threaded || segmented || inner > 2048 { WG } else { 64 };
+        // Threads per row.
+        let seg: u32 = if threaded { 1 } else if segmented { SEG } else { wg };
         let mut b = String::new();
         if threaded {
             let _ = writeln!(b, "    let row = group * {wg}u + lid;\n    if (row >= {outer}u) {{ return; }}");
+        } else if segmented {
+            // Every thread reaches every barrier: a row past the end reads
+            // the last row again and stores nothing.
+            let _ = writeln!(
+                b,
+                "    let lane = lid % {seg}u;\n    let row0 = group * {}u + lid / {seg}u;\n    let live = row0 < {outer}u;\n    let row = min(row0, {}u);",
+                wg / seg,
+                outer - 1
+            );
+            sh.decl(&format!("var<workgroup> sv: array<f32, {wg}>;"));
         } else {
             // `row` is uniform across the workgroup, so the barriers below are too.
             let _ = writeln!(b, "    let row = group;\n    if (row >= {outer}u) {{ return; }}");
             sh.decl(&format!("var<workgroup> sv: array<f32, {wg}>;"));
         }
-        let (j0, step) = if threaded { ("0u", 1) } else { ("lid", wg) };
+        let (j0, step) = if threaded { ("0u", 1) } else if segmented { ("lane", seg) } else { ("lid", wg) };
         // `unroll` elements per thread and trip: that many loads in flight.
-        let unroll: u32 = if !threaded && inner as u32 >= 4 * wg { PER } else { 1 };
+        let unroll: u32 = if !threaded && inner as u32 >= 4 * step { PER } else { 1 };
         // The loop over a row's elements: `body(u)` sees `l`, the element's linear index.
         let over_row = |b: &mut String, sh: &mut Shader, st: &RowStage, emit: &dyn Fn(u32, &str) -> String| -> Result<()> {
             let _ = writeln!(b, "    for (var j = {j0}; j < {inner}u; j = j + {}u) {{", step * unroll);
@@ -76,15 +98,23 @@ impl Gen<'_> {
             for u in 1..unroll {
                 let _ = writeln!(b, "    {}", fold("acc", &format!("acc{u}")));
             }
-            if !threaded {
+            if segmented {
+                let _ = writeln!(b, "{}", r.segment_fold("acc", seg));
+            } else if !threaded {
                 let _ = writeln!(b, "{}", r.workgroup_fold("acc", wg));
             }
             let _ = writeln!(b, "    st{s} = {};\n    }}", r.finish("acc", "0u"));
         }
         let (odt, edt) = (self.out.0, out.expr.dtype());
         sh.set_const_base(bases[stages.len()]);
+        if segmented {
+            let _ = writeln!(b, "    if (live) {{");
+        }
         over_row(&mut b, &mut sh, out, &|_, v| format!("st_out(l, {});", cast(edt, odt, v)))?;
-        let groups = if threaded { groups(outer, wg) } else { outer as u64 };
+        if segmented {
+            let _ = writeln!(b, "    }}");
+        }
+        let groups = if threaded { groups(outer, wg) } else if segmented { groups(outer, wg / seg) } else { outer as u64 };
         Ok(sh.finish(format!("rows {outer}x{inner} ({} stages)", stages.len()), wg, groups, &b))
     }
 }
