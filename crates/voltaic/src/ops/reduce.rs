@@ -279,8 +279,11 @@ impl Tensor {
         }
     }
 
-    /// Softmax along `dim`. Runs as three kernels: max, sum of exp, normalise
-    /// (the exponentials are recomputed rather than stored).
+    /// Softmax along `dim`: on a GPU one row kernel (max, sum of exp and
+    /// the normalised values in one pass over each row, the exponentials
+    /// recomputed rather than stored). Its gradient needs only the result,
+    /// `y * (g - sum(g * y))`, so neither the maximum nor the sum is kept
+    /// for the backward pass (kept, each would be a kernel of its own).
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
         let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let d = norm_axis("softmax", dim, x.rank().max(1))? as isize;
@@ -290,13 +293,21 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        // The shift cancels out of the result, so no gradient flows through it.
-        let m = x.max(&[d], true)?.detach();
-        let s = x.sub(&m)?.exp()?.sum(&[d], true)?;
-        x.sub(&m)?.exp()?.div(&s)
+        let y = {
+            let _g = crate::NoGradGuard::new();
+            let m = x.max(&[d], true)?;
+            let s = x.sub(&m)?.exp()?.sum(&[d], true)?;
+            x.sub(&m)?.exp()?.div(&s)?
+        };
+        let out = y.clone();
+        Ok(y.track(&[&x], move |g, _| {
+            let gy = g.mul(&out)?;
+            Ok(vec![Some(gy.sub(&out.mul(&gy.sum(&[d], true)?)?)?)])
+        }))
     }
 
-    /// Log of the softmax along `dim`, computed stably.
+    /// Log of the softmax along `dim`, computed stably (one row kernel on a
+    /// GPU). Its gradient, `g - exp(y) * sum(g)`, needs only the result.
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
         let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let d = norm_axis("log_softmax", dim, x.rank().max(1))? as isize;
@@ -306,9 +317,14 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        let m = x.max(&[d], true)?.detach();
-        let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;
-        x.sub(&m)?.sub(&lse)
+        let y = {
+            let _g = crate::NoGradGuard::new();
+            let m = x.max(&[d], true)?;
+            let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;
+            x.sub(&m)?.sub(&lse)?
+        };
+        let out = y.clone();
+        Ok(y.track(&[&x], move |g, _| Ok(vec![Some(g.sub(&out.exp()?.mul(&g.sum(&[d], true)?)?)?)])))
     }
 
     /// Inclusive cumulative sum along `dim` (bool counts as i32).
