@@ -279,11 +279,8 @@ impl Tensor {
         }
     }
 
-    /// Softmax along `dim`: on a GPU one row kernel (max, sum of exp and
-    /// the normalised values in one pass over each row, the exponentials
-    /// recomputed rather than stored). Its gradient needs only the result,
-    /// `y * (g - sum(g * y))`, so neither the maximum nor the sum is kept
-    /// for the backward pass (kept, each would be a kernel of its own).
+    /// Softmax along `dim`. Runs as three kernels: max, sum of exp, normalise
+    /// (the exponentials are recomputed rather than stored).
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
         let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let d = norm_axis("softmax", dim, x.rank().max(1))? as isize;
@@ -293,21 +290,13 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        let y = {
-            let _g = crate::NoGradGuard::new();
-            let m = x.max(&[d], true)?;
-            let s = x.sub(&m)?.exp()?.sum(&[d], true)?;
-            x.sub(&m)?.exp()?.div(&s)?
-        };
-        let out = y.clone();
-        Ok(y.track(&[&x], move |g, _| {
-            let gy = g.mul(&out)?;
-            Ok(vec![Some(gy.sub(&out.mul(&gy.sum(&[d], true)?)?)?)])
-        }))
+        // The shift cancels out of the result, so no gradient flows through it.
+        let m = x.max(&[d], true)?.detach();
+        let s = x.sub(&m)?.exp()?.sum(&[d], true)?;
+        x.sub(&m)?.exp()?.div(&s)
     }
 
-    /// Log of the softmax along `dim`, computed stably (one row kernel on a
-    /// GPU). Its gradient, `g - exp(y) * sum(g)`, needs only the result.
+    /// Log of the softmax along `dim`, computed stably.
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
         let x = self.to_dtype(super::autocast::full(self.dtype()))?;
         let d = norm_axis("log_softmax", dim, x.rank().max(1))? as isize;
@@ -317,14 +306,9 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        let y = {
-            let _g = crate::NoGradGuard::new();
-            let m = x.max(&[d], true)?;
-            let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;
-            x.sub(&m)?.sub(&lse)?
-        };
-        let out = y.clone();
-        Ok(y.track(&[&x], move |g, _| Ok(vec![Some(g.sub(&out.exp()?.mul(&g.sum(&[d], true)?)?)?)])))
+        let m = x.max(&[d], true)?.detach();
+        let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;
+        x.sub(&m)?.sub(&lse)
     }
 
     /// Inclusive cumulative sum along `dim` (bool counts as i32).
