@@ -569,7 +569,6 @@ fn strided_all(digits: &[String], l: &Layout) -> String {
     format!("({})", terms.join(" + "))
 }
 
-
 /// The offset of element `tail` (two digits) of `l`, whose leading dims are
 /// at the digits `lead`.
 fn at_lead(lead: &[String], l: &Layout, tail: [&str; 2]) -> String {

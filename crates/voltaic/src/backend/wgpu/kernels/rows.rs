@@ -2,14 +2,14 @@
 
 use super::reduce::Reduction;
 use super::{groups, Gen, PER, WG};
-
-/// Threads per row of a segmented row kernel.
-const SEG: u32 = 32;
 use crate::backend::wgpu::codegen::{cast, compute_ty, emit_expr_with, Dispatch, Indexer, Shader};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ir::RowStage;
 use std::fmt::Write;
+
+/// Threads per row of a segmented row kernel.
+const SEG: u32 = 32;
 
 /// The names of the earlier stages' values that `st`'s loads stand for
 /// (`st{s}`), for `emit_expr_with`.
