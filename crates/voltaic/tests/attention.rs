@@ -114,7 +114,7 @@ fn one_kernel_attention_matches_f64_loops_and_the_cpu() {
 }
 
 /// Leading dims and a mask broadcast over them (`[1, 1, M, N]` against
-/// `[2, 3, M, N]` scores), as grouped-query attention uses it.
+/// `[2, 3, M, N]` scores), as grouped-query attention uses it; and none.
 #[test]
 fn leading_dims_and_broadcast_masks() {
     let mut rng = Rng::new(9);
@@ -131,6 +131,13 @@ fn leading_dims_and_broadcast_masks() {
         // Empty queries give an empty result.
         let none = q.narrow(2, 0, 0).unwrap().scaled_dot_product_attention(&k, &v, None, None).unwrap();
         assert_eq!(none.dims(), [2, 3, 0, d]);
+        // No leading dims at all: one head [M, D], a mask [M, N].
+        let (q2, k2, v2) = (tensor(&rng.normals(m * d), &[m, d], dev), tensor(&rng.normals(n * d), &[n, d], dev), tensor(&rng.normals(n * d), &[n, d], dev));
+        let mask2 = mask.reshape_dims(&[m, n]).unwrap();
+        let got = q2.scaled_dot_product_attention(&k2, &v2, Some(&mask2), None).unwrap();
+        let manual = q2.matmul(&k2.t().unwrap()).unwrap().mul(1.0 / (d as f64).sqrt()).unwrap().add(&mask2).unwrap().softmax(-1).unwrap().matmul(&v2).unwrap();
+        assert_eq!(got.dims(), [m, d]);
+        close(&got.to_f64_vec().unwrap(), &manual.to_f64_vec().unwrap(), 1e-5, &format!("{dev}: no leading dims"));
     }
 }
 

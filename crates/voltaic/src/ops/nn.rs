@@ -445,14 +445,10 @@ impl Tensor {
         if batch * m * e == 0 || n == 0 {
             return Tensor::zeros(&out_dims, q.dtype(), q.device());
         }
-        // The leading dims stay as they are: heads split from a [B, T, H]
-        // projection (or a mask broadcast over them) do not flatten into
-        // one batch dim without a copy; the kernels walk them as they lie.
-        if r == 2 {
-            let one = |t: &Tensor| t.unsqueeze(0);
-            let out = Tensor::from_op(OpKind::Index(IndexOp::Attention { scale }), &[&one(q)?, &one(k)?, &one(v)?, &one(&mask)?], q.dtype(), q.device(), vec![1, m, e])?;
-            return out.squeeze(0);
-        }
+        // The leading dims stay as they are (none, or several): heads split
+        // from a [B, T, H] projection (or a mask broadcast over them) do not
+        // flatten into one batch dim without a copy; the kernels walk them
+        // as they lie.
         Tensor::from_op(OpKind::Index(IndexOp::Attention { scale }), &[q, k, v, &mask], q.dtype(), q.device(), out_dims)
     }
 }

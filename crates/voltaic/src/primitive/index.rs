@@ -91,7 +91,7 @@ pub enum IndexOp {
     Dequantize { qtype: crate::quant::GgmlType, cols: usize, caller: Caller },
     /// `softmax(q @ k^T * scale + mask) @ v` in one pass over the keys (an
     /// online softmax): q `[..., M, D]`, k `[..., N, D]`, v `[..., N, E]`
-    /// with the same leading dims (at least one), an additive float mask
+    /// with the same leading dims (any number), an additive float mask
     /// seen as `[..., M, N]` (broadcast views allowed); `[..., M, E]`;
     /// inputs (q, k, v, mask).
     Attention { scale: f64 },

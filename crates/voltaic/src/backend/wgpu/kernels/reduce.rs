@@ -256,19 +256,21 @@ impl Reduction {
     /// f32s) in a tree, leaving the total in every thread's `a`. Every
     /// thread of the workgroup must reach them (they hold barriers).
     pub(crate) fn workgroup_fold(&self, a: &str, wg: u32) -> String {
-        format!(
-            "    sv[lid] = {a};\n    workgroupBarrier();\n    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if (lid < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    {a} = sv[0];\n    workgroupBarrier();",
-            wg / 2,
-            self.fold("x", "0u", "sv[lid + w]", "0u")
-        )
+        self.tree_fold(a, wg, "lid", "0")
     }
 
     /// [`Self::workgroup_fold`] within segments of `width` threads (a power
     /// of two dividing the workgroup; `lane` is the thread's place in its
     /// segment): every thread of a segment ends with the segment's value.
     pub(crate) fn segment_fold(&self, a: &str, width: u32) -> String {
+        self.tree_fold(a, width, "lane", "lid - lane")
+    }
+
+    /// The tree of both folds over `width` threads: `lane` is a thread's
+    /// place among them, `first` the `sv` slot of the first of them.
+    fn tree_fold(&self, a: &str, width: u32, lane: &str, first: &str) -> String {
         format!(
-            "    sv[lid] = {a};\n    workgroupBarrier();\n    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if (lane < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    {a} = sv[lid - lane];\n    workgroupBarrier();",
+            "    sv[lid] = {a};\n    workgroupBarrier();\n    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if ({lane} < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    {a} = sv[{first}];\n    workgroupBarrier();",
             width / 2,
             self.fold("x", "0u", "sv[lid + w]", "0u")
         )

@@ -49,13 +49,15 @@ impl Gen<'_> {
                 wg / seg,
                 outer - 1
             );
-            sh.decl(&format!("var<workgroup> sv: array<f32, {wg}>;"));
         } else {
             // `row` is uniform across the workgroup, so the barriers below are too.
             let _ = writeln!(b, "    let row = group;\n    if (row >= {outer}u) {{ return; }}");
+        }
+        if !threaded {
             sh.decl(&format!("var<workgroup> sv: array<f32, {wg}>;"));
         }
-        let (j0, step) = if threaded { ("0u", 1) } else if segmented { ("lane", seg) } else { ("lid", wg) };
+        // A row's threads start at their place in it and step by their count.
+        let (j0, step) = (if threaded { "0u" } else if segmented { "lane" } else { "lid" }, seg);
         // `unroll` elements per thread and trip: that many loads in flight.
         let unroll: u32 = if !threaded && inner as u32 >= 4 * step { PER } else { 1 };
         // The loop over a row's elements: `body(u)` sees `l`, the element's linear index.
@@ -114,7 +116,7 @@ impl Gen<'_> {
         if segmented {
             let _ = writeln!(b, "    }}");
         }
-        let groups = if threaded { groups(outer, wg) } else if segmented { groups(outer, wg / seg) } else { outer as u64 };
+        let groups = groups(outer, wg / seg);
         Ok(sh.finish(format!("rows {outer}x{inner} ({} stages)", stages.len()), wg, groups, &b))
     }
 }
