@@ -76,6 +76,10 @@ done
 # them forced on, so their kernels run in CI too.
 say "VOLTAIC_PROLOGUES=1 cargo test --release -p voltaic --test qtensor"
 VOLTAIC_PROLOGUES=1 cargo test --release -p voltaic --features mpi --test qtensor
+# The kernels a hardware adapter gets (the GEMV's threads per row, the
+# attention kernel's groups of lanes), checked on lavapipe too.
+say "VOLTAIC_KERNELS=hardware cargo test --release -p voltaic --test qtensor --test attention"
+VOLTAIC_KERNELS=hardware cargo test --release -p voltaic --features mpi --test qtensor --test attention
 
 # The GPU tests again on wgpu's GL backend (Mesa's llvmpipe over EGL): every
 # kernel kind, and every dtype (llvmpipe's GL has no SHADER_F16: f16 is

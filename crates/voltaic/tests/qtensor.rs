@@ -320,12 +320,13 @@ fn stacked_rows_multiply_as_the_separate_matrices() {
 }
 
 /// Whether GEMVs take prologues on `gpu:0`: on hardware adapters, and on a
-/// software one only under `VOLTAIC_PROLOGUES=1` (scripts/test.sh runs
-/// these tests both ways on lavapipe).
+/// software one only under `VOLTAIC_PROLOGUES=1` or with a hardware
+/// adapter's kernels (`VOLTAIC_KERNELS=hardware`; scripts/test.sh runs
+/// these tests all three ways on lavapipe).
 fn prologues_on_gpu() -> bool {
     match std::env::var("VOLTAIC_PROLOGUES") {
         Ok(v) => v != "0",
-        Err(_) => voltaic::backend::adapters()[0].device_type != "Cpu",
+        Err(_) => voltaic::backend::adapters()[0].device_type != "Cpu" || std::env::var("VOLTAIC_KERNELS").is_ok_and(|v| v == "hardware"),
     }
 }
 

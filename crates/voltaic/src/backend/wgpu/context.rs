@@ -32,7 +32,14 @@ pub(crate) struct Caps {
     /// A software adapter (lavapipe, llvmpipe): invocations run on CPU
     /// threads, where a workgroup barrier costs a coroutine switch per
     /// invocation, so kernels that can do without one prefer to.
+    /// `VOLTAIC_KERNELS=hardware` gives a software adapter the kernels of a
+    /// hardware one (so the tests check those here too).
     pub software: bool,
+}
+
+/// Whether `VOLTAIC_KERNELS=hardware` asks for hardware kernels on a software adapter.
+fn hardware_kernels() -> bool {
+    std::env::var("VOLTAIC_KERNELS").is_ok_and(|v| v == "hardware")
 }
 
 impl Caps {
@@ -305,7 +312,7 @@ impl GpuContext {
             max_groups: limits.max_compute_workgroups_per_dimension,
             workgroup_storage: limits.max_compute_workgroup_storage_size,
             coop_f16: coop && features.contains(wgpu::Features::SHADER_F16),
-            software: info.device_type == wgpu::DeviceType::Cpu,
+            software: info.device_type == wgpu::DeviceType::Cpu && !hardware_kernels(),
         };
         let pipeline_cache_file = wgpu::util::pipeline_cache_key(&info)
             .and_then(|k| Some(crate::files::cache_dir()?.join(format!("{k}-{}.bin", super::autotune::device_tag(&info)))));
