@@ -1,6 +1,6 @@
 //! `scaled_dot_product_attention`: the one-kernel form against f64 loops on
 //! the CPU, the GPU against the CPU on the same inputs (key counts around
-//! the kernel's chunk of 64, several output elements per thread, masks
+//! the kernel's chunks of 64 and 256, several output elements per thread, masks
 //! with -inf and broadcast, strided views, f16), the differentiable form
 //! against the fused one and finite differences, and bad input.
 
@@ -90,7 +90,8 @@ fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
 
 /// The last shape is past the CPU kernel's serial threshold (2^21
 /// multiply-adds), so both of its paths run.
-const SHAPES: [(usize, usize, usize, usize, usize); 8] = [(1, 1, 1, 8, 4), (2, 3, 63, 16, 8), (3, 1, 64, 64, 64), (2, 5, 65, 8, 70), (1, 4, 130, 32, 16), (4, 9, 7, 64, 64), (1, 2, 200, 5, 129), (2, 40, 300, 64, 72)];
+const SHAPES: [(usize, usize, usize, usize, usize); 10] =
+    [(1, 1, 1, 8, 4), (2, 3, 63, 16, 8), (3, 1, 64, 64, 64), (2, 5, 65, 8, 70), (1, 4, 130, 32, 16), (4, 9, 7, 64, 64), (1, 2, 200, 5, 129), (2, 40, 300, 64, 72), (1, 3, 256, 16, 8), (2, 2, 257, 8, 65)];
 
 #[test]
 fn one_kernel_attention_matches_f64_loops_and_the_cpu() {
@@ -142,17 +143,19 @@ fn leading_dims_and_broadcast_masks() {
 }
 
 /// Rows masked everywhere with f32::MIN average the values (as PyTorch's
-/// f32 softmax does); a first chunk of 64 keys masked with -inf leaves the
-/// rest to the softmax; no keys at all gives zeros.
+/// f32 softmax does); a first chunk of keys (64 on a software adapter, 256
+/// on others) masked with -inf leaves the rest to the softmax; no keys at
+/// all gives zeros.
 #[test]
 fn masked_chunks_and_no_keys() {
     let mut rng = Rng::new(13);
-    let (m, n, d, e) = (3, 130, 8, 5);
+    let (m, n, d, e) = (3, 300, 8, 5);
     let c = Case::new(&mut rng, (1, m, n, d, e), false);
     let mut mask = vec![0.0; m * n];
     for j in 0..n {
         mask[j] = f32::MIN as f64; // row 0: everything
         mask[n + j] = if j < 64 { f64::NEG_INFINITY } else { 0.0 }; // row 1: the first chunk
+        mask[2 * n + j] = if j < 256 { f64::NEG_INFINITY } else { 0.0 }; // row 2: the first (hardware) chunk
     }
     let mean: Vec<f64> = (0..e).map(|x| (0..n).map(|j| c.v[j * e + x]).sum::<f64>() / n as f64).collect();
     let masked = Case { mask: Some(mask.clone()), ..c };

@@ -42,14 +42,21 @@ impl Gen<'_> {
     }
 
     /// `softmax(q k^T * scale + mask) v` (see `IndexOp::Attention`), a
-    /// workgroup per query row: the keys go by in chunks of `ATT_WG`, a
-    /// thread per key computing its score, and an online softmax rescales
-    /// the running sum and each thread's output elements when a chunk raises
-    /// the maximum. The scores are never stored: one kernel where the
-    /// unfused form is two products and a softmax. The leading dims are
-    /// walked as they lie (heads split from a projection do not flatten).
+    /// workgroup per query row: the keys go by in chunks of one per thread,
+    /// each thread computing its key's score, and an online softmax
+    /// rescales the running sums when a chunk raises the maximum. The
+    /// threads are lanes of 64 output elements in groups that split a
+    /// chunk's keys between them (each group sums its own keys' weighted
+    /// values; the groups' sums are added at the end), so a decode step's
+    /// few query rows do not walk their keys one by one. A software adapter
+    /// runs one group of 64, where barriers cost more than threads gain.
+    /// The scores are never stored: one kernel where the unfused form is
+    /// two products and a softmax. The leading dims are walked as they lie
+    /// (heads split from a projection do not flatten).
     fn attention(&self, scale: f64, args: &[View]) -> Dispatch {
-        const ATT_WG: usize = 64;
+        const LANES: usize = 64;
+        let threads = if self.caps.software { LANES } else { 4 * LANES };
+        let kg = threads / LANES;
         let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
         let mut sh = self.shader();
         self.bind_inputs(&mut sh, &[q.input, k.input, v.input, mask.input]);
@@ -59,36 +66,60 @@ impl Gen<'_> {
         let lead_dims = &qd[..r - 2];
         let (m, d, n, e) = (qd[r - 2].max(1), qd[r - 1], kd[r - 2], vd[r - 1]);
         let rows = lead_dims.iter().product::<usize>() * qd[r - 2];
-        // Output elements each thread owns: e = lid, lid + ATT_WG, ...
-        let per = e.div_ceil(ATT_WG).max(1);
+        // Output elements each thread owns: e = lane, lane + LANES, ...
+        let per = e.div_ceil(LANES).max(1);
         sh.decl(&format!("var<workgroup> qs: array<f32, {}>;", d.max(1)));
-        sh.decl(&format!("var<workgroup> red: array<f32, {ATT_WG}>;"));
+        sh.decl(&format!("var<workgroup> red: array<f32, {threads}>;"));
+        sh.decl(&format!("var<workgroup> wts: array<f32, {threads}>;"));
         let (qi, ki, vi, mi) = (q.input, k.input, v.input, mask.input);
         let mut b = String::new();
         // `row` is uniform across the workgroup, so the barriers below are too.
         let _ = writeln!(b, "    let row = group;\n    if (row >= {rows}u) {{ return; }}\n    let bi = row / {m}u;\n    let mi = row % {m}u;");
+        let _ = writeln!(b, "    let lane = lid % {LANES}u;\n    let kgi = lid / {LANES}u;");
         let lead = unravel(&mut b, &mut sh, "bi", lead_dims);
         let at = |l: &Layout, tail: [&str; 2]| at_lead(&lead, l, tail);
-        let _ = writeln!(b, "    for (var i = lid; i < {d}u; i = i + {ATT_WG}u) {{ qs[i] = ld_in{qi}({}); }}", at(&q.layout, ["mi", "i"]));
+        let _ = writeln!(b, "    for (var i = lid; i < {d}u; i = i + {threads}u) {{ qs[i] = ld_in{qi}({}); }}", at(&q.layout, ["mi", "i"]));
         // The running maximum starts at -inf: a finite sentinel would sit
         // above scores masked with f32::MIN and zero their weights.
-        let _ = writeln!(b, "    workgroupBarrier();\n    let ninf = bitcast<f32>(0xff800000u);\n    var mx = ninf;\n    var l = 0.0;\n    var acc: array<f32, {per}>;");
-        let _ = writeln!(b, "    for (var c = 0u; c < {n}u; c = c + {ATT_WG}u) {{\n    let p = c + lid;\n    var s = ninf;\n    if (p < {n}u) {{");
+        let _ = writeln!(b, "    workgroupBarrier();\n    let ninf = bitcast<f32>(0xff800000u);\n    var mx = ninf;\n    var l = 0.0;");
+        for r in 0..per {
+            let _ = writeln!(b, "    var acc{r} = 0.0;");
+        }
+        let _ = writeln!(b, "    for (var c = 0u; c < {n}u; c = c + {threads}u) {{\n    let p = c + lid;\n    var s = ninf;\n    if (p < {n}u) {{");
         let _ = writeln!(b, "        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["p", "i"]));
         let _ = writeln!(b, "        s = dot * {} + ld_in{mi}({});\n    }}", literal(scale, DType::F32), at(&mask.layout, ["mi", "p"]));
-        let _ = writeln!(b, "    red[lid] = s;\n    workgroupBarrier();\n    var cm = ninf;\n    for (var j = 0u; j < {ATT_WG}u; j = j + 1u) {{ cm = max(cm, red[j]); }}");
+        let _ = writeln!(b, "    red[lid] = s;\n    workgroupBarrier();");
+        if threads == LANES {
+            let _ = writeln!(b, "    var cm = ninf;\n    for (var j = 0u; j < {threads}u; j = j + 1u) {{ cm = max(cm, red[j]); }}");
+        } else {
+            let _ = writeln!(b, "    for (var h = {}u; h > 0u; h = h / 2u) {{\n        if (lid < h) {{ red[lid] = max(red[lid], red[lid + h]); }}\n        workgroupBarrier();\n    }}\n    let cm = red[0];", threads / 2);
+        }
         // While every score so far is -inf nothing is accumulated (weights 0, scale 1).
-        let _ = writeln!(b, "    let nm = max(mx, cm);\n    let w = select(0.0, exp(s - nm), p < {n}u && nm > ninf);\n    let alpha = select(exp(mx - nm), 1.0, mx == nm);\n    workgroupBarrier();\n    red[lid] = w;\n    workgroupBarrier();");
-        let _ = writeln!(b, "    l = l * alpha;\n    for (var r = 0u; r < {per}u; r = r + 1u) {{ acc[r] = acc[r] * alpha; }}");
-        let _ = writeln!(b, "    let cnt = min({ATT_WG}u, {n}u - c);\n    for (var j = 0u; j < cnt; j = j + 1u) {{\n        let wj = red[j];\n        l = l + wj;\n        let pj = c + j;");
+        let _ = writeln!(b, "    let nm = max(mx, cm);\n    let w = select(0.0, exp(s - nm), p < {n}u && nm > ninf);\n    let alpha = select(exp(mx - nm), 1.0, mx == nm);\n    wts[lid] = w;\n    workgroupBarrier();");
+        let _ = write!(b, "    l = l * alpha;");
         for r in 0..per {
-            let _ = writeln!(b, "        {{ let ee = lid + {}u; if (ee < {e}u) {{ acc[{r}] = acc[{r}] + wj * ld_in{vi}({}); }} }}", r * ATT_WG, at(&v.layout, ["pj", "ee"]));
+            let _ = write!(b, " acc{r} = acc{r} * alpha;");
         }
+        let _ = writeln!(b, "\n    let cnt = min({threads}u, {n}u - c);\n    for (var j = kgi; j < cnt; j = j + {kg}u) {{\n        let wj = wts[j];\n        l = l + wj;\n        let pj = c + j;");
+        for r in 0..per {
+            let _ = writeln!(b, "        {{ let ee = lane + {}u; if (ee < {e}u) {{ acc{r} = acc{r} + wj * ld_in{vi}({}); }} }}", r * LANES, at(&v.layout, ["pj", "ee"]));
+        }
+        // The next chunk overwrites the scores and weights.
         let _ = writeln!(b, "    }}\n    mx = nm;\n    workgroupBarrier();\n    }}");
-        for r in 0..per {
-            let _ = writeln!(b, "    {{ let ee = lid + {}u; if (ee < {e}u) {{ st_out(row * {e}u + ee, acc[{r}] / l); }} }}", r * ATT_WG);
+        if kg > 1 {
+            // Each group's sums, added by the first group (its weight sum
+            // is the same in all of its lanes).
+            let _ = writeln!(b, "    wts[lid] = l;");
+            for r in 0..per {
+                let _ = writeln!(b, "    red[lid] = acc{r};\n    workgroupBarrier();\n    if (kgi == 0u) {{");
+                let _ = writeln!(b, "        for (var g = 1u; g < {kg}u; g = g + 1u) {{ acc{r} = acc{r} + red[g * {LANES}u + lane]; }}\n    }}\n    workgroupBarrier();");
+            }
+            let _ = writeln!(b, "    if (kgi != 0u) {{ return; }}\n    for (var g = 1u; g < {kg}u; g = g + 1u) {{ l = l + wts[g * {LANES}u]; }}");
         }
-        sh.finish("attention".into(), ATT_WG as u32, rows as u64, &b)
+        for r in 0..per {
+            let _ = writeln!(b, "    {{ let ee = lane + {}u; if (ee < {e}u) {{ st_out(row * {e}u + ee, acc{r} / l); }} }}", r * LANES);
+        }
+        sh.finish("attention".into(), threads as u32, rows as u64, &b)
     }
 
     /// Copy a strided view into the (contiguous) output.
