@@ -19,8 +19,46 @@ use std::fmt::Write;
 /// read once for all of them); above, as tiles.
 pub(crate) const GEMV_ROWS: usize = 8;
 
-/// Threads that share one weight row in the GEMV.
-const ROW_THREADS: usize = 64;
+/// How the GEMV runs (`VOLTAIC_GEMV=threads,runs[,bytes][,unpack]` to
+/// measure others: threads a power of two from 2 to 256, runs 1 to 8).
+/// Measured on an H100 (SmolLM2 decode, kernels timed in their passes,
+/// 2026-11-28): 64 threads a row and one run a trip are best (32 threads:
+/// +3%, 128: +5%, 16: +12%, 8: +41%; two or four runs a trip, which keep
+/// more loads in flight per thread, +25-60%, since fewer workgroups fit
+/// each SM); a run's quants as two or three word loads instead of a load
+/// per element: -2.7%.
+#[derive(Clone, Copy, Debug)]
+struct GemvShape {
+    /// Threads that share one weight row.
+    threads: usize,
+    /// Runs of 8 elements each thread takes per trip.
+    unroll: usize,
+    /// Q8_0, Q4_0, Q4_1: a run's quants as two or three word loads, not
+    /// a load per element (`bytes` turns it off).
+    words: bool,
+    /// Q4_1: the scale and offset by `unpack2x16float` (1-2% faster on the
+    /// H100, off: Vulkan lets a driver flush f16 subnormals there, and
+    /// these kernels multiply exactly what the dequantizer gives).
+    unpack: bool,
+}
+
+fn gemv_shape() -> GemvShape {
+    static SHAPE: std::sync::OnceLock<GemvShape> = std::sync::OnceLock::new();
+    *SHAPE.get_or_init(|| {
+        let mut g = GemvShape { threads: 64, unroll: 1, words: true, unpack: false };
+        if let Ok(v) = std::env::var("VOLTAIC_GEMV") {
+            let parts: Vec<&str> = v.split(',').map(str::trim).collect();
+            if let (Some(t), Some(u)) = (parts.first().and_then(|t| t.parse::<usize>().ok()), parts.get(1).and_then(|u| u.parse::<usize>().ok())) {
+                if (2..=WG as usize).contains(&t) && t.is_power_of_two() && (1..=8).contains(&u) {
+                    (g.threads, g.unroll) = (t, u);
+                }
+            }
+            g.words = !parts.contains(&"bytes");
+            g.unpack = parts.contains(&"unpack");
+        }
+        g
+    })
+}
 
 /// The WGSL that reads blocks of `q` from the words `ld_{w}(i)`. Element
 /// `e` of the block at word `base` is `s.x * qv(base, e) + s.y` with
@@ -80,6 +118,18 @@ fn qi8(b: u32) -> f32 {{ return f32(bitcast<i32>(b << 24u) >> 24u); }}
     format!("{helpers}fn qscale(base: u32, e: u32) -> vec2<f32> {{\n{scale}\n}}\nfn qv(base: u32, e: u32) -> f32 {{\n{value}\n}}")
 }
 
+/// Where a block's quants start (bytes) and whether they are nibbles (the
+/// low ones first, then the high ones), for the types whose runs of 8
+/// elements are 8 consecutive bytes; `None` for the K-quants.
+fn run_bytes(q: GgmlType) -> Option<(usize, bool)> {
+    match q {
+        GgmlType::Q8_0 => Some((2, false)),
+        GgmlType::Q4_0 => Some((2, true)),
+        GgmlType::Q4_1 => Some((4, true)),
+        _ => None,
+    }
+}
+
 /// Words per block and per row of a quantized matrix of `k` columns.
 fn words(q: GgmlType, k: usize) -> (usize, usize) {
     let wpb = q.padded_block_bytes() / 4;
@@ -126,7 +176,7 @@ impl Gen<'_> {
         Ok(sh)
     }
 
-    /// `ROW_THREADS` threads per weight row (one on a software adapter,
+    /// `gemv_shape()` threads per weight row (one on a software adapter,
     /// where a barrier costs more than the threads gain: see
     /// `Caps::software`), `WG / threads` rows per workgroup; each thread
     /// takes runs of 8 elements of the row (one block's worth of loads),
@@ -142,7 +192,10 @@ impl Gen<'_> {
         let mut sh = self.qshader(a, w, q, epi, pro)?;
         let (wpb, wpr) = words(q, k);
         let per = q.block().0;
-        let threads = if self.caps.software { 1 } else { ROW_THREADS };
+        let shape = gemv_shape();
+        let (threads, unroll) = if self.caps.software { (1, 1) } else { (shape.threads, shape.unroll) };
+        let runs_by_words = run_bytes(q).filter(|_| !self.caps.software && shape.words);
+        let q41 = q == GgmlType::Q4_1 && !self.caps.software;
         let rows_per_wg = WG as usize / threads;
         let mut s = String::new();
         if let Some(p) = pro {
@@ -157,13 +210,54 @@ impl Gen<'_> {
         for i in 0..m {
             let _ = writeln!(s, "    var acc{i} = 0.0;");
         }
-        let _ = writeln!(s, "    for (var u = t; u < {}u; u = u + {threads}u) {{", k / 8);
-        let _ = writeln!(s, "        let c0 = u * 8u;\n        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
-        let _ = writeln!(s, "        let sc = qscale(base, e0);\n        for (var l = 0u; l < 8u; l = l + 1u) {{\n            let v = sc.x * qv(base, e0 + l) + sc.y;");
-        for i in 0..m {
-            let _ = writeln!(s, "            acc{i} = acc{i} + v * {};", a_at(i, "c0 + l"));
+        // `unroll` runs of 8 a trip, their loads unconditional (a run past
+        // the row's end reads its last run again and counts for nothing),
+        // so a thread's loads for the whole trip are in flight together.
+        let runs = k / 8;
+        let _ = writeln!(s, "    for (var u0 = t * {unroll}u; u0 < {runs}u; u0 = u0 + {}u) {{", threads * unroll);
+        for x in 0..unroll {
+            let _ = writeln!(s, "        {{\n        let u = min(u0 + {x}u, {}u);", runs.saturating_sub(1));
+            let _ = writeln!(s, "        let c0 = u * 8u;\n        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
+            // A run past the end gets a zero scale and offset.
+            let ok = if x == 0 { String::new() } else { format!(" * select(0.0, 1.0, u0 + {x}u < {runs}u)") };
+            let scale = if q41 && shape.unpack { "unpack2x16float(ld_in{}(base))".replace("{}", &w.input.to_string()) } else { "qscale(base, e0)".to_string() };
+            let _ = writeln!(s, "        let sc = {scale}{ok};");
+            if let Some((qoff, nibbles)) = runs_by_words {
+                // The run's 8 quant bytes start at a byte `qoff % 4` into a
+                // word (runs start at multiples of 8): two or three word
+                // loads, each byte at a constant word and shift.
+                let first = if nibbles { format!("({qoff}u + e0 % 16u) / 4u") } else { format!("({qoff}u + e0) / 4u") };
+                let lead = qoff % 4;
+                let _ = writeln!(s, "        let qw = base + {first};");
+                for wi in 0..=(lead + 7) / 4 {
+                    let _ = writeln!(s, "        let q{wi} = ld_in{}(qw + {wi}u);", w.input);
+                }
+                if nibbles {
+                    let _ = writeln!(s, "        let qs = select(0u, 4u, e0 >= 16u);");
+                }
+                for l in 0..8 {
+                    let (wi, sh) = ((lead + l) / 4, 8 * ((lead + l) % 4));
+                    let int = match q {
+                        GgmlType::Q4_1 => format!("f32((q{wi} >> ({sh}u + qs)) & 15u)"),
+                        GgmlType::Q4_0 => format!("f32(i32((q{wi} >> ({sh}u + qs)) & 15u) - 8)"),
+                        _ => format!("f32(bitcast<i32>(q{wi} << {}u) >> 24u)", 24 - sh),
+                    };
+                    let _ = writeln!(s, "        {{ let v = sc.x * {int} + sc.y;");
+                    for i in 0..m {
+                        let _ = writeln!(s, "            acc{i} = acc{i} + v * {};", a_at(i, &format!("c0 + {l}u")));
+                    }
+                    let _ = writeln!(s, "        }}");
+                }
+                let _ = writeln!(s, "        }}");
+            } else {
+                let _ = writeln!(s, "        for (var l = 0u; l < 8u; l = l + 1u) {{\n            let v = sc.x * qv(base, e0 + l) + sc.y;");
+                for i in 0..m {
+                    let _ = writeln!(s, "            acc{i} = acc{i} + v * {};", a_at(i, "c0 + l"));
+                }
+                let _ = writeln!(s, "        }}\n        }}");
+            }
         }
-        let _ = writeln!(s, "        }}\n    }}");
+        let _ = writeln!(s, "    }}");
         if threads == 1 {
             let _ = writeln!(s, "    if (j >= {n}u) {{ return; }}");
             for i in 0..m {
@@ -187,7 +281,14 @@ impl Gen<'_> {
             }
             let _ = writeln!(s, "    }}");
         }
-        Ok(sh.finish(format!("qmatmul_gemv {} {m}x{k}x{n} ({threads} threads a row)", q.name()), WG, n.div_ceil(rows_per_wg) as u64, &s))
+        let mut trips = if unroll > 1 { format!(", {unroll} runs a trip") } else { String::new() };
+        if runs_by_words.is_some() {
+            trips.push_str(", word loads");
+        }
+        if q41 && shape.unpack {
+            trips.push_str(", unpacked scales");
+        }
+        Ok(sh.finish(format!("qmatmul_gemv {} {m}x{k}x{n} ({threads} threads a row{trips})", q.name()), WG, n.div_ceil(rows_per_wg) as u64, &s))
     }
 
     /// 4 x 4 outputs per thread, 8 x 8 threads per workgroup, and no
