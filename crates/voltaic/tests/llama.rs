@@ -97,6 +97,12 @@ fn check_model(device: Device) {
         }
     }
     eprintln!("first-step logits on {device}: max abs difference {worst:.2e} over {} prompts", r.cases.len());
+    // The model kept its decode steps between prompts: each cache capacity
+    // was traced twice, once in all; every other step replayed.
+    let st = model.decode_stats();
+    eprintln!("decode steps on {device}: {st:?}");
+    let steps: usize = r.cases.iter().map(|c| c.greedy.len() - 1).sum();
+    assert!(st.eager_calls <= 6 && st.eager_calls + st.replays == steps as u64 && st.mismatches == 0, "{device}: {st:?} over {steps} decode steps");
 }
 
 #[test]

@@ -131,7 +131,8 @@ impl Generation {
 ///
 /// After the prompt's forward pass, each token is one decode step replayed
 /// from a [`Capture`] (the step's graph is recorded and scheduled on its
-/// first two calls per cache capacity only). Greedy decoding keeps the
+/// first two calls per cache capacity only; the model keeps its captures
+/// for later calls, as `torch.compile` keeps its graphs). Greedy decoding keeps the
 /// sampled token on the device and feeds it straight to the next step; the
 /// host reads each id back one step behind, so the device computes step
 /// `n + 1` while the host waits for token `n` and encodes the next step.
@@ -159,7 +160,9 @@ pub fn generate(model: &Llama, prompt: &[u32], max_tokens: usize, sampling: &Sam
     let mut last = first;
     let mut go_on = emit(&mut out, &mut history, first, stop, &mut on_token);
     let mut pos = Tensor::from_vec(vec![cache.len() as i32], &[1], dev)?;
-    let mut step = decode_step(model, greedy);
+    // Another thread's generation may hold the model's capture: then this one makes its own.
+    let kept = model.decode.lock().unwrap_or_else(|e| e.into_inner()).take(greedy);
+    let mut step = kept.unwrap_or_else(|| decode_step(model, greedy));
     // Greedy: reads of ids of steps already submitted, oldest first.
     let mut reads: VecDeque<crate::backend::PendingRead> = VecDeque::new();
     while go_on {
@@ -191,7 +194,58 @@ pub fn generate(model: &Llama, prompt: &[u32], max_tokens: usize, sampling: &Sam
     if out.tokens.len() > 1 {
         out.decode_seconds = step_start.elapsed().as_secs_f64();
     }
+    model.decode.lock().unwrap_or_else(|e| e.into_inner()).put(greedy, step);
     Ok(out)
+}
+
+/// A decode step's function: `(token, position, keys..., values...)` to
+/// `(head, position + 1, keys..., values...)` (see [`decode_step`]).
+type StepFn = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>;
+
+/// The decode steps a model keeps between generations: one for greedy
+/// decoding (the next id on the device) and one for sampling (the logits).
+#[derive(Default)]
+pub(crate) struct DecodeCaptures {
+    greedy: Option<Capture<StepFn>>,
+    sampled: Option<Capture<StepFn>>,
+}
+
+impl DecodeCaptures {
+    fn slot(&mut self, greedy: bool) -> &mut Option<Capture<StepFn>> {
+        if greedy {
+            &mut self.greedy
+        } else {
+            &mut self.sampled
+        }
+    }
+
+    fn take(&mut self, greedy: bool) -> Option<Capture<StepFn>> {
+        self.slot(greedy).take()
+    }
+
+    fn put(&mut self, greedy: bool, step: Capture<StepFn>) {
+        *self.slot(greedy) = Some(step);
+    }
+
+    /// Both captures' counters, added.
+    pub(crate) fn stats(&self) -> crate::CaptureStats {
+        let mut sum = crate::CaptureStats::default();
+        for c in [&self.greedy, &self.sampled].into_iter().flatten() {
+            let s = c.stats();
+            sum.eager_calls += s.eager_calls;
+            sum.replays += s.replays;
+            sum.captures += s.captures;
+            sum.mismatches += s.mismatches;
+        }
+        sum
+    }
+}
+
+impl std::fmt::Debug for DecodeCaptures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let stats = |c: &Option<Capture<StepFn>>| c.as_ref().map(Capture::stats);
+        f.debug_struct("DecodeCaptures").field("greedy", &stats(&self.greedy)).field("sampled", &stats(&self.sampled)).finish()
+    }
 }
 
 /// Record token `t`; whether generation goes on.
@@ -210,16 +264,17 @@ fn read_id(r: crate::backend::PendingRead) -> Result<u32> {
 /// One decode step as a capture: `(token [1] i32, position [1] i32, keys...,
 /// values...)` to `(the next token's id [1] i32 when greedy, else the logits
 /// [vocab], position + 1, keys..., values...)`.
-fn decode_step(model: &Llama, greedy: bool) -> Capture<impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + '_> {
+fn decode_step(model: &Llama, greedy: bool) -> Capture<StepFn> {
     let layers = model.config.layers;
-    Capture::new(move |x: &[Tensor]| {
+    let model = model.detached();
+    Capture::new(Box::new(move |x: &[Tensor]| {
         let (logits, k, v) = model.step(&x[0], &x[1], &x[2..2 + layers], &x[2 + layers..])?;
         let head = if greedy { logits.argmax(Some(0), true)? } else { logits };
         let mut out = vec![head, x[1].add(1i32)?];
         out.extend(k);
         out.extend(v);
         Ok(out)
-    })
+    }))
 }
 
 /// Run the decode step for `tok` at `pos`, updating `cache`; the step's

@@ -302,8 +302,10 @@ struct Block {
 
 /// Keys and values of the tokens seen so far, per layer, on the device:
 /// `[kv_heads, capacity, head_dim]` each, of which the first `len`
-/// positions are filled. The capacity grows by [`KvCache::CHUNK`] positions
-/// when a step would overflow it (never past the model's context).
+/// positions are filled. When a step would overflow it the capacity at
+/// least doubles, in whole [`KvCache::CHUNK`]s (never past the model's
+/// context): each capacity is a decode step of its own shape, captured on
+/// its first two steps, so a long generation meets only a few.
 #[derive(Clone, Debug)]
 pub struct KvCache {
     pub(crate) k: Vec<Tensor>,
@@ -313,7 +315,7 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Positions added at a time when the cache grows.
+    /// The capacity is a multiple of this many positions.
     pub const CHUNK: usize = 64;
 
     /// Tokens in the cache.
@@ -356,6 +358,9 @@ pub struct Llama {
     /// Where each element's pair partner is: see [`Partner`].
     partner: Partner,
     device: Device,
+    /// The decode steps [`generate`](super::generate::generate) captured,
+    /// kept for its next calls (shared by clones of the model).
+    pub(crate) decode: std::sync::Arc<std::sync::Mutex<super::generate::DecodeCaptures>>,
 }
 
 /// How RoPE finds each element's pair partner (`x[e ^ 1]` below
@@ -423,7 +428,21 @@ impl Llama {
         let cos = Tensor::from_vec(cos, &[c.context, d], device)?;
         let sin = Tensor::from_vec(sin, &[c.context, d], device)?;
         let partner = Partner::new(d, c.rope_dims, device)?;
-        Ok(Llama { config: c, embed, blocks, norm, output, cos, sin, partner, device })
+        Ok(Llama { config: c, embed, blocks, norm, output, cos, sin, partner, device, decode: Default::default() })
+    }
+
+    /// The same model with no decode captures of its own: what a capture's
+    /// step holds (holding the model itself would be a cycle).
+    pub(crate) fn detached(&self) -> Llama {
+        Llama { decode: Default::default(), ..self.clone() }
+    }
+
+    /// What the decode steps kept by [`generate`](super::generate::generate)
+    /// have done, greedy and sampling together: each cache capacity is
+    /// traced on its first two steps, every later step of it (in this or a
+    /// later generation) is a replay.
+    pub fn decode_stats(&self) -> crate::CaptureStats {
+        self.decode.lock().unwrap_or_else(|e| e.into_inner()).stats()
     }
 
     /// The device the weights live on.
@@ -553,8 +572,8 @@ impl Llama {
         Ok((logits.reshape_dims(&[c.vocab])?, k, v))
     }
 
-    /// Make room for `need` positions, growing by whole chunks; an error
-    /// past the model's context.
+    /// Make room for `need` positions, at least doubling the capacity in
+    /// whole chunks; an error past the model's context.
     pub(crate) fn reserve(&self, cache: &mut KvCache, need: usize) -> Result<()> {
         let c = &self.config;
         if need > c.context {
@@ -563,7 +582,7 @@ impl Llama {
         if need <= cache.capacity && !cache.k.is_empty() {
             return Ok(());
         }
-        let cap = need.next_multiple_of(KvCache::CHUNK).min(c.context);
+        let cap = need.max(2 * cache.capacity).next_multiple_of(KvCache::CHUNK).min(c.context);
         let grow = |old: Option<&Tensor>| -> Result<Tensor> {
             let fresh = Tensor::zeros(&[c.kv_heads, cap - cache.capacity, c.head_dim], DType::F32, self.device)?;
             match old {
