@@ -14,7 +14,7 @@ source .gl/env.sh
 export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
 for f in .bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
 chmod +x .bin/*
-cat /tmp/llm/p1 .l2/p | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > /tmp/llm/model.gguf
+cat /tmp/llm/p1 $( [ -e .l2/p ] && echo .l2/p || echo /tmp/llm/p2 ) | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > /tmp/llm/model.gguf
 sha256sum /tmp/llm/model.gguf | tee "$OUT/model.sha256"
 export VOLTAIC_LLM_MODEL=/tmp/llm/model.gguf
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -42,6 +42,45 @@ if [[ "$what" == *decode* ]]; then
     VOLTAIC_PROFILE=pass .bin/voltaic generate "Hi" --device gpu -n 8 > "$OUT/profile_pass.txt" 2>&1
     VOLTAIC_PROFILE=1 .bin/voltaic generate "Hi" --device gpu -n 8 > "$OUT/profile_kernels.txt" 2>&1
     grep -E "one pass|total over|cached plan" "$OUT/profile_pass.txt" | tail -12
+fi
+if [[ "$what" == *gemv* ]]; then
+    # The decode row of the session-start binary (.bin/voltaic-before) and
+    # of this one under each GEMV shape (VOLTAIC_GEMV=threads,runs[,words][,unpack]),
+    # two rounds, then each one's kernels timed in their passes over a
+    # generation as long as the row's (a 16-token prompt, 128 new tokens).
+    shapes="${GEMV_SHAPES:-64,1 32,4 32,2 64,2 16,4 128,1}"
+    for round in 1 2; do
+        .bin/voltaic-before bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/before /" | tee -a "$OUT/gemv.txt"
+        for g in $shapes; do
+            VOLTAIC_GEMV=$g .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/gemv=$g /" | tee -a "$OUT/gemv.txt"
+        done
+    done
+    prompt="The history of the city goes back many centuries, to a small fishing village by the"
+    i=0
+    for g in before $shapes; do
+        i=$((i + 1))
+        if [ "$g" = before ]; then bin=.bin/voltaic-before; else bin=.bin/voltaic; fi
+        VOLTAIC_GEMV=$g VOLTAIC_PROFILE=pass $bin generate "$prompt" --device gpu -n 128 > "$OUT/pass$i.txt" 2>&1
+        echo "pass$i = $g: $(grep -E 'one pass of' "$OUT/pass$i.txt" | tail -100 | awk '{s += $1; n++} END {printf "%.1f us per realization over %d", s / n, n}')" | tee -a "$OUT/gemv.txt"
+    done
+    for t in .bin/attention .bin/llama; do
+        [ -x "$t" ] && $t --test-threads=1 2>&1 | tee "$OUT/$(basename $t)_test.txt" | grep -E "test result|panicked|first-step"
+    done
+fi
+if [[ "$what" == *rounds* ]]; then
+    # The decode row, the session-start binary against this one (and this
+    # one with VOLTAIC_GEMV variants, ROUND_VARIANTS), alternated.
+    for round in 1 2; do
+        .bin/voltaic-before bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/before /" | tee -a "$OUT/rounds.txt"
+        .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/new /" | tee -a "$OUT/rounds.txt"
+        for g in ${ROUND_VARIANTS:-}; do
+            VOLTAIC_GEMV=$g .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/gemv=$g /" | tee -a "$OUT/rounds.txt"
+        done
+    done
+    prompt="The history of the city goes back many centuries, to a small fishing village by the"
+    VOLTAIC_PROFILE=pass .bin/voltaic generate "$prompt" --device gpu -n 128 > "$OUT/pass_new.txt" 2>&1
+    echo "new: $(grep -E 'one pass of' "$OUT/pass_new.txt" | tail -100 | awk '{s += $1; n++} END {printf "%.1f us per realization over %d", s / n, n}')" | tee -a "$OUT/rounds.txt"
+    VOLTAIC_PROFILE=1 .bin/voltaic generate "$prompt" --device gpu -n 70 > "$OUT/prof_new.txt" 2>&1
 fi
 if [[ "$what" == *submit* ]]; then
     # Batches submitted by a thread of their own (the default) or by the
