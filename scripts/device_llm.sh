@@ -71,8 +71,9 @@ if [[ "$what" == *rounds* ]]; then
     # The decode row, the session-start binary against this one (and this
     # one with VOLTAIC_GEMV variants, ROUND_VARIANTS), alternated.
     for round in 1 2; do
-        .bin/voltaic-before bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/before /" | tee -a "$OUT/rounds.txt"
-        .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/new /" | tee -a "$OUT/rounds.txt"
+        for bin in .bin/voltaic-before .bin/voltaic-prev .bin/voltaic; do
+            [ -x $bin ] && $bin bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/${bin#.bin\/} /" | tee -a "$OUT/rounds.txt"
+        done
         for g in ${ROUND_VARIANTS:-}; do
             VOLTAIC_GEMV=$g .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/gemv=$g /" | tee -a "$OUT/rounds.txt"
         done

@@ -48,8 +48,10 @@ impl Gen<'_> {
     /// threads are lanes of 64 output elements in groups that split a
     /// chunk's keys between them (each group sums its own keys' weighted
     /// values; the groups' sums are added at the end), so a decode step's
-    /// few query rows do not walk their keys one by one. A software adapter
-    /// runs one group of 64, where barriers cost more than threads gain.
+    /// few query rows do not walk their keys one by one; four threads share
+    /// each key's dot product, so a warp's loads cover whole key rows. A
+    /// software adapter runs one group of 64, a thread per key, where
+    /// barriers cost more than threads gain.
     /// The scores are never stored: one kernel where the unfused form is
     /// two products and a softmax. The leading dims are walked as they lie
     /// (heads split from a projection do not flatten).
@@ -71,6 +73,11 @@ impl Gen<'_> {
         sh.decl(&format!("var<workgroup> qs: array<f32, {}>;", d.max(1)));
         sh.decl(&format!("var<workgroup> red: array<f32, {threads}>;"));
         sh.decl(&format!("var<workgroup> wts: array<f32, {threads}>;"));
+        // Slices of a key row that threads read side by side for the scores.
+        let slices = if threads == LANES { 1 } else { 4 };
+        if slices > 1 {
+            sh.decl(&format!("var<workgroup> part: array<f32, {}>;", threads * slices));
+        }
         let (qi, ki, vi, mi) = (q.input, k.input, v.input, mask.input);
         let mut b = String::new();
         // `row` is uniform across the workgroup, so the barriers below are too.
@@ -85,8 +92,23 @@ impl Gen<'_> {
         for r in 0..per {
             let _ = writeln!(b, "    var acc{r} = 0.0;");
         }
-        let _ = writeln!(b, "    for (var c = 0u; c < {n}u; c = c + {threads}u) {{\n    let p = c + lid;\n    var s = ninf;\n    if (p < {n}u) {{");
-        let _ = writeln!(b, "        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["p", "i"]));
+        let _ = writeln!(b, "    for (var c = 0u; c < {n}u; c = c + {threads}u) {{\n    let p = c + lid;\n    var s = ninf;");
+        if slices == 1 {
+            let _ = writeln!(b, "    if (p < {n}u) {{\n        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["p", "i"]));
+        } else {
+            // Thread `lid` adds slice `lid % slices` of keys `lid / slices + j * (threads / slices)`:
+            // the threads of a warp read whole key rows, not one element of 32 rows.
+            let (span, per_slice) = (threads / slices, d.div_ceil(slices));
+            let _ = writeln!(b, "    let sl = lid % {slices}u;\n    let i0 = sl * {per_slice}u;\n    let i1 = min(i0 + {per_slice}u, {d}u);");
+            for j in 0..slices {
+                let _ = writeln!(b, "    {{\n        let kk = lid / {slices}u + {}u;\n        let pk = c + kk;\n        var dot = 0.0;", j * span);
+                let _ = writeln!(b, "        if (pk < {n}u) {{ for (var i = i0; i < i1; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }} }}", at(&k.layout, ["pk", "i"]));
+                let _ = writeln!(b, "        part[kk * {slices}u + sl] = dot;\n    }}");
+            }
+            let _ = write!(b, "    workgroupBarrier();\n    if (p < {n}u) {{\n        let dot = ");
+            let terms: Vec<String> = (0..slices).map(|x| format!("part[lid * {slices}u + {x}u]")).collect();
+            let _ = writeln!(b, "{};", terms.join(" + "));
+        }
         let _ = writeln!(b, "        s = dot * {} + ld_in{mi}({});\n    }}", literal(scale, DType::F32), at(&mask.layout, ["mi", "p"]));
         let _ = writeln!(b, "    red[lid] = s;\n    workgroupBarrier();");
         if threads == LANES {
