@@ -99,10 +99,16 @@ impl Gen<'_> {
             // Thread `lid` adds slice `lid % slices` of keys `lid / slices + j * (threads / slices)`:
             // the threads of a warp read whole key rows, not one element of 32 rows.
             let (span, per_slice) = (threads / slices, d.div_ceil(slices));
-            let _ = writeln!(b, "    let sl = lid % {slices}u;\n    let i0 = sl * {per_slice}u;\n    let i1 = min(i0 + {per_slice}u, {d}u);");
+            let _ = writeln!(b, "    let sl = lid % {slices}u;\n    let i0 = sl * {per_slice}u;");
+            // A constant trip count, so the slice's loads can all be in flight.
+            let inside = if d % slices == 0 { String::new() } else { format!("if (i < {d}u) ") };
             for j in 0..slices {
                 let _ = writeln!(b, "    {{\n        let kk = lid / {slices}u + {}u;\n        let pk = c + kk;\n        var dot = 0.0;", j * span);
-                let _ = writeln!(b, "        if (pk < {n}u) {{ for (var i = i0; i < i1; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }} }}", at(&k.layout, ["pk", "i"]));
+                let _ = writeln!(
+                    b,
+                    "        if (pk < {n}u) {{ for (var ii = 0u; ii < {per_slice}u; ii = ii + 1u) {{ let i = i0 + ii; {inside}{{ dot = dot + qs[i] * ld_in{ki}({}); }} }} }}",
+                    at(&k.layout, ["pk", "i"])
+                );
                 let _ = writeln!(b, "        part[kk * {slices}u + sl] = dot;\n    }}");
             }
             let _ = write!(b, "    workgroupBarrier();\n    if (p < {n}u) {{\n        let dot = ");
@@ -122,12 +128,33 @@ impl Gen<'_> {
         for r in 0..per {
             let _ = write!(b, " acc{r} = acc{r} * alpha;");
         }
-        let _ = writeln!(b, "\n    let cnt = min({threads}u, {n}u - c);\n    for (var j = kgi; j < cnt; j = j + {kg}u) {{\n        let wj = wts[j];\n        l = l + wj;\n        let pj = c + j;");
+        let _ = writeln!(b, "\n    let cnt = min({threads}u, {n}u - c);\n    var j = kgi;");
+        if kg > 1 {
+            // Four of the group's keys a trip, their loads independent: a
+            // loop of one load and one add per key waits on each load in turn.
+            let _ = writeln!(b, "    while (j + {}u < cnt) {{", 3 * kg);
+            let _ = writeln!(b, "        let w0 = wts[j];\n        let w1 = wts[j + {kg}u];\n        let w2 = wts[j + {}u];\n        let w3 = wts[j + {}u];\n        l = l + ((w0 + w1) + (w2 + w3));", 2 * kg, 3 * kg);
+            let _ = writeln!(b, "        let p0 = c + j;\n        let p1 = p0 + {kg}u;\n        let p2 = p0 + {}u;\n        let p3 = p0 + {}u;", 2 * kg, 3 * kg);
+            for r in 0..per {
+                let vat = |pv: &str| format!("ld_in{vi}({})", at(&v.layout, [pv, "ee"]));
+                let _ = writeln!(
+                    b,
+                    "        {{ let ee = lane + {}u; if (ee < {e}u) {{ acc{r} = acc{r} + ((w0 * {} + w1 * {}) + (w2 * {} + w3 * {})); }} }}",
+                    r * LANES,
+                    vat("p0"),
+                    vat("p1"),
+                    vat("p2"),
+                    vat("p3")
+                );
+            }
+            let _ = writeln!(b, "        j = j + {}u;\n    }}", 4 * kg);
+        }
+        let _ = writeln!(b, "    while (j < cnt) {{\n        let wj = wts[j];\n        l = l + wj;\n        let pj = c + j;");
         for r in 0..per {
             let _ = writeln!(b, "        {{ let ee = lane + {}u; if (ee < {e}u) {{ acc{r} = acc{r} + wj * ld_in{vi}({}); }} }}", r * LANES, at(&v.layout, ["pj", "ee"]));
         }
         // The next chunk overwrites the scores and weights.
-        let _ = writeln!(b, "    }}\n    mx = nm;\n    workgroupBarrier();\n    }}");
+        let _ = writeln!(b, "        j = j + {kg}u;\n    }}\n    mx = nm;\n    workgroupBarrier();\n    }}");
         if kg > 1 {
             // Each group's sums, added by the first group (its weight sum
             // is the same in all of its lanes).
