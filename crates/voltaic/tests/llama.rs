@@ -80,6 +80,7 @@ fn check_model(device: Device) {
     eprintln!("{device}: the model holds {:.1} MB for a {:.1} MB file ({:.3}x)", held / 1e6, file_bytes / 1e6, held / file_bytes);
     assert!(held <= 1.25 * file_bytes && held >= 0.9 * file_bytes, "{device}: {held} bytes held for a {file_bytes}-byte file");
     let mut worst = 0f64;
+    let mut first_tokens = vec![];
     for (ci, c) in r.cases.iter().enumerate() {
         let mut cache = model.new_cache().unwrap();
         let logits = model.forward(&c.ids, &mut cache).unwrap().to_vec::<f32>().unwrap();
@@ -88,6 +89,9 @@ fn check_model(device: Device) {
         worst = worst.max(diff);
         assert!(diff <= 2e-2, "{} on {device}: first-step logits differ by {diff}", c.name);
         let g = generate(&model, &c.ids, c.greedy.len(), &Sampling::default(), None, |_| true).unwrap();
+        if ci == 0 {
+            first_tokens = g.tokens.clone();
+        }
         if let Some(i) = g.tokens.iter().zip(&c.greedy).position(|(a, b)| a != b) {
             // Only a near-tie of the reference may part the paths; say so.
             assert!(c.top2_gaps[i] < 0.05, "{} on {device}: token {i} is {} where the reference has {} (top-2 gap {})", c.name, g.tokens[i], c.greedy[i], c.top2_gaps[i]);
@@ -103,6 +107,12 @@ fn check_model(device: Device) {
     eprintln!("decode steps on {device}: {st:?}");
     let steps: usize = r.cases.iter().map(|c| c.greedy.len() - 1).sum();
     assert!(st.eager_calls <= 6 && st.eager_calls + st.replays == steps as u64 && st.mismatches == 0, "{device}: {st:?} over {steps} decode steps");
+    // Forgotten, they are traced again (and still give the reference's tokens).
+    model.forget_decode_steps();
+    let c = &r.cases[0];
+    let g = generate(&model, &c.ids, 4, &Sampling::default(), None, |_| true).unwrap();
+    assert_eq!(g.tokens, first_tokens[..4], "{device}: after forgetting the decode steps");
+    assert_eq!(model.decode_stats().eager_calls, 2, "{device}: {:?}", model.decode_stats());
 }
 
 #[test]

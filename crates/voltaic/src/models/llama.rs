@@ -445,6 +445,13 @@ impl Llama {
         self.decode.lock().unwrap_or_else(|e| e.into_inner()).stats()
     }
 
+    /// Forget the decode steps kept by [`generate`](super::generate::generate)
+    /// (and the buffers a capture holds between its two traced steps): the
+    /// next generation traces its steps again.
+    pub fn forget_decode_steps(&self) {
+        *self.decode.lock().unwrap_or_else(|e| e.into_inner()) = Default::default();
+    }
+
     /// The device the weights live on.
     pub fn device(&self) -> Device {
         self.device
