@@ -173,8 +173,10 @@ pub(crate) enum KernelKind {
         quant: Option<crate::quant::GgmlType>,
         prologue: Option<Prologue>,
     },
-    /// An index-like primitive over its operands (see [`IndexOp`]).
-    Index { op: IndexOp, args: Vec<Strided> },
+    /// An index-like primitive over its operands (see [`IndexOp`]). An
+    /// attention kernel may compute its queries in their loads (`prologue`:
+    /// elementwise work whose result only it read; `args[0]` is then not read).
+    Index { op: IndexOp, args: Vec<Strided>, prologue: Option<Prologue> },
     /// Elementwise work with several outputs over one `shape`: output `j`
     /// (the kernel's `out` first, then its `also`) stores the value of
     /// instruction `stores[j]`, in that instruction's dtype. Made from
@@ -214,6 +216,7 @@ impl KernelKind {
                 epilogue.iter().map(|e| &e.expr).chain(pro).collect()
             }
             KernelKind::Rows { stages, out, .. } => stages.iter().chain([out]).map(|s| &s.expr).collect(),
+            KernelKind::Index { prologue: Some(p), .. } => p.stages.iter().chain([&p.out]).map(|s| &s.expr).collect(),
             _ => vec![],
         }
     }
@@ -227,6 +230,7 @@ impl KernelKind {
                 epilogue.iter_mut().map(|e| &mut e.expr).chain(pro).collect()
             }
             KernelKind::Rows { stages, out, .. } => stages.iter_mut().chain([out]).map(|s| &mut s.expr).collect(),
+            KernelKind::Index { prologue: Some(p), .. } => p.stages.iter_mut().chain([&mut p.out]).map(|s| &mut s.expr).collect(),
             _ => vec![],
         }
     }

@@ -257,3 +257,46 @@ fn bad_input_is_an_error_naming_the_op() {
     let e = t(&[2, 3, 4]).scaled_dot_product_attention(&t(&[2, 5, 4]), &t(&[2, 5, 4]), None, Some(f64::NAN)).unwrap_err().to_string();
     assert!(e.contains("finite"), "{e}");
 }
+
+/// Elementwise work whose result only the attention kernel reads as its
+/// queries (a decoder's RoPE) runs in the kernel's query loads where the
+/// executor takes prologues (hardware adapters; `VOLTAIC_KERNELS=hardware`
+/// or `VOLTAIC_PROLOGUES=1` on a software one): one kernel, the f64
+/// result. A query the caller keeps stays a kernel of its own.
+#[test]
+fn work_before_the_queries_runs_in_their_loads() {
+    let mut rng = Rng::new(21);
+    let (b, m, n, d) = (3, 2, 37, 16);
+    let (x, bias) = (rng.normals(b * m * d), rng.normals(d));
+    let (k, v) = (rng.normals(b * n * d), rng.normals(b * n * d));
+    // q = x * 0.5 + bias.
+    let q: Vec<f64> = (0..b * m * d).map(|i| x[i] * 0.5 + bias[i % d]).collect();
+    let want = Case { b, m, n, d, e: d, q, k: k.clone(), v: v.clone(), mask: None }.reference(0.25);
+    let prologues = match std::env::var("VOLTAIC_PROLOGUES") {
+        Ok(v) => v != "0",
+        Err(_) => voltaic::backend::adapters()[0].device_type != "Cpu" || std::env::var("VOLTAIC_KERNELS").is_ok_and(|v| v == "hardware"),
+    };
+    for dev in [Device::Cpu, gpu()] {
+        let (kt, vt) = (tensor(&k, &[b, n, d], dev), tensor(&v, &[b, n, d], dev));
+        let (xt, bt) = (tensor(&x, &[b, m, d], dev), tensor(&bias, &[d], dev));
+        // A mask of zeros, realized: no kernel of its own in the graph.
+        let mask = tensor(&vec![0.0; m * n], &[m, n], dev);
+        Tensor::realize_all(&[&kt, &vt, &xt, &bt, &mask]).unwrap();
+        let q = xt.mul(0.5).unwrap().add(&bt).unwrap();
+        let out = q.scaled_dot_product_attention(&kt, &vt, Some(&mask), Some(0.25)).unwrap();
+        drop(q);
+        if dev.is_gpu() {
+            let kinds: Vec<&str> = voltaic::inspect(&[&out]).into_iter().map(|k| k.kind).collect();
+            let want_kinds: Vec<&str> = if prologues { vec!["attention"] } else { vec!["elementwise", "attention"] };
+            assert_eq!(kinds, want_kinds, "{dev}");
+        }
+        close(&out.to_f64_vec().unwrap(), &want, 1e-5, &format!("{dev}: queries computed in the kernel's loads"));
+        // Kept by the caller, the queries are stored: two kernels.
+        let q = xt.mul(0.5).unwrap().add(&bt).unwrap();
+        let out = q.scaled_dot_product_attention(&kt, &vt, Some(&mask), Some(0.25)).unwrap();
+        if dev.is_gpu() {
+            assert_eq!(voltaic::inspect(&[&out]).len(), 2, "{dev}: a kept query");
+        }
+        close(&out.to_f64_vec().unwrap(), &want, 1e-5, &format!("{dev}: kept queries"));
+    }
+}

@@ -547,17 +547,30 @@ impl Llama {
         for (l, b) in self.blocks.iter().enumerate() {
             let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let (q, kn, vn) = self.qkv(b, &hn, &cos, &sin)?;
-            // Write the new keys and values into their slots.
-            let put = |cache_t: &Tensor, new: &Tensor| -> Result<Tensor> {
+            // Write the new keys and values into their slots. One decoded
+            // token's key rotates where it is written: the rotation of the
+            // key broadcast over the slots is the cache write's own work
+            // (one kernel), where a rotated key would be a kernel of its
+            // own that the write reads back.
+            // Both writes are made in the pairs' shape `[kv_heads, cap,
+            // head_dim / 2, 2]` (where the head dim is even), the shape the
+            // rotation's kernel takes, so they stay one kernel with two outputs.
+            let (kvh, hd) = (c.kv_heads, c.head_dim);
+            let shape: Vec<usize> = if hd % 2 == 0 { vec![kvh, cap, hd / 2, 2] } else { vec![kvh, cap, hd] };
+            let put = |cache_t: &Tensor, new: &Tensor, rotate: bool| -> Result<Tensor> {
                 let new = new.permute(&[1, 0, 2])?;
                 let spread = match &src {
                     Some(src) => new.index_select(1, src)?,
-                    None => new,
+                    None if rotate => self.rope(&new.broadcast_to(&[kvh, cap, hd])?, &cos, &sin)?,
+                    None => new.broadcast_to(&[kvh, cap, hd])?,
                 };
-                take.reshape_dims(&[1, cap, 1])?.where_cond(&spread, cache_t)
+                let keep = take.reshape_dims(&[1, cap, 1])?.broadcast_to(&[kvh, cap, hd])?;
+                let pairs = |x: &Tensor| x.reshape_dims(&shape);
+                pairs(&keep)?.where_cond(&pairs(&spread)?, &pairs(cache_t)?)?.reshape_dims(&[kvh, cap, hd])
             };
-            k[l] = put(&k[l], &kn)?;
-            v[l] = put(&v[l], &vn)?;
+            let kn = if t > 1 { self.rope(&kn, &cos, &sin)? } else { kn };
+            k[l] = put(&k[l], &kn, t == 1)?;
+            v[l] = put(&v[l], &vn, false)?;
             let a = attention(&q, &k[l], &v[l], &mask, c)?;
             x = x.add(&b.wo.forward(&a)?)?;
             let hn = rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
@@ -606,10 +619,11 @@ impl Llama {
         Ok(())
     }
 
-    /// The rotated queries `[t, heads, head_dim]`, rotated keys and values
-    /// `[t, kv_heads, head_dim]` of block `b` for the normed input `hn`
-    /// `[t, hidden]`. Stacked projections rotate queries and keys together,
-    /// as the heads of one tensor (one gather and one kernel, not two).
+    /// The rotated queries `[t, heads, head_dim]`, the keys (not yet
+    /// rotated: see `step`) and values `[t, kv_heads, head_dim]` of block
+    /// `b` for the normed input `hn` `[t, hidden]`. The queries rotate
+    /// apart from the keys, so that on a GPU their rotation, read by the
+    /// attention kernel only, becomes that kernel's prologue.
     fn qkv(&self, b: &Block, hn: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
         let (t, d) = (hn.dims()[0], c.head_dim);
@@ -618,15 +632,15 @@ impl Llama {
             Stacked::One { w, .. } => {
                 // Columns: queries, keys, values (the order `from_gguf` stacks them in).
                 let y = w.forward(hn)?;
-                let qk = self.rope(&y.narrow(1, 0, h + kvd)?.reshape_dims(&[t, c.heads + c.kv_heads, d])?, cos, sin)?;
+                let q = self.rope(&y.narrow(1, 0, h)?.reshape_dims(&[t, c.heads, d])?, cos, sin)?;
+                let k = y.narrow(1, h, kvd)?.reshape_dims(&[t, c.kv_heads, d])?;
                 let v = y.narrow(1, h + kvd, kvd)?.reshape_dims(&[t, c.kv_heads, d])?;
-                Ok((qk.narrow(1, 0, c.heads)?, qk.narrow(1, c.heads, c.kv_heads)?, v))
+                Ok((q, k, v))
             }
             Stacked::Apart(_) => {
                 let p = b.qkv.forward(hn)?;
                 let q = self.rope(&p[0].reshape_dims(&[t, c.heads, d])?, cos, sin)?;
-                let k = self.rope(&p[1].reshape_dims(&[t, c.kv_heads, d])?, cos, sin)?;
-                Ok((q, k, p[2].reshape_dims(&[t, c.kv_heads, d])?))
+                Ok((q, p[1].reshape_dims(&[t, c.kv_heads, d])?, p[2].reshape_dims(&[t, c.kv_heads, d])?))
             }
         }
     }

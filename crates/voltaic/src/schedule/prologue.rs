@@ -1,6 +1,8 @@
 //! Pass 7, prologue fusion (for executors that ask for it,
 //! `Capabilities::prologue_rows`): row-wise or elementwise work whose
-//! result only a quantized GEMV reads is computed in the GEMV's loads.
+//! result only a quantized GEMV reads is computed in the GEMV's loads, and
+//! elementwise work whose result only an attention kernel reads as its
+//! queries (a decoder's RoPE) in that kernel's query loads.
 //!
 //! A language model's decode step multiplies one row by each weight: the
 //! RMS norm before the attention and feed-forward projections and
@@ -12,6 +14,7 @@
 
 use crate::dtype::DType;
 use crate::ir::{KernelKind, Plan, Prologue, RowStage, Slot};
+use crate::primitive::IndexOp;
 use foldhash::HashSet;
 
 /// Outputs up to which a product takes a prologue: about one wave of
@@ -32,14 +35,72 @@ pub(crate) fn fuse_prologues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: 
     }
     let mut k = 0;
     while k < plan.kernels.len() {
-        match producer(plan, k, kept, max_inputs, max_rows) {
-            Some(p) => {
-                fuse(plan, p, k);
-                // The producer came before the product, which moved down by one.
-            }
-            None => k += 1,
+        if let Some(p) = producer(plan, k, kept, max_inputs, max_rows) {
+            fuse(plan, p, k);
+            // The producer came before the product, which moved down by one.
+        } else if let Some(p) = query_producer(plan, k, kept, max_inputs) {
+            fuse_queries(plan, p, k);
+        } else {
+            k += 1;
         }
     }
+}
+
+/// The index of the elementwise kernel whose result the attention kernel
+/// at `ai` could compute in its query loads: read by nothing else (not
+/// even the kernel's keys, values or mask), kept by nobody, f32.
+fn query_producer(plan: &Plan, ai: usize, kept: &HashSet<Slot>, max_inputs: usize) -> Option<usize> {
+    let ak = &plan.kernels[ai];
+    let KernelKind::Index { op: IndexOp::Attention { .. }, args, prologue: None } = &ak.kind else { return None };
+    let slot = ak.inputs[args[0].input];
+    if args[1..].iter().any(|a| ak.inputs[a.input] == slot) || kept.contains(&slot) {
+        return None;
+    }
+    if plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count() != 1 {
+        return None;
+    }
+    let pi = plan.kernels[..ai].iter().position(|p| p.out == slot)?;
+    let p = &plan.kernels[pi];
+    if !matches!(p.kind, KernelKind::Elementwise { .. }) || !p.also.is_empty() || p.dtype != DType::F32 || p.inputs.is_empty() {
+        return None;
+    }
+    let mut all: Vec<Slot> = ak.inputs.iter().copied().filter(|&s| s != slot).collect();
+    all.extend(p.inputs.iter().copied());
+    all.sort_unstable();
+    all.dedup();
+    (all.len() <= max_inputs).then_some(pi)
+}
+
+/// Move the elementwise kernel `pi` into the attention kernel at `ai` as
+/// the prologue of its queries.
+fn fuse_queries(plan: &mut Plan, pi: usize, ai: usize) {
+    let p = plan.kernels.remove(pi);
+    let ak = &mut plan.kernels[ai - 1];
+    let KernelKind::Index { args, prologue, .. } = &mut ak.kind else { unreachable!("checked by `query_producer`") };
+    let gone = args[0].input;
+    ak.inputs.remove(gone);
+    for a in args.iter_mut().skip(1) {
+        if a.input > gone {
+            a.input -= 1;
+        }
+    }
+    // Not read when the prologue computes the queries; kept a valid index.
+    args[0].input = args[1].input;
+    let KernelKind::Elementwise { mut expr, shape } = p.kind else { unreachable!("checked by `query_producer`") };
+    for l in expr.loads.iter_mut() {
+        let slot = p.inputs[l.input];
+        l.input = match ak.inputs.iter().position(|&s| s == slot) {
+            Some(i) => i,
+            None => {
+                ak.inputs.push(slot);
+                ak.inputs.len() - 1
+            }
+        };
+    }
+    *prologue = Some(Prologue { stages: vec![], out: RowStage { op: None, expr, shape, from: vec![], dtype: p.dtype } });
+    let mut ops = p.ops;
+    ops.append(&mut ak.ops);
+    ak.ops = ops;
 }
 
 /// The index of the kernel whose result the product at `mi` could compute in its loads.

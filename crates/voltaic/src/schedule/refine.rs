@@ -73,7 +73,7 @@ pub(crate) fn simplify(path: &mut Vec<Layout>) {
 /// The finest shape whose dims split both `a` and `b` (same element count),
 /// if one exists: the union of their suffix-product breakpoints must form a
 /// divisibility chain. `[14, 14]` and `[7, 2, 7, 2]` give `[7, 2, 7, 2]`.
-fn common_refinement(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+pub(crate) fn common_refinement(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     if a.contains(&0) || b.contains(&0) {
         return None;
     }
@@ -134,6 +134,16 @@ fn split_layout(l: &Layout, fine: &[usize]) -> Option<Layout> {
         return None;
     }
     Some(Layout { shape: crate::shape::Shape::new(fine), strides: strides.into(), offset: l.offset })
+}
+
+/// `expr` (whose loads' first layouts walk the kernel's shape) walking the
+/// finer shape `fine` instead, if every load's layout splits that way.
+pub(crate) fn split_expr(expr: &Expr, fine: &[usize]) -> Option<Expr> {
+    let mut e = expr.clone();
+    for l in e.loads.iter_mut() {
+        l.path[0] = split_layout(&l.path[0], fine)?;
+    }
+    Some(e)
 }
 
 /// Iterate an elementwise kernel over a finer shape when that lets a load

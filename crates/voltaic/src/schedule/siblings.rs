@@ -1,5 +1,6 @@
-//! Pass 8, sibling fusion: elementwise kernels over one shape become one
-//! kernel with several outputs, where the executor runs such kernels
+//! Pass 8, sibling fusion: elementwise kernels over one shape (or shapes
+//! of one element count that split to a common one) become one kernel with
+//! several outputs, where the executor runs such kernels
 //! (`Capabilities::multi_output`).
 //!
 //! The vertical fusion of pass 2 inlines a node into its consumers only
@@ -14,6 +15,7 @@
 //! values instead of loads, shared inputs are loaded once, and results
 //! nobody else reads or keeps are no longer stored.
 
+use super::refine::{common_refinement, split_expr};
 use crate::ir::{Expr, Instr, Kernel, KernelKind, Load, Plan, Slot};
 use foldhash::{HashMap, HashMapExt, HashSet};
 
@@ -41,6 +43,8 @@ pub(crate) fn fuse_siblings(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: u
         match target {
             Some(a) => {
                 writer.insert(k.out, a);
+                let mut k = k;
+                walk_finer(&mut out[a], &mut k);
                 merge(plan, &mut out[a], k);
             }
             None => {
@@ -81,7 +85,7 @@ fn joinable(plan: &Plan, a: &Kernel, ai: usize, writer: &HashMap<Slot, usize>, k
         KernelKind::Elementwise { expr, shape } | KernelKind::Multi { expr, shape, .. } => (expr, shape),
         _ => return None,
     };
-    if a_shape.as_slice() != shape || a.numel != k.numel || a_expr.instrs.len() + expr.instrs.len() > MAX_INSTRS {
+    if a.numel != k.numel || a_expr.instrs.len() + expr.instrs.len() > MAX_INSTRS || common_shape(a_expr, a_shape, expr, shape).is_none() {
         return None;
     }
     if matches!(a.kind, KernelKind::Elementwise { .. }) && (a_expr.dtype() != a.dtype || plan.slots[a.out].dtype != a.dtype) {
@@ -109,6 +113,34 @@ fn joinable(plan: &Plan, a: &Kernel, ai: usize, writer: &HashMap<Slot, usize>, k
         }
     }
     (binds <= max_inputs).then_some(shared)
+}
+
+/// The shape two kernels of one element count can both walk: theirs if
+/// equal, else the finest that splits both (a key rotated in its pairs'
+/// shape `[h, n, d / 2, 2]` and a value written as `[h, n, d]`), if every
+/// load of both splits to it.
+fn common_shape(a_expr: &Expr, a_shape: &[usize], expr: &Expr, shape: &[usize]) -> Option<Vec<usize>> {
+    if a_shape == shape {
+        return Some(shape.to_vec());
+    }
+    let fine = common_refinement(a_shape, shape)?;
+    split_expr(a_expr, &fine)?;
+    split_expr(expr, &fine)?;
+    Some(fine)
+}
+
+/// Both kernels walking `fine` (see [`common_shape`]).
+fn walk_finer(a: &mut Kernel, k: &mut Kernel) {
+    let (KernelKind::Elementwise { expr: ae, shape: ash } | KernelKind::Multi { expr: ae, shape: ash, .. }) = &mut a.kind else { return };
+    let KernelKind::Elementwise { expr: ke, shape: ksh } = &mut k.kind else { return };
+    if ash == ksh {
+        return;
+    }
+    let Some(fine) = common_shape(ae, ash, ke, ksh) else { return };
+    *ae = split_expr(ae, &fine).expect("checked by `common_shape`");
+    *ke = split_expr(ke, &fine).expect("checked by `common_shape`");
+    *ash = fine.clone();
+    *ksh = fine;
 }
 
 /// The bindings a GPU kernel may need for slot `s`: one per 128 MiB (the
@@ -277,6 +309,23 @@ mod tests {
         assert_eq!(store.len(), 3);
     }
 
+    /// A kernel that walks `[6, 4]` (a transposed read, which does not
+    /// flatten) and one that walks `[24]` join over `[6, 4]`, each result
+    /// where it was.
+    #[test]
+    fn kernels_of_one_size_and_different_shapes_join_over_a_common_one() {
+        let (x, y) = (input(&[6, 4]), input(&[4, 6]));
+        let a = unary(&x, UnaryOp::Exp);
+        let b = unary(&transpose(&y), UnaryOp::Exp);
+        assert_eq!(schedule(&[&a, &b], cpu_caps()).plan.kernels.len(), 2);
+        let Scheduled { plan, .. } = schedule(&[&a, &b], gpu_like(27));
+        assert_eq!(plan.kernels.len(), 1);
+        let KernelKind::Multi { shape, expr, .. } = &plan.kernels[0].kind else { panic!("{:?}", plan.kernels[0].kind.name()) };
+        assert_eq!(shape, &vec![6, 4]);
+        let strides: Vec<Vec<usize>> = expr.loads.iter().map(|l| l.path[0].strides().to_vec()).collect();
+        assert!(strides.contains(&vec![4, 1]) && strides.contains(&vec![1, 6]), "{strides:?}");
+    }
+
     #[test]
     fn a_result_only_siblings_read_is_not_stored() {
         let x = input(&[16]);
@@ -311,10 +360,10 @@ mod tests {
         let plan = schedule(&[&w, &m, &v], gpu_like(3)).plan;
         assert!(plan.kernels.len() >= 2);
         assert!(plan.kernels.iter().all(|k| k.inputs.len() + k.also.len() <= 3));
-        // Both contiguous, [4, 8] and [8, 4] are one flat shape and may
-        // join; a transposed read keeps its two dims.
-        let (x, y) = (input(&[4, 8]), input(&[4, 8]));
-        let a = unary(&x, UnaryOp::Exp);
+        // Transposed reads walk [4, 6] and [6, 4], which no shape splits
+        // both of (see `kernels_of_one_size_and_different_shapes_join_over_a_common_one`).
+        let (x, y) = (input(&[6, 4]), input(&[4, 6]));
+        let a = unary(&transpose(&x), UnaryOp::Exp);
         let b = unary(&transpose(&y), UnaryOp::Exp);
         assert_eq!(schedule(&[&a, &b], gpu_like(27)).plan.kernels.len(), 2);
     }

@@ -371,7 +371,7 @@ fn stage_args(stages: usize, i: usize) -> String {
 /// per-row stage), and `pro_a(l, st0, ...)`, the operand's element `l`,
 /// each given the earlier stages' values of its row. Their constants start
 /// at `base` among the kernel's.
-fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result<()> {
+pub(crate) fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result<()> {
     let params = |n: usize| -> String { p.stages[..n].iter().enumerate().map(|(s, st)| format!(", st{s}: {}", compute_ty(st.dtype))).collect() };
     let mut base = base;
     for (s, st) in p.stages.iter().chain([&p.out]).enumerate() {

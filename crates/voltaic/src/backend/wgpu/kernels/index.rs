@@ -6,14 +6,18 @@
 use super::{groups, Gen, WG};
 use crate::backend::wgpu::codegen::{cast, compute_ty, literal, round_to, strided, unravel, Dispatch, Src, WgslProgram};
 use crate::dtype::DType;
-use crate::ir::Strided as View;
+use crate::error::{bail, Result};
+use crate::ir::{Prologue, Strided as View};
 use crate::layout::Layout;
 use crate::primitive::{IndexOp, UnfoldParams};
 use std::fmt::Write;
 
 impl Gen<'_> {
     /// The dispatches of an index-like kernel.
-    pub(crate) fn index(&self, p: &mut WgslProgram, op: &IndexOp, args: &[View]) {
+    pub(crate) fn index(&self, p: &mut WgslProgram, op: &IndexOp, args: &[View], prologue: Option<&Prologue>) -> Result<()> {
+        if prologue.is_some() && !matches!(op, IndexOp::Attention { .. }) {
+            bail!(Device, "realize", "a prologue before {} (only attention takes one)", op.name());
+        }
         match *op {
             IndexOp::Gather { dim, .. } => p.dispatches.push(self.gather(dim, &args[0], &args[1], op.error_code())),
             IndexOp::IndexSelect { dim, .. } => p.dispatches.push(self.index_select(dim, &args[0], &args[1], op.error_code())),
@@ -37,8 +41,9 @@ impl Gen<'_> {
             IndexOp::Unfold { params, pad } => p.dispatches.push(self.unfold(&args[0], &params, pad)),
             IndexOp::Fold { params, hw } => p.dispatches.push(self.fold(&args[0], &params, hw)),
             IndexOp::Dequantize { qtype, cols, .. } => p.dispatches.push(self.dequantize_rows(qtype, cols, &args[0], &args[1], op.error_code())),
-            IndexOp::Attention { scale } => p.dispatches.push(self.attention(scale, args)),
+            IndexOp::Attention { scale } => p.dispatches.push(self.attention(scale, args, prologue)?),
         }
+        Ok(())
     }
 
     /// `softmax(q k^T * scale + mask) v` (see `IndexOp::Attention`), a
@@ -55,14 +60,28 @@ impl Gen<'_> {
     /// The scores are never stored: one kernel where the unfused form is
     /// two products and a softmax. The leading dims are walked as they lie
     /// (heads split from a projection do not flatten).
-    fn attention(&self, scale: f64, args: &[View]) -> Dispatch {
+    ///
+    /// With a prologue (elementwise work whose result only this kernel
+    /// reads, such as RoPE of the queries), each query element is computed
+    /// where it would have been loaded.
+    fn attention(&self, scale: f64, args: &[View], prologue: Option<&Prologue>) -> Result<Dispatch> {
         const LANES: usize = 64;
         let threads = if self.caps.software { LANES } else { 4 * LANES };
         let kg = threads / LANES;
         let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
         let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[q.input, k.input, v.input, mask.input]);
+        let mut read = match prologue {
+            Some(p) => p.out.expr.loads.iter().map(|l| l.input).collect(),
+            None => vec![q.input],
+        };
+        read.extend([k.input, v.input, mask.input]);
+        read.sort_unstable();
+        read.dedup();
+        self.bind_inputs(&mut sh, &read);
         self.bind_out(&mut sh);
+        if let Some(p) = prologue {
+            crate::backend::wgpu::quant::prologue_fns(&mut sh, p, 0)?;
+        }
         let (qd, kd, vd) = (q.layout.dims(), k.layout.dims(), v.layout.dims());
         let r = qd.len();
         let lead_dims = &qd[..r - 2];
@@ -85,7 +104,12 @@ impl Gen<'_> {
         let _ = writeln!(b, "    let lane = lid % {LANES}u;\n    let kgi = lid / {LANES}u;");
         let lead = unravel(&mut b, &mut sh, "bi", lead_dims);
         let at = |l: &Layout, tail: [&str; 2]| at_lead(&lead, l, tail);
-        let _ = writeln!(b, "    for (var i = lid; i < {d}u; i = i + {threads}u) {{ qs[i] = ld_in{qi}({}); }}", at(&q.layout, ["mi", "i"]));
+        let q_at = at(&q.layout, ["mi", "i"]);
+        let q_value = match prologue {
+            Some(_) => format!("pro_a({q_at})"),
+            None => format!("ld_in{qi}({q_at})"),
+        };
+        let _ = writeln!(b, "    for (var i = lid; i < {d}u; i = i + {threads}u) {{ qs[i] = {q_value}; }}");
         // The running maximum starts at -inf: a finite sentinel would sit
         // above scores masked with f32::MIN and zero their weights.
         let _ = writeln!(b, "    workgroupBarrier();\n    let ninf = bitcast<f32>(0xff800000u);\n    var mx = ninf;\n    var l = 0.0;");
@@ -168,7 +192,8 @@ impl Gen<'_> {
         for r in 0..per {
             let _ = writeln!(b, "    {{ let ee = lane + {}u; if (ee < {e}u) {{ st_out(row * {e}u + ee, acc{r} / l); }} }}", r * LANES);
         }
-        sh.finish("attention".into(), threads as u32, rows as u64, &b)
+        let label = if prologue.is_some() { "attention with a prologue" } else { "attention" };
+        Ok(sh.finish(label.into(), threads as u32, rows as u64, &b))
     }
 
     /// Copy a strided view into the (contiguous) output.
