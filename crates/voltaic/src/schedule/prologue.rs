@@ -64,11 +64,7 @@ fn query_producer(plan: &Plan, ai: usize, kept: &HashSet<Slot>, max_inputs: usiz
     if !matches!(p.kind, KernelKind::Elementwise { .. }) || !p.also.is_empty() || p.dtype != DType::F32 || p.inputs.is_empty() {
         return None;
     }
-    let mut all: Vec<Slot> = ak.inputs.iter().copied().filter(|&s| s != slot).collect();
-    all.extend(p.inputs.iter().copied());
-    all.sort_unstable();
-    all.dedup();
-    (all.len() <= max_inputs).then_some(pi)
+    fits(&ak.inputs, slot, &p.inputs, max_inputs).then_some(pi)
 }
 
 /// Move the elementwise kernel `pi` into the attention kernel at `ai` as
@@ -88,14 +84,7 @@ fn fuse_queries(plan: &mut Plan, pi: usize, ai: usize) {
     args[0].input = args[1].input;
     let KernelKind::Elementwise { mut expr, shape } = p.kind else { unreachable!("checked by `query_producer`") };
     for l in expr.loads.iter_mut() {
-        let slot = p.inputs[l.input];
-        l.input = match ak.inputs.iter().position(|&s| s == slot) {
-            Some(i) => i,
-            None => {
-                ak.inputs.push(slot);
-                ak.inputs.len() - 1
-            }
-        };
+        l.input = input_of(&mut ak.inputs, p.inputs[l.input]);
     }
     *prologue = Some(Prologue { stages: vec![], out: RowStage { op: None, expr, shape, from: vec![], dtype: p.dtype } });
     let mut ops = p.ops;
@@ -128,11 +117,28 @@ fn producer(plan: &Plan, mi: usize, kept: &HashSet<Slot>, max_inputs: usize, max
     if !shaped || !p.also.is_empty() || p.dtype != DType::F32 || p.numel != m * k || p.inputs.is_empty() {
         return None;
     }
-    let mut all: Vec<Slot> = mk.inputs.iter().copied().filter(|&s| s != slot).collect();
-    all.extend(p.inputs.iter().copied());
+    fits(&mk.inputs, slot, &p.inputs, max_inputs).then_some(pi)
+}
+
+/// The index of `slot` among a kernel's `inputs`, added if missing.
+fn input_of(inputs: &mut Vec<Slot>, slot: Slot) -> usize {
+    match inputs.iter().position(|&s| s == slot) {
+        Some(i) => i,
+        None => {
+            inputs.push(slot);
+            inputs.len() - 1
+        }
+    }
+}
+
+/// Whether a kernel reading `inputs`, with `slot` computed in its loads from
+/// `producer`'s inputs instead, reads at most `max_inputs` buffers.
+fn fits(inputs: &[Slot], slot: Slot, producer: &[Slot], max_inputs: usize) -> bool {
+    let mut all: Vec<Slot> = inputs.iter().copied().filter(|&s| s != slot).collect();
+    all.extend(producer.iter().copied());
     all.sort_unstable();
     all.dedup();
-    (all.len() <= max_inputs).then_some(pi)
+    all.len() <= max_inputs
 }
 
 /// Move kernel `pi` into the product at `mi` as its prologue.
@@ -167,14 +173,7 @@ fn fuse(plan: &mut Plan, pi: usize, mi: usize) {
             if st.reads_stage(li) {
                 continue;
             }
-            let slot = p.inputs[st.expr.loads[li].input];
-            st.expr.loads[li].input = match mk.inputs.iter().position(|&s| s == slot) {
-                Some(i) => i,
-                None => {
-                    mk.inputs.push(slot);
-                    mk.inputs.len() - 1
-                }
-            };
+            st.expr.loads[li].input = input_of(&mut mk.inputs, p.inputs[st.expr.loads[li].input]);
         }
     }
     *prologue = Some(Prologue { stages, out });
