@@ -220,7 +220,7 @@ impl Gen<'_> {
             let _ = writeln!(s, "        let c0 = u * 8u;\n        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
             // A run past the end gets a zero scale and offset.
             let ok = if x == 0 { String::new() } else { format!(" * select(0.0, 1.0, u0 + {x}u < {runs}u)") };
-            let scale = if q41 && shape.unpack { "unpack2x16float(ld_in{}(base))".replace("{}", &w.input.to_string()) } else { "qscale(base, e0)".to_string() };
+            let scale = if q41 && shape.unpack { format!("unpack2x16float(ld_in{}(base))", w.input) } else { "qscale(base, e0)".to_string() };
             let _ = writeln!(s, "        let sc = {scale}{ok};");
             if let Some((qoff, nibbles)) = runs_by_words {
                 // The run's 8 quant bytes start at a byte `qoff % 4` into a
