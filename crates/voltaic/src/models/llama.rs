@@ -543,31 +543,30 @@ impl Llama {
         let mask = group_mask(&Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?, c)?;
         let rows = |table: &Tensor| table.index_select(0, pos)?.reshape_dims(&[t, 1, c.head_dim]);
         let (cos, sin) = (rows(&self.cos)?, rows(&self.sin)?);
+        // Write a layer's new keys and values into their slots. One decoded
+        // token's key rotates where it is written: the rotation of the key
+        // broadcast over the slots is the cache write's own work (one
+        // kernel), where a rotated key would be a kernel of its own that the
+        // write reads back. Both writes are made in the pairs' shape
+        // `[kv_heads, cap, head_dim / 2, 2]` (where the head dim is even),
+        // the shape the rotation's kernel takes, so they stay one kernel
+        // with two outputs.
+        let (kvh, hd) = (c.kv_heads, c.head_dim);
+        let shape: Vec<usize> = if hd % 2 == 0 { vec![kvh, cap, hd / 2, 2] } else { vec![kvh, cap, hd] };
+        let keep = take.reshape_dims(&[1, cap, 1])?.broadcast_to(&[kvh, cap, hd])?.reshape_dims(&shape)?;
+        let put = |cache_t: &Tensor, new: &Tensor, rotate: bool| -> Result<Tensor> {
+            let new = new.permute(&[1, 0, 2])?;
+            let spread = match &src {
+                Some(src) => new.index_select(1, src)?,
+                None if rotate => self.rope(&new.broadcast_to(&[kvh, cap, hd])?, &cos, &sin)?,
+                None => new.broadcast_to(&[kvh, cap, hd])?,
+            };
+            keep.where_cond(&spread.reshape_dims(&shape)?, &cache_t.reshape_dims(&shape)?)?.reshape_dims(&[kvh, cap, hd])
+        };
         let mut x = self.embed.rows(ids)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let (q, kn, vn) = self.qkv(b, &hn, &cos, &sin)?;
-            // Write the new keys and values into their slots. One decoded
-            // token's key rotates where it is written: the rotation of the
-            // key broadcast over the slots is the cache write's own work
-            // (one kernel), where a rotated key would be a kernel of its
-            // own that the write reads back.
-            // Both writes are made in the pairs' shape `[kv_heads, cap,
-            // head_dim / 2, 2]` (where the head dim is even), the shape the
-            // rotation's kernel takes, so they stay one kernel with two outputs.
-            let (kvh, hd) = (c.kv_heads, c.head_dim);
-            let shape: Vec<usize> = if hd % 2 == 0 { vec![kvh, cap, hd / 2, 2] } else { vec![kvh, cap, hd] };
-            let put = |cache_t: &Tensor, new: &Tensor, rotate: bool| -> Result<Tensor> {
-                let new = new.permute(&[1, 0, 2])?;
-                let spread = match &src {
-                    Some(src) => new.index_select(1, src)?,
-                    None if rotate => self.rope(&new.broadcast_to(&[kvh, cap, hd])?, &cos, &sin)?,
-                    None => new.broadcast_to(&[kvh, cap, hd])?,
-                };
-                let keep = take.reshape_dims(&[1, cap, 1])?.broadcast_to(&[kvh, cap, hd])?;
-                let pairs = |x: &Tensor| x.reshape_dims(&shape);
-                pairs(&keep)?.where_cond(&pairs(&spread)?, &pairs(cache_t)?)?.reshape_dims(&[kvh, cap, hd])
-            };
             let kn = if t > 1 { self.rope(&kn, &cos, &sin)? } else { kn };
             k[l] = put(&k[l], &kn, t == 1)?;
             v[l] = put(&v[l], &vn, false)?;

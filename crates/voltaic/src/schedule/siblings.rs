@@ -129,16 +129,17 @@ fn common_shape(a_expr: &Expr, a_shape: &[usize], expr: &Expr, shape: &[usize]) 
     Some(fine)
 }
 
-/// Both kernels walking `fine` (see [`common_shape`]).
+/// Both kernels walking their common shape, which `joinable` checked
+/// exists (see [`common_shape`]).
 fn walk_finer(a: &mut Kernel, k: &mut Kernel) {
     let (KernelKind::Elementwise { expr: ae, shape: ash } | KernelKind::Multi { expr: ae, shape: ash, .. }) = &mut a.kind else { return };
     let KernelKind::Elementwise { expr: ke, shape: ksh } = &mut k.kind else { return };
     if ash == ksh {
         return;
     }
-    let Some(fine) = common_shape(ae, ash, ke, ksh) else { return };
-    *ae = split_expr(ae, &fine).expect("checked by `common_shape`");
-    *ke = split_expr(ke, &fine).expect("checked by `common_shape`");
+    let fine = common_refinement(ash, ksh).expect("checked by `joinable`");
+    *ae = split_expr(ae, &fine).expect("checked by `joinable`");
+    *ke = split_expr(ke, &fine).expect("checked by `joinable`");
     *ash = fine.clone();
     *ksh = fine;
 }
