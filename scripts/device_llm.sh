@@ -30,6 +30,8 @@ fi
 if [[ "$what" == *tests* ]]; then
     .bin/llama --test-threads=1 --nocapture 2>&1 | tee "$OUT/llama_test.txt" | grep -E "^test |test result|first-step|parts|holds|panicked"
     .bin/qtensor --test-threads=1 2>&1 | tee "$OUT/qtensor_test.txt" | grep -E "test result|panicked"
+    [ -x .bin/attention ] && .bin/attention --test-threads=1 2>&1 | tee "$OUT/attention_test.txt" | grep -E "test result|panicked"
+    [ -x .bin/gpu ] && .bin/gpu --test-threads=1 long_and_strided 2>&1 | tee "$OUT/gpu_test.txt" | grep -E "test result|panicked"
 fi
 if [[ "$what" == *generate* ]]; then
     .bin/voltaic generate "The capital of France is" --device gpu -n 64 --json 2>&1 | tee "$OUT/generate.txt"
@@ -69,7 +71,8 @@ if [[ "$what" == *gemv* ]]; then
 fi
 if [[ "$what" == *rounds* ]]; then
     # The decode row, the session-start binary against this one (and this
-    # one with VOLTAIC_GEMV variants, ROUND_VARIANTS), alternated.
+    # one with VOLTAIC_GEMV variants, ROUND_VARIANTS, and with other
+    # settings, ROUND_ENVS="VAR=value ..."), alternated.
     for round in 1 2; do
         for bin in .bin/voltaic-before .bin/voltaic-prev .bin/voltaic; do
             [ -x $bin ] && $bin bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/${bin#.bin\/} /" | tee -a "$OUT/rounds.txt"
@@ -77,11 +80,41 @@ if [[ "$what" == *rounds* ]]; then
         for g in ${ROUND_VARIANTS:-}; do
             VOLTAIC_GEMV=$g .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/gemv=$g /" | tee -a "$OUT/rounds.txt"
         done
+        for e in ${ROUND_ENVS:-}; do
+            env "$e" .bin/voltaic bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/$e /" | tee -a "$OUT/rounds.txt"
+        done
     done
     prompt="The history of the city goes back many centuries, to a small fishing village by the"
+    if [ -x .bin/voltaic-prev ]; then
+        VOLTAIC_PROFILE=pass .bin/voltaic-prev generate "$prompt" --device gpu -n 128 > "$OUT/pass_prev.txt" 2>&1
+        echo "prev: $(grep -E 'one pass of' "$OUT/pass_prev.txt" | tail -100 | awk '{s += $1; n++} END {printf "%.1f us per realization over %d", s / n, n}')" | tee -a "$OUT/rounds.txt"
+    fi
     VOLTAIC_PROFILE=pass .bin/voltaic generate "$prompt" --device gpu -n 128 > "$OUT/pass_new.txt" 2>&1
     echo "new: $(grep -E 'one pass of' "$OUT/pass_new.txt" | tail -100 | awk '{s += $1; n++} END {printf "%.1f us per realization over %d", s / n, n}')" | tee -a "$OUT/rounds.txt"
     VOLTAIC_PROFILE=1 .bin/voltaic generate "$prompt" --device gpu -n 70 > "$OUT/prof_new.txt" 2>&1
+fi
+if [[ "$what" == *wide* ]]; then
+    # The output head's GEMV (49,152 outputs) under each shape of
+    # VOLTAIC_GEMV_WIDE (threads a row, runs a trip), each kernel timed in a
+    # pass of its own, with the argmax after it.
+    for g in ${WIDE_SHAPES:-64,1 32,1 16,1 16,2 8,1 8,2 8,4 4,2}; do
+        VOLTAIC_GEMV_WIDE=$g VOLTAIC_PROFILE=1 .bin/voltaic generate "Hi" --device gpu -n 8 > "$OUT/wide_$g.txt" 2>&1
+        head=$(grep -E 'x49152 \(' "$OUT/wide_$g.txt" | awk '{s += $1; n++} END {printf "%.2f us over %d", s / n, n}')
+        arg=$(grep -E 'argmax|reduce_partials' "$OUT/wide_$g.txt" | awk '{s += $1; n++} END {printf "%.2f us over %d", s / n, n}')
+        echo "wide=$g: head $head; argmax kernels $arg" | tee -a "$OUT/wide.txt"
+    done
+    grep -E 'x49152 \(|argmax|reduce_partials' "$OUT/wide_64,1.txt" | head -4 | tee -a "$OUT/wide.txt"
+fi
+if [[ "$what" == *kernels* ]]; then
+    # The mean time of the kernels matching PROFILE_MATCH (each in a pass of
+    # its own) over a 64-token generation, under each of PROFILE_ENVS
+    # ("VAR=value ...", "-" for none).
+    prompt="The history of the city goes back many centuries, to a small fishing village by the"
+    for e in ${PROFILE_ENVS:--}; do
+        [ "$e" = - ] && e=VOLTAIC_NONE=1
+        env "$e" VOLTAIC_PROFILE=1 .bin/voltaic generate "$prompt" --device gpu -n 64 > "$OUT/kernels.log" 2>&1
+        echo "$e: $(grep -E "${PROFILE_MATCH:-attention}" "$OUT/kernels.log" | awk '{s += $1; n++} END {printf "%.2f us over %d", s / n, n}')" | tee -a "$OUT/kernels.txt"
+    done
 fi
 if [[ "$what" == *submit* ]]; then
     # Batches submitted by a thread of their own (the default) or by the

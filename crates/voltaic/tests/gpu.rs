@@ -280,6 +280,13 @@ fn long_and_strided_reductions_use_every_strategy() {
     let rows = randn(&mut rng, &[3, 40_000], DType::F32);
     same("sum few long rows", &[rows.clone()], 1e-4, 1e-3, |v| v[0].sum(&[1], false));
     same("argmax few long rows", &[rows], 0.0, 0.0, |v| v[0].argmax(Some(1), false));
+    // A language model's logits, argmax split 24 ways and the partials
+    // combined by a workgroup: ties (few distinct values) go to the lowest
+    // index across the splits.
+    let logits = randn(&mut rng, &[2, 49_152], DType::F32).abs().unwrap().mul(1.5).unwrap().floor().unwrap();
+    same("argmax tied logits", &[logits.clone()], 0.0, 0.0, |v| v[0].argmax(Some(1), false));
+    same("argmin tied logits", &[logits.clone()], 0.0, 0.0, |v| v[0].argmin(Some(1), false));
+    same("max tied logits", &[logits], 0.0, 0.0, |v| v[0].max(&[1], false));
     // Many rows reduced along a strided dim: a thread per output.
     let cols = randn(&mut rng, &[300, 2000], DType::F32);
     same("sum over dim 0", &[cols.clone()], 1e-4, 1e-4, |v| v[0].sum(&[0], false));

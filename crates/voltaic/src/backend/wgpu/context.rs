@@ -26,6 +26,8 @@ pub(crate) struct Caps {
     pub max_groups: u32,
     /// Workgroup shared memory in bytes.
     pub workgroup_storage: u32,
+    /// Invocations one workgroup may have.
+    pub max_invocations: u32,
     /// Cooperative matrices (tensor cores) of 16x16x16 f16 with f32
     /// accumulation, on subgroups of 32.
     pub coop_f16: bool,
@@ -311,6 +313,7 @@ impl GpuContext {
             offset_align: limits.min_storage_buffer_offset_alignment.max(4) as u64,
             max_groups: limits.max_compute_workgroups_per_dimension,
             workgroup_storage: limits.max_compute_workgroup_storage_size,
+            max_invocations: limits.max_compute_invocations_per_workgroup,
             coop_f16: coop && features.contains(wgpu::Features::SHADER_F16),
             software: info.device_type == wgpu::DeviceType::Cpu && !hardware_kernels(),
         };

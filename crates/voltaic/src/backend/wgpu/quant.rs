@@ -42,22 +42,49 @@ struct GemvShape {
     unpack: bool,
 }
 
-fn gemv_shape() -> GemvShape {
-    static SHAPE: std::sync::OnceLock<GemvShape> = std::sync::OnceLock::new();
-    *SHAPE.get_or_init(|| {
-        let mut g = GemvShape { threads: 64, unroll: 1, words: true, unpack: false };
-        if let Ok(v) = std::env::var("VOLTAIC_GEMV") {
+/// Outputs above which a GEMV is "wide" (a language model's output head):
+/// it has rows enough to fill the GPU many times over, so its shape is
+/// chosen apart (`VOLTAIC_GEMV_WIDE`).
+const WIDE_OUTPUTS: usize = 4096;
+
+/// The GEMV shape for `n` outputs: `VOLTAIC_GEMV=threads,runs[,bytes][,unpack]`
+/// for all (a measuring knob), `VOLTAIC_GEMV_WIDE=threads,runs` for wide
+/// ones over it.
+fn gemv_shape(n: usize) -> GemvShape {
+    static SHAPES: std::sync::OnceLock<(GemvShape, GemvShape)> = std::sync::OnceLock::new();
+    let (narrow, wide) = *SHAPES.get_or_init(|| {
+        fn parse<'a>(g: &mut GemvShape, v: &'a str) -> Vec<&'a str> {
             let parts: Vec<&str> = v.split(',').map(str::trim).collect();
             if let (Some(t), Some(u)) = (parts.first().and_then(|t| t.parse::<usize>().ok()), parts.get(1).and_then(|u| u.parse::<usize>().ok())) {
                 if (2..=WG as usize).contains(&t) && t.is_power_of_two() && (1..=8).contains(&u) {
                     (g.threads, g.unroll) = (t, u);
                 }
             }
+            parts
+        }
+        let mut g = GemvShape { threads: 64, unroll: 1, words: true, unpack: false };
+        if let Ok(v) = std::env::var("VOLTAIC_GEMV") {
+            let parts = parse(&mut g, &v);
             g.words = !parts.contains(&"bytes");
             g.unpack = parts.contains(&"unpack");
         }
-        g
-    })
+        // Wide products take 8 threads a row, 32 rows a workgroup: SmolLM2's
+        // head (49,152 x 576, Q8_0) took 25.5-26.0 us on the H200 against
+        // 49.8 with 64 threads a row (4: 26.6, 16: 29.4, 32: 44.0; two or
+        // four runs a trip 25.2-44): a row's 72 runs need no more threads,
+        // and 12,288 workgroups of 4 rows paid their starts and barriers
+        // many waves over.
+        let mut w = GemvShape { threads: 8, unroll: 1, ..g };
+        if let Ok(v) = std::env::var("VOLTAIC_GEMV_WIDE") {
+            parse(&mut w, &v);
+        }
+        (g, w)
+    });
+    if n > WIDE_OUTPUTS {
+        wide
+    } else {
+        narrow
+    }
 }
 
 /// The WGSL that reads blocks of `q` from the words `ld_{w}(i)`. Element
@@ -176,7 +203,7 @@ impl Gen<'_> {
         Ok(sh)
     }
 
-    /// `gemv_shape()` threads per weight row (one on a software adapter,
+    /// `gemv_shape(n)` threads per weight row (one on a software adapter,
     /// where a barrier costs more than the threads gain: see
     /// `Caps::software`), `WG / threads` rows per workgroup; each thread
     /// takes runs of 8 elements of the row (one block's worth of loads),
@@ -192,7 +219,7 @@ impl Gen<'_> {
         let mut sh = self.qshader(a, w, q, epi, pro)?;
         let (wpb, wpr) = words(q, k);
         let per = q.block().0;
-        let shape = gemv_shape();
+        let shape = gemv_shape(n);
         let (threads, unroll) = if self.caps.software { (1, 1) } else { (shape.threads, shape.unroll) };
         let runs_by_words = run_bytes(q).filter(|_| !self.caps.software && shape.words);
         let q41 = q == GgmlType::Q4_1 && !self.caps.software;

@@ -25,6 +25,7 @@ fn lavapipe() -> Caps {
         offset_align: 16,
         max_groups: 65535,
         workgroup_storage: 32 << 10,
+        max_invocations: 1024,
         coop_f16: false,
         software: true,
     }
@@ -40,6 +41,7 @@ fn h100() -> Caps {
         offset_align: 16,
         max_groups: 65535,
         workgroup_storage: 48 << 10,
+        max_invocations: 1024,
         coop_f16: true,
         software: false,
     }

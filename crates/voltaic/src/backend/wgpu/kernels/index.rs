@@ -66,7 +66,7 @@ impl Gen<'_> {
     /// where it would have been loaded.
     fn attention(&self, scale: f64, args: &[View], prologue: Option<&Prologue>) -> Result<Dispatch> {
         const LANES: usize = 64;
-        let threads = if self.caps.software { LANES } else { 4 * LANES };
+        let threads = if self.caps.software { LANES } else { attention_threads().min(self.caps.max_invocations as usize).max(LANES) };
         let kg = threads / LANES;
         let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
         let mut sh = self.shader();
@@ -680,4 +680,15 @@ fn at_lead(lead: &[String], l: &Layout, tail: [&str; 2]) -> String {
     let mut digits = lead.to_vec();
     digits.extend(tail.map(String::from));
     strided(&digits, l)
+}
+
+/// Threads of an attention kernel's workgroup on a hardware adapter (at
+/// most the adapter's limit): 256, or `VOLTAIC_ATTENTION_THREADS` (64 to
+/// 1,024, a power of two; a measuring knob).
+fn attention_threads() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        let n = std::env::var("VOLTAIC_ATTENTION_THREADS").ok().and_then(|v| v.parse::<usize>().ok());
+        n.filter(|n| n.is_power_of_two() && (64..=1024).contains(n)).unwrap_or(256)
+    })
 }
