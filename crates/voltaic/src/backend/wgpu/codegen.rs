@@ -29,9 +29,14 @@ pub(crate) enum Src {
     Scratch(usize),
     /// The device's index-error flags.
     IndexError,
+    /// The device's counters (see [`Shader::counters`]).
+    Counters,
     /// The kernel's constants (see `ir::KernelKind::consts`).
     Consts,
 }
+
+/// Atomic counters in the device's counter buffer (see [`Shader::counters`]).
+pub(crate) const COUNTERS: usize = 1024;
 
 /// One binding: a byte range (chunk) of a buffer.
 #[derive(Clone, Debug)]
@@ -316,6 +321,17 @@ impl<'c> Shader<'c> {
             let _ = writeln!(self.decls, "@group(0) @binding({b}) var<storage, read> kconst: array<u32>;");
             self.binds.push(Bind { src: Src::Consts, chunk: 0, chunk_bytes: self.caps.chunk_bytes(), read_only: true });
         }
+    }
+
+    /// Bind the device's [`COUNTERS`] atomic counters as `cnt`: zero when
+    /// the device is made, and zero again after every kernel that uses
+    /// them (each resets those it counted on), so a kernel may count its
+    /// workgroups' arrivals without clearing them first. Dispatches that
+    /// bind them are ordered by the barrier between writers of one buffer.
+    pub(crate) fn counters(&mut self) {
+        let b = self.binds.len();
+        let _ = writeln!(self.decls, "@group(0) @binding({b}) var<storage, read_write> cnt: array<atomic<u32>, {COUNTERS}>;");
+        self.binds.push(Bind { src: Src::Counters, chunk: 0, chunk_bytes: 4 * COUNTERS as u64, read_only: false });
     }
 
     /// Bind the device's index-error flags as `ierr`, with

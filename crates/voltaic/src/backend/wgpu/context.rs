@@ -229,6 +229,9 @@ pub(crate) struct GpuContext {
     /// A small buffer that index kernels flag out-of-range indices in; read
     /// with every transfer to the host.
     pub index_error: wgpu::Buffer,
+    /// Atomic counters that kernels leave at zero (`Shader::counters`);
+    /// zero when made, as every wgpu buffer is.
+    pub counters: wgpu::Buffer,
     /// Mappable buffers kept for reading results back.
     pub staging: Mutex<Vec<wgpu::Buffer>>,
     /// Upload staging buffers, mapped and ready to be written (see
@@ -338,6 +341,12 @@ impl GpuContext {
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
+        let counters = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("voltaic counters"),
+            size: 4 * super::codegen::COUNTERS as u64,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
         Ok(GpuContext {
             compiled_kernels: Mutex::new(HashMap::new()),
             staging: Mutex::new(Vec::new()),
@@ -361,6 +370,7 @@ impl GpuContext {
             batches: AtomicU64::new(0),
             submitter: std::sync::OnceLock::new(),
             index_error,
+            counters,
             compiled: AtomicU64::new(0),
             submissions: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),

@@ -167,6 +167,7 @@ fn entries<'s, 'b: 's>(
                 Src::Also(j) => outs[j + 1],
                 Src::Scratch(i) => scratch[i].raw(),
                 Src::IndexError => &ctx.index_error,
+                Src::Counters => &ctx.counters,
                 // Checked above: a kernel that reads constants has them.
                 Src::Consts => consts_at.map(|c| scratch[c].raw()).unwrap_or(&ctx.index_error),
             };

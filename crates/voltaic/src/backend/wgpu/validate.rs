@@ -105,6 +105,9 @@ fn check(t: &Tensor, caps: &Caps, seen: &mut Vec<&'static str>) -> usize {
             }
             let p = program(caps, &k, &inputs, v).unwrap_or_else(|e| panic!("{} {v:?}: {e}", k.kind.name()));
             for d in &p.dispatches {
+                if d.label.starts_with("attention") && d.label.contains("splits") {
+                    seen.push("attention with split keys");
+                }
                 validate(&format!("{} ({:?}) {}", d.label, v, k.ops.join(" ")), &d.source, caps);
                 n += 1;
             }
@@ -210,6 +213,12 @@ fn graphs(dt: DType) -> Vec<Tensor> {
         }
         out.push(w.embedding(&ints(&[5], 40.0, DType::I32)).unwrap());
     }
+    // Attention: a decode step's few rows (their keys split over workgroups
+    // on a hardware adapter) and a prompt's many.
+    for (g, n, d) in [(3, 100, 64), (128, 128, 32)] {
+        let mask = randn(&[g, n], dt);
+        out.push(randn(&[3, g, d], dt).scaled_dot_product_attention(&randn(&[3, n, d], dt), &randn(&[3, n, d], dt), Some(&mask), None).unwrap());
+    }
     out
 }
 
@@ -232,7 +241,7 @@ fn every_kernel_family_generates_valid_wgsl() {
     assert!(prologues >= 2 * 5 * 2 * 3, "only {prologues} GEMVs with a prologue were generated");
     seen.sort_unstable();
     seen.dedup();
-    for kind in ["elementwise", "reduce", "rows", "matmul", "gather", "index_select", "scatter_add", "cumsum", "cat", "unfold", "dequantize", "gemv with a prologue"] {
+    for kind in ["elementwise", "reduce", "rows", "matmul", "gather", "index_select", "scatter_add", "cumsum", "cat", "unfold", "dequantize", "gemv with a prologue", "attention", "attention with split keys"] {
         assert!(seen.contains(&kind), "no {kind} kernel was generated: {seen:?}");
     }
     assert!(modules > 200, "only {modules} WGSL modules were checked");

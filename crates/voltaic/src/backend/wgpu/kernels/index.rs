@@ -41,7 +41,7 @@ impl Gen<'_> {
             IndexOp::Unfold { params, pad } => p.dispatches.push(self.unfold(&args[0], &params, pad)),
             IndexOp::Fold { params, hw } => p.dispatches.push(self.fold(&args[0], &params, hw)),
             IndexOp::Dequantize { qtype, cols, .. } => p.dispatches.push(self.dequantize_rows(qtype, cols, &args[0], &args[1], op.error_code())),
-            IndexOp::Attention { scale } => p.dispatches.push(self.attention(scale, args, prologue)?),
+            IndexOp::Attention { scale } => self.attention(p, scale, args, prologue)?,
         }
         Ok(())
     }
@@ -64,7 +64,14 @@ impl Gen<'_> {
     /// With a prologue (elementwise work whose result only this kernel
     /// reads, such as RoPE of the queries), each query element is computed
     /// where it would have been loaded.
-    fn attention(&self, scale: f64, args: &[View], prologue: Option<&Prologue>) -> Result<Dispatch> {
+    ///
+    /// A few query rows over many keys (a decode step: 9 rows of SmolLM2,
+    /// so 9 of the GPU's workgroups) split their keys over several
+    /// workgroups each ([`attention_splits`]). Each stores its running
+    /// maximum, weight sum and weighted sums; the last of a row to finish
+    /// (a ticket from the device's counters, see `Shader::counters`) adds
+    /// them, rescaled to the row's maximum, and resets the row's counter.
+    fn attention(&self, p: &mut WgslProgram, scale: f64, args: &[View], prologue: Option<&Prologue>) -> Result<()> {
         const LANES: usize = 64;
         let threads = if self.caps.software { LANES } else { attention_threads().min(self.caps.max_invocations as usize).max(LANES) };
         let kg = threads / LANES;
@@ -89,6 +96,20 @@ impl Gen<'_> {
         let rows = lead_dims.iter().product::<usize>() * qd[r - 2];
         // Output elements each thread owns: e = lane, lane + LANES, ...
         let per = e.div_ceil(LANES).max(1);
+        // Splitting binds four buffers more (three of partials, the
+        // counters) besides the output and constants.
+        let fits = read.len() + 6 <= self.caps.max_storage_buffers as usize;
+        let (splits, span_keys) = if self.caps.software || !fits { (1, n) } else { attention_splits(rows, n) };
+        if splits > 1 {
+            p.scratch.extend([(DType::F32, rows * splits), (DType::F32, rows * splits), (DType::F32, rows * splits * e)]);
+            sh.array(Src::Scratch(0), "pm", DType::F32, rows * splits, true);
+            sh.array(Src::Scratch(1), "pl", DType::F32, rows * splits, true);
+            sh.array(Src::Scratch(2), "pa", DType::F32, rows * splits * e, true);
+            sh.counters();
+            sh.decl("var<workgroup> lastw: u32;");
+        }
+        // The keys this workgroup takes: [k0, k1).
+        let (k0, k1) = if splits > 1 { ("k0".to_string(), "k1".to_string()) } else { ("0u".to_string(), format!("{n}u")) };
         sh.decl(&format!("var<workgroup> qs: array<f32, {}>;", d.max(1)));
         sh.decl(&format!("var<workgroup> red: array<f32, {threads}>;"));
         sh.decl(&format!("var<workgroup> wts: array<f32, {threads}>;"));
@@ -100,7 +121,12 @@ impl Gen<'_> {
         let (qi, ki, vi, mi) = (q.input, k.input, v.input, mask.input);
         let mut b = String::new();
         // `row` is uniform across the workgroup, so the barriers below are too.
-        let _ = writeln!(b, "    let row = group;\n    if (row >= {rows}u) {{ return; }}\n    let bi = row / {m}u;\n    let mi = row % {m}u;");
+        if splits > 1 {
+            let _ = writeln!(b, "    let row = group / {splits}u;\n    let k0 = (group % {splits}u) * {span_keys}u;\n    let k1 = min(k0 + {span_keys}u, {n}u);");
+        } else {
+            let _ = writeln!(b, "    let row = group;");
+        }
+        let _ = writeln!(b, "    if (row >= {rows}u) {{ return; }}\n    let bi = row / {m}u;\n    let mi = row % {m}u;");
         let _ = writeln!(b, "    let lane = lid % {LANES}u;\n    let kgi = lid / {LANES}u;");
         let lead = unravel(&mut b, &mut sh, "bi", lead_dims);
         let at = |l: &Layout, tail: [&str; 2]| at_lead(&lead, l, tail);
@@ -116,9 +142,9 @@ impl Gen<'_> {
         for r in 0..per {
             let _ = writeln!(b, "    var acc{r} = 0.0;");
         }
-        let _ = writeln!(b, "    for (var c = 0u; c < {n}u; c = c + {threads}u) {{\n    let p = c + lid;\n    var s = ninf;");
+        let _ = writeln!(b, "    for (var c = {k0}; c < {k1}; c = c + {threads}u) {{\n    let p = c + lid;\n    var s = ninf;");
         if slices == 1 {
-            let _ = writeln!(b, "    if (p < {n}u) {{\n        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["p", "i"]));
+            let _ = writeln!(b, "    if (p < {k1}) {{\n        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["p", "i"]));
         } else {
             // Thread `lid` adds slice `lid % slices` of keys `lid / slices + j * (threads / slices)`:
             // the threads of a warp read whole key rows, not one element of 32 rows.
@@ -130,12 +156,12 @@ impl Gen<'_> {
                 let _ = writeln!(b, "    {{\n        let kk = lid / {slices}u + {}u;\n        let pk = c + kk;\n        var dot = 0.0;", j * span);
                 let _ = writeln!(
                     b,
-                    "        if (pk < {n}u) {{ for (var ii = 0u; ii < {per_slice}u; ii = ii + 1u) {{ let i = i0 + ii; {inside}{{ dot = dot + qs[i] * ld_in{ki}({}); }} }} }}",
+                    "        if (pk < {k1}) {{ for (var ii = 0u; ii < {per_slice}u; ii = ii + 1u) {{ let i = i0 + ii; {inside}{{ dot = dot + qs[i] * ld_in{ki}({}); }} }} }}",
                     at(&k.layout, ["pk", "i"])
                 );
                 let _ = writeln!(b, "        part[kk * {slices}u + sl] = dot;\n    }}");
             }
-            let _ = write!(b, "    workgroupBarrier();\n    if (p < {n}u) {{\n        let dot = ");
+            let _ = write!(b, "    workgroupBarrier();\n    if (p < {k1}) {{\n        let dot = ");
             let terms: Vec<String> = (0..slices).map(|x| format!("part[lid * {slices}u + {x}u]")).collect();
             let _ = writeln!(b, "{};", terms.join(" + "));
         }
@@ -147,12 +173,12 @@ impl Gen<'_> {
             let _ = writeln!(b, "    for (var h = {}u; h > 0u; h = h / 2u) {{\n        if (lid < h) {{ red[lid] = max(red[lid], red[lid + h]); }}\n        workgroupBarrier();\n    }}\n    let cm = red[0];", threads / 2);
         }
         // While every score so far is -inf nothing is accumulated (weights 0, scale 1).
-        let _ = writeln!(b, "    let nm = max(mx, cm);\n    let w = select(0.0, exp(s - nm), p < {n}u && nm > ninf);\n    let alpha = select(exp(mx - nm), 1.0, mx == nm);\n    wts[lid] = w;\n    workgroupBarrier();");
+        let _ = writeln!(b, "    let nm = max(mx, cm);\n    let w = select(0.0, exp(s - nm), p < {k1} && nm > ninf);\n    let alpha = select(exp(mx - nm), 1.0, mx == nm);\n    wts[lid] = w;\n    workgroupBarrier();");
         let _ = write!(b, "    l = l * alpha;");
         for r in 0..per {
             let _ = write!(b, " acc{r} = acc{r} * alpha;");
         }
-        let _ = writeln!(b, "\n    let cnt = min({threads}u, {n}u - c);\n    var j = kgi;");
+        let _ = writeln!(b, "\n    let cnt = min({threads}u, {k1} - c);\n    var j = kgi;");
         if kg > 1 {
             // Four of the group's keys a trip, their loads independent: a
             // loop of one load and one add per key waits on each load in turn.
@@ -187,13 +213,23 @@ impl Gen<'_> {
                 let _ = writeln!(b, "    red[lid] = acc{r};\n    workgroupBarrier();\n    if (kgi == 0u) {{");
                 let _ = writeln!(b, "        for (var g = 1u; g < {kg}u; g = g + 1u) {{ acc{r} = acc{r} + red[g * {LANES}u + lane]; }}\n    }}\n    workgroupBarrier();");
             }
-            let _ = writeln!(b, "    if (kgi != 0u) {{ return; }}\n    for (var g = 1u; g < {kg}u; g = g + 1u) {{ l = l + wts[g * {LANES}u]; }}");
+            // (Only the first group goes on; a split kernel's barriers below keep the others.)
+            let ret = if splits > 1 { "" } else { "if (kgi != 0u) { return; }\n    " };
+            let _ = writeln!(b, "    {ret}if (kgi == 0u) {{ for (var g = 1u; g < {kg}u; g = g + 1u) {{ l = l + wts[g * {LANES}u]; }} }}");
         }
-        for r in 0..per {
-            let _ = writeln!(b, "    {{ let ee = lane + {}u; if (ee < {e}u) {{ st_out(row * {e}u + ee, acc{r} / l); }} }}", r * LANES);
+        if splits > 1 {
+            attention_combine(&mut b, splits, e, per, LANES);
+        } else {
+            for r in 0..per {
+                let _ = writeln!(b, "    {{ let ee = lane + {}u; if (ee < {e}u) {{ st_out(row * {e}u + ee, acc{r} / l); }} }}", r * LANES);
+            }
         }
-        let label = if prologue.is_some() { "attention with a prologue" } else { "attention" };
-        Ok(sh.finish(label.into(), threads as u32, rows as u64, &b))
+        let mut label = if prologue.is_some() { "attention with a prologue".to_string() } else { "attention".to_string() };
+        if splits > 1 {
+            let _ = write!(label, ", keys in {splits} splits");
+        }
+        p.dispatches.push(sh.finish(label, threads as u32, (rows * splits) as u64, &b));
+        Ok(())
     }
 
     /// Copy a strided view into the (contiguous) output.
@@ -691,4 +727,50 @@ fn attention_threads() -> usize {
         let n = std::env::var("VOLTAIC_ATTENTION_THREADS").ok().and_then(|v| v.parse::<usize>().ok());
         n.filter(|n| n.is_power_of_two() && (64..=1024).contains(n)).unwrap_or(256)
     })
+}
+
+/// Keys a workgroup takes when an attention kernel splits them
+/// (`VOLTAIC_ATTENTION_SPLIT_KEYS`, a measuring knob: 0 never splits).
+const SPLIT_KEYS: usize = 32;
+
+/// How many workgroups share each query row's `n` keys, and how many keys
+/// each takes: one for many rows or few keys; for a decode step's few
+/// rows, enough that each takes about `SPLIT_KEYS`, at most 16 (and only
+/// rows the device's counters cover).
+fn attention_splits(rows: usize, n: usize) -> (usize, usize) {
+    static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let per = *KEYS.get_or_init(|| std::env::var("VOLTAIC_ATTENTION_SPLIT_KEYS").ok().and_then(|v| v.parse().ok()).unwrap_or(SPLIT_KEYS));
+    if per == 0 || rows > 64 || rows > crate::backend::wgpu::codegen::COUNTERS || n < 2 * per {
+        return (1, n);
+    }
+    let splits = n.div_ceil(per).min(16);
+    let span = n.div_ceil(splits);
+    (n.div_ceil(span), span)
+}
+
+/// The end of a split attention kernel: the first group's lanes store the
+/// workgroup's partials, every workgroup takes a ticket, and the last of
+/// the row combines the row's partials into its output.
+fn attention_combine(b: &mut String, splits: usize, e: usize, per: usize, lanes: usize) {
+    let _ = writeln!(b, "    if (kgi == 0u) {{\n        if (lane == 0u) {{ st_pm(group, mx); st_pl(group, l); }}");
+    for r in 0..per {
+        let _ = writeln!(b, "        {{ let ee = lane + {}u; if (ee < {e}u) {{ st_pa(group * {e}u + ee, acc{r}); }} }}", r * lanes);
+    }
+    // The storage barriers make the partials visible before the ticket
+    // is taken, and the others' visible to the last workgroup after it.
+    let _ = writeln!(b, "    }}\n    storageBarrier();\n    if (lid == 0u) {{ lastw = u32(atomicAdd(&cnt[row], 1u) == {}u); }}", splits - 1);
+    let _ = writeln!(b, "    if (workgroupUniformLoad(&lastw) == 0u) {{ return; }}\n    storageBarrier();\n    if (lid == 0u) {{ atomicStore(&cnt[row], 0u); }}\n    if (kgi != 0u) {{ return; }}");
+    let _ = writeln!(b, "    var gm = ninf;\n    for (var s = 0u; s < {splits}u; s = s + 1u) {{ gm = max(gm, ld_pm(row * {splits}u + s)); }}\n    var gl = 0.0;");
+    for r in 0..per {
+        let _ = writeln!(b, "    var o{r} = 0.0;");
+    }
+    // A split whose scores were all -inf has weight 0 (and sums 0).
+    let _ = writeln!(b, "    for (var s = 0u; s < {splits}u; s = s + 1u) {{\n        let ps = row * {splits}u + s;\n        let ms = ld_pm(ps);\n        let f = select(0.0, exp(ms - gm), ms > ninf);\n        gl = gl + ld_pl(ps) * f;");
+    for r in 0..per {
+        let _ = writeln!(b, "        {{ let ee = lane + {}u; if (ee < {e}u) {{ o{r} = o{r} + ld_pa(ps * {e}u + ee) * f; }} }}", r * lanes);
+    }
+    let _ = writeln!(b, "    }}");
+    for r in 0..per {
+        let _ = writeln!(b, "    {{ let ee = lane + {}u; if (ee < {e}u) {{ st_out(row * {e}u + ee, o{r} / gl); }} }}", r * lanes);
+    }
 }
