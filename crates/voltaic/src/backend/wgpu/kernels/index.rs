@@ -72,7 +72,6 @@ impl Gen<'_> {
     /// (a ticket from the device's counters, see `Shader::counters`) adds
     /// them, rescaled to the row's maximum, and resets the row's counter.
     fn attention(&self, p: &mut WgslProgram, scale: f64, args: &[View], prologue: Option<&Prologue>) -> Result<()> {
-        const LANES: usize = 64;
         let threads = if self.caps.software { LANES } else { attention_threads().min(self.caps.max_invocations as usize).max(LANES) };
         let kg = threads / LANES;
         let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
@@ -187,21 +186,14 @@ impl Gen<'_> {
             let _ = writeln!(b, "        let p0 = c + j;\n        let p1 = p0 + {kg}u;\n        let p2 = p0 + {}u;\n        let p3 = p0 + {}u;", 2 * kg, 3 * kg);
             for r in 0..per {
                 let vat = |pv: &str| format!("ld_in{vi}({})", at(&v.layout, [pv, "ee"]));
-                let _ = writeln!(
-                    b,
-                    "        {{ let ee = lane + {}u; if (ee < {e}u) {{ acc{r} = acc{r} + ((w0 * {} + w1 * {}) + (w2 * {} + w3 * {})); }} }}",
-                    r * LANES,
-                    vat("p0"),
-                    vat("p1"),
-                    vat("p2"),
-                    vat("p3")
-                );
+                let add = format!("acc{r} = acc{r} + ((w0 * {} + w1 * {}) + (w2 * {} + w3 * {}));", vat("p0"), vat("p1"), vat("p2"), vat("p3"));
+                let _ = writeln!(b, "        {}", lane_elem(r, e, &add));
             }
             let _ = writeln!(b, "        j = j + {}u;\n    }}", 4 * kg);
         }
         let _ = writeln!(b, "    while (j < cnt) {{\n        let wj = wts[j];\n        l = l + wj;\n        let pj = c + j;");
         for r in 0..per {
-            let _ = writeln!(b, "        {{ let ee = lane + {}u; if (ee < {e}u) {{ acc{r} = acc{r} + wj * ld_in{vi}({}); }} }}", r * LANES, at(&v.layout, ["pj", "ee"]));
+            let _ = writeln!(b, "        {}", lane_elem(r, e, &format!("acc{r} = acc{r} + wj * ld_in{vi}({});", at(&v.layout, ["pj", "ee"]))));
         }
         // The next chunk overwrites the scores and weights.
         let _ = writeln!(b, "        j = j + {kg}u;\n    }}\n    mx = nm;\n    workgroupBarrier();\n    }}");
@@ -213,15 +205,18 @@ impl Gen<'_> {
                 let _ = writeln!(b, "    red[lid] = acc{r};\n    workgroupBarrier();\n    if (kgi == 0u) {{");
                 let _ = writeln!(b, "        for (var g = 1u; g < {kg}u; g = g + 1u) {{ acc{r} = acc{r} + red[g * {LANES}u + lane]; }}\n    }}\n    workgroupBarrier();");
             }
-            // (Only the first group goes on; a split kernel's barriers below keep the others.)
-            let ret = if splits > 1 { "" } else { "if (kgi != 0u) { return; }\n    " };
-            let _ = writeln!(b, "    {ret}if (kgi == 0u) {{ for (var g = 1u; g < {kg}u; g = g + 1u) {{ l = l + wts[g * {LANES}u]; }} }}");
+            let sum_l = format!("for (var g = 1u; g < {kg}u; g = g + 1u) {{ l = l + wts[g * {LANES}u]; }}");
+            // Only the first group goes on (a split kernel keeps the others for its barriers below).
+            let _ = match splits {
+                1 => writeln!(b, "    if (kgi != 0u) {{ return; }}\n    {sum_l}"),
+                _ => writeln!(b, "    if (kgi == 0u) {{ {sum_l} }}"),
+            };
         }
         if splits > 1 {
-            attention_combine(&mut b, splits, e, per, LANES);
+            attention_combine(&mut b, splits, e, per);
         } else {
             for r in 0..per {
-                let _ = writeln!(b, "    {{ let ee = lane + {}u; if (ee < {e}u) {{ st_out(row * {e}u + ee, acc{r} / l); }} }}", r * LANES);
+                let _ = writeln!(b, "    {}", lane_elem(r, e, &format!("st_out(row * {e}u + ee, acc{r} / l);")));
             }
         }
         let mut label = if prologue.is_some() { "attention with a prologue".to_string() } else { "attention".to_string() };
@@ -718,6 +713,16 @@ fn at_lead(lead: &[String], l: &Layout, tail: [&str; 2]) -> String {
     strided(&digits, l)
 }
 
+/// Lanes of an attention kernel's thread group: each owns output elements
+/// `lane`, `lane + LANES`, ... of its query row.
+const LANES: usize = 64;
+
+/// `body` for output element `ee = lane + r * LANES` of an attention
+/// kernel's row of `e`, where it exists.
+fn lane_elem(r: usize, e: usize, body: &str) -> String {
+    format!("{{ let ee = lane + {}u; if (ee < {e}u) {{ {body} }} }}", r * LANES)
+}
+
 /// Threads of an attention kernel's workgroup on a hardware adapter (at
 /// most the adapter's limit): 256, or `VOLTAIC_ATTENTION_THREADS` (64 to
 /// 1,024, a power of two; a measuring knob).
@@ -733,14 +738,19 @@ fn attention_threads() -> usize {
 /// (`VOLTAIC_ATTENTION_SPLIT_KEYS`, a measuring knob: 0 never splits).
 const SPLIT_KEYS: usize = 32;
 
+/// Query rows up to which an attention kernel splits its keys (a decode
+/// step's few); each row counts on one of the device's counters.
+const MAX_SPLIT_ROWS: usize = 64;
+const _: () = assert!(MAX_SPLIT_ROWS <= crate::backend::wgpu::codegen::COUNTERS);
+
 /// How many workgroups share each query row's `n` keys, and how many keys
 /// each takes: one for many rows or few keys; for a decode step's few
-/// rows, enough that each takes about `SPLIT_KEYS`, at most 16 (and only
-/// rows the device's counters cover).
+/// rows (at most [`MAX_SPLIT_ROWS`]), enough that each takes about
+/// `SPLIT_KEYS`, at most 16.
 fn attention_splits(rows: usize, n: usize) -> (usize, usize) {
     static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let per = *KEYS.get_or_init(|| std::env::var("VOLTAIC_ATTENTION_SPLIT_KEYS").ok().and_then(|v| v.parse().ok()).unwrap_or(SPLIT_KEYS));
-    if per == 0 || rows > 64 || rows > crate::backend::wgpu::codegen::COUNTERS || n < 2 * per {
+    if per == 0 || rows > MAX_SPLIT_ROWS || n < 2 * per {
         return (1, n);
     }
     let splits = n.div_ceil(per).min(16);
@@ -751,10 +761,10 @@ fn attention_splits(rows: usize, n: usize) -> (usize, usize) {
 /// The end of a split attention kernel: the first group's lanes store the
 /// workgroup's partials, every workgroup takes a ticket, and the last of
 /// the row combines the row's partials into its output.
-fn attention_combine(b: &mut String, splits: usize, e: usize, per: usize, lanes: usize) {
+fn attention_combine(b: &mut String, splits: usize, e: usize, per: usize) {
     let _ = writeln!(b, "    if (kgi == 0u) {{\n        if (lane == 0u) {{ st_pm(group, mx); st_pl(group, l); }}");
     for r in 0..per {
-        let _ = writeln!(b, "        {{ let ee = lane + {}u; if (ee < {e}u) {{ st_pa(group * {e}u + ee, acc{r}); }} }}", r * lanes);
+        let _ = writeln!(b, "        {}", lane_elem(r, e, &format!("st_pa(group * {e}u + ee, acc{r});")));
     }
     // The storage barriers make the partials visible before the ticket
     // is taken, and the others' visible to the last workgroup after it.
@@ -767,10 +777,10 @@ fn attention_combine(b: &mut String, splits: usize, e: usize, per: usize, lanes:
     // A split whose scores were all -inf has weight 0 (and sums 0).
     let _ = writeln!(b, "    for (var s = 0u; s < {splits}u; s = s + 1u) {{\n        let ps = row * {splits}u + s;\n        let ms = ld_pm(ps);\n        let f = select(0.0, exp(ms - gm), ms > ninf);\n        gl = gl + ld_pl(ps) * f;");
     for r in 0..per {
-        let _ = writeln!(b, "        {{ let ee = lane + {}u; if (ee < {e}u) {{ o{r} = o{r} + ld_pa(ps * {e}u + ee) * f; }} }}", r * lanes);
+        let _ = writeln!(b, "        {}", lane_elem(r, e, &format!("o{r} = o{r} + ld_pa(ps * {e}u + ee) * f;")));
     }
     let _ = writeln!(b, "    }}");
     for r in 0..per {
-        let _ = writeln!(b, "    {{ let ee = lane + {}u; if (ee < {e}u) {{ st_out(row * {e}u + ee, o{r} / gl); }} }}", r * lanes);
+        let _ = writeln!(b, "    {}", lane_elem(r, e, &format!("st_out(row * {e}u + ee, o{r} / gl);")));
     }
 }
