@@ -110,9 +110,12 @@ fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
 fn quantized_matmul_matches_f64_loops_for_every_type_shape_and_device() {
     let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
     let mut rng = Rng::new(17);
-    for q in TYPES {
+    // 37 outputs, and 4,099: over 4,096 a GEMV takes its own shape (8
+    // threads a row on hardware adapters, see `VOLTAIC_KERNELS=hardware`),
+    // and 4,099 rows end in a partial workgroup.
+    for (q, n) in TYPES.into_iter().flat_map(|q| [(q, 37), (q, 4099)]) {
         let per = q.block().0;
-        let (n, k) = (37, per * if per == 32 { 5 } else { 2 });
+        let k = per * if per == 32 { 5 } else { 2 };
         let bytes = random_blocks(&mut rng, q, n, k);
         let w = host_dequantized(q, &bytes, n, k);
         // 1 row and 3 (GEMV), 10 and 70 (tiled, a partial tile and several).
@@ -140,30 +143,6 @@ fn quantized_matmul_matches_f64_loops_for_every_type_shape_and_device() {
                 // The integer path stays near the exact product too.
                 close(&got, &want, 1e-4, &format!("{} {xdims:?} on {dev}, against the exact product", q.name()));
             }
-        }
-    }
-}
-
-#[test]
-fn a_gemv_as_wide_as_an_output_head_matches_f64_loops() {
-    // Over 4,096 outputs a GEMV takes its own shape (8 threads a row on
-    // hardware adapters, see `VOLTAIC_KERNELS=hardware`): 4,099 rows end
-    // in a partial workgroup.
-    let _gpu = GPU.lock().unwrap_or_else(|e| e.into_inner());
-    let mut rng = Rng::new(19);
-    let n = 4099;
-    for q in TYPES {
-        let per = q.block().0;
-        let k = per * if per == 32 { 3 } else { 1 };
-        let bytes = random_blocks(&mut rng, q, n, k);
-        let w = host_dequantized(q, &bytes, n, k);
-        for m in [1, 2] {
-            let x = rng.normals(m * k);
-            let want: Vec<f64> = (0..m * n).map(|o| (0..k).map(|e| x[o / n * k + e] * w[o % n * k + e]).sum()).collect();
-            let gpu = devices()[1];
-            let wq = QTensor::from_blocks(&bytes, q, &[n, k], gpu).unwrap();
-            let y = f32_on(x, &[m, k], gpu).matmul(&wq.t()).unwrap();
-            close(&y.to_f64_vec().unwrap(), &want, 1e-5, &format!("{} [{m}, {k}] @ [{n}, {k}].t()", q.name()));
         }
     }
 }
