@@ -103,6 +103,11 @@ pub(crate) struct Node {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// The id the next node will get: every node made before now has a smaller one.
+pub(crate) fn next_node_id() -> u64 {
+    NEXT_ID.load(Ordering::Relaxed)
+}
+
 impl Node {
     pub(crate) fn new(state: State, dtype: DType, device: Device, dims: Vec<usize>, depth: u32) -> Arc<Node> {
         crate::profile::node_recorded();

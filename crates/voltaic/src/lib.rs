@@ -78,6 +78,7 @@ pub use device::Device;
 pub use dtype::{DType, WithDType};
 pub use error::{Error, Result};
 pub use profile::{host_profile, HostProfile};
+pub use realize::dry_run;
 pub use schedule::cache::{clear_plan_cache, plan_cache_stats, set_plan_cache_limits, PlanCacheStats};
 pub use schedule::KernelSummary;
 pub use tensor::inspect;

@@ -11,6 +11,7 @@ use crate::graph::{State, Value};
 use crate::ir::Plan;
 use crate::schedule::schedule;
 use std::cell::RefCell;
+use std::collections::HashSet;
 use std::sync::Arc;
 
 /// One realization as it ran: the plan, the buffers it read, and the
@@ -56,6 +57,82 @@ impl Drop for Log {
     }
 }
 
+/// The dry run open on a thread (see [`dry_run`]).
+struct Dry {
+    /// The first node id of the outermost dry run: nodes made before it are
+    /// not the dry run's to realize.
+    first: u64,
+    /// Nodes the dry run realized: their buffers hold no values to read.
+    realized: HashSet<u64>,
+}
+
+thread_local! {
+    static DRY: RefCell<Option<Dry>> = const { RefCell::new(None) };
+}
+
+/// Run `f` as a dry run: everything it records is scheduled and every
+/// kernel its realizations need is compiled (into the device's kernel
+/// cache and the plan cache), but nothing runs on the device. A realized
+/// tensor holds a buffer of the right size whose contents are undefined,
+/// so the code after a realization goes on as it would, and reading a
+/// value the dry run computed is an error (uploads read as usual). This is ahead-of-time compilation, as `jax.jit(f).lower(x).compile()`
+/// is: a training loop calls it on a thread of its own with a step on its
+/// last, smaller batch (a copy of the model and optimizer), so that when
+/// that batch comes its kernels are ready instead of compiled on the spot.
+/// On the CPU there is nothing to compile and a dry run only allocates.
+///
+/// A dry run only realizes tensors made inside it: one made before it and
+/// still pending would be left holding undefined values, so realizing it
+/// there is an error (realize it first). Random numbers drawn inside come
+/// from a generator of the thread's own, so the default stream
+/// ([`manual_seed`](crate::manual_seed)) is where it would have been
+/// without the dry run.
+///
+/// ```
+/// use voltaic::{Device, DType, Tensor};
+/// let x = Tensor::ones(&[3, 5], DType::F32, Device::Cpu)?;
+/// let y = voltaic::dry_run(|| -> voltaic::Result<Vec<usize>> {
+///     let y = x.exp()?.sum(&[1], false)?;
+///     y.realize()?; // scheduled, compiled, not computed
+///     assert!(y.to_vec::<f32>().is_err()); // nothing to read in a dry run
+///     Ok(y.dims().to_vec())
+/// })?;
+/// assert_eq!(y, [3]);
+/// # Ok::<(), voltaic::Error>(())
+/// ```
+pub fn dry_run<R>(f: impl FnOnce() -> R) -> R {
+    /// Closes the outermost dry run however `f` ends.
+    struct Close(bool);
+    impl Drop for Close {
+        fn drop(&mut self) {
+            if self.0 {
+                DRY.with(|d| d.borrow_mut().take());
+            }
+        }
+    }
+    let outermost = DRY.with(|d| {
+        let mut d = d.borrow_mut();
+        let open = d.is_none();
+        if open {
+            *d = Some(Dry { first: crate::graph::next_node_id(), realized: HashSet::new() });
+        }
+        open
+    });
+    let _close = Close(outermost);
+    f()
+}
+
+/// Whether this thread is inside [`dry_run`].
+pub(crate) fn is_dry() -> bool {
+    DRY.with(|d| d.borrow().is_some())
+}
+
+/// Whether node `id` was realized by this thread's open dry run (its
+/// buffer holds no values).
+pub(crate) fn realized_dry(id: u64) -> bool {
+    DRY.with(|d| d.borrow().as_ref().is_some_and(|d| d.realized.contains(&id)))
+}
+
 /// Log a realization if a log is open.
 fn log(r: impl FnOnce() -> Realization) {
     LOG.with(|l| {
@@ -78,6 +155,25 @@ pub(crate) fn realize(targets: &[&Value]) -> Result<()> {
         let group: Vec<&Value> = pending.iter().copied().filter(|t| t.node.device == d).collect();
         let exec = executor(d)?;
         let s = schedule(&group, exec.capabilities());
+        if let Some(first) = DRY.with(|d| d.borrow().as_ref().map(|d| d.first)) {
+            if let Some(n) = s.store.iter().find(|n| n.id < first) {
+                bail!(
+                    Value,
+                    "dry_run",
+                    "a {:?} {} tensor made before the dry run began is still pending and would be left without its values; realize it before the dry run",
+                    n.dims,
+                    n.dtype
+                );
+            }
+            // Compiled, not run: nothing is logged (a capture replays what ran).
+            let outs = exec.dry_run(&s.plan, &s.inputs)?;
+            for (node, buf) in s.store.iter().zip(&outs) {
+                *node.state() = State::Realized(buf.clone());
+            }
+            DRY.with(|d| d.borrow_mut().as_mut().map(|d| d.realized.extend(s.store.iter().map(|n| n.id))));
+            crate::profile::realization_ends(d, "dry run");
+            continue;
+        }
         let outs = exec.run(&s.plan, &s.inputs)?;
         for (node, buf) in s.store.iter().zip(&outs) {
             *node.state() = State::Realized(buf.clone());
@@ -92,6 +188,9 @@ pub(crate) fn realize(targets: &[&Value]) -> Result<()> {
 /// no scheduling; the outputs in the plan's order. Logged like any
 /// realization (a replay inside a traced step is part of that step).
 pub(crate) fn replay(device: Device, plan: &Arc<Plan>, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+    if is_dry() {
+        bail!(Value, "capture", "a captured step was replayed inside voltaic::dry_run; a replay runs its kernels, so it has no dry form");
+    }
     crate::profile::realization_starts();
     let outs = executor(device)?.run(plan, inputs)?;
     log(|| Realization { device, plan: plan.clone(), inputs: inputs.to_vec(), outputs: outs.clone() });

@@ -115,8 +115,18 @@ pub fn set_rng_state(g: Generator) {
     *DEFAULT.lock().unwrap_or_else(|e| e.into_inner()) = Some(g);
 }
 
-/// Run `f` with the default generator.
+thread_local! {
+    /// The generator a dry run draws from (see `voltaic::dry_run`).
+    static DRY: std::cell::RefCell<Generator> = std::cell::RefCell::new(Generator::new(DEFAULT_SEED));
+}
+
+/// Run `f` with the default generator. Inside a dry run, with a generator
+/// of the thread's own instead: compiling a step ahead on another thread
+/// must not move the run's random stream (its initialisation, dropout).
 pub(crate) fn with_default<T>(f: impl FnOnce(&mut Generator) -> T) -> T {
+    if crate::realize::is_dry() {
+        return DRY.with(|g| f(&mut g.borrow_mut()));
+    }
     let mut g = DEFAULT.lock().unwrap_or_else(|e| e.into_inner());
     f(g.get_or_insert_with(|| Generator::new(DEFAULT_SEED)))
 }

@@ -393,6 +393,9 @@ impl Tensor {
         let keep = self.is_contiguous() || (!in_place && exec.capabilities().strided_reads);
         let t = if keep { self.clone() } else { self.contiguous()? };
         crate::backend::read_follows(|| t.realize())?;
+        if crate::realize::realized_dry(t.value.node.id) {
+            bail!(Value, "read", "a {:?} {} tensor computed inside voltaic::dry_run was read there; a dry run compiles kernels without computing values", self.dims(), self.dtype());
+        }
         let buf = t.value.node.buffer().expect("realized");
         if in_place {
             exec.read_start_in_place(&buf, &t.value.layout)

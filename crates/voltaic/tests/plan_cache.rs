@@ -1,6 +1,7 @@
 //! The plan cache: a graph with the structure of an earlier one reuses its
 //! plan, with the new constants and input buffers; a new shape gets a new
-//! plan; the cache stays within its limits however many shapes pass.
+//! plan; the cache stays within its limits however many shapes pass; a dry
+//! run fills it (and the kernel cache) ahead of the step that needs it.
 
 use std::sync::Mutex;
 use voltaic::optim::Optimizer;
@@ -133,4 +134,73 @@ fn errors_are_reported_on_every_repeat_of_a_cached_plan() {
         let after = plan_cache_stats();
         assert!(after.hits > before.hits, "{dev}: the repeats were cached: {before:?} -> {after:?}");
     }
+}
+
+/// A dry run (`voltaic::dry_run`) compiles a training step's kernels
+/// without running them: the same step afterwards compiles no pipeline and
+/// computes what the CPU computes. Inside, a read is an error; the default
+/// random stream does not move; and a pending tensor made before the dry
+/// run is refused rather than left without its values.
+#[test]
+fn a_dry_run_compiles_a_step_ahead_and_changes_nothing_else() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = gpu();
+    let mut g = Generator::new(8);
+    // Shapes no other test here uses, so their kernels are new to the process.
+    let w0 = Tensor::randn_with(&mut g, &[7, 5], DType::F32, Device::Cpu).unwrap();
+    let x = Tensor::randn_with(&mut g, &[9, 7], DType::F32, Device::Cpu).unwrap();
+    // One Adam step with a random draw in it (as dropout makes): the loss and the new weight, realized.
+    let step = |dev: Device| -> voltaic::Result<(Tensor, Tensor)> {
+        let w = voltaic::nn::Parameter::new(w0.to_device(dev)?)?;
+        let mut opt = voltaic::optim::Adam::new(vec![w.clone()], 0.05);
+        let noise = Tensor::rand(&[9, 5], DType::F32, dev)?.mul(1e-3)?;
+        let loss = x.to_device(dev)?.matmul(&w.value())?.add(&noise)?.tanh()?.sqr()?.mean_all()?;
+        opt.zero_grad();
+        loss.backward()?;
+        opt.step()?;
+        let w1 = w.value();
+        Tensor::realize_all(&[&loss, &w1])?;
+        Ok((loss, w1))
+    };
+    voltaic::manual_seed(5);
+    let p0 = dev.stats().unwrap().pipelines;
+    let (loss, w1) = voltaic::dry_run(|| {
+        let r = step(dev)?;
+        let e = r.0.item::<f32>().unwrap_err().to_string();
+        assert!(e.contains("dry_run"), "{e}");
+        Ok::<_, voltaic::Error>(r)
+    })
+    .unwrap();
+    let p1 = dev.stats().unwrap().pipelines;
+    assert!(p1 > p0, "the dry run compiled the step's kernels ({p0} -> {p1})");
+    assert_eq!((loss.dims(), w1.dims()), (&[][..], &[7, 5][..]));
+    // The default stream is where the seed left it.
+    let after = g_rand();
+    voltaic::manual_seed(5);
+    assert_eq!(after, g_rand(), "the dry run drew from the default generator");
+    // The real step: nothing compiled, the CPU's values (from the same seed).
+    voltaic::manual_seed(6);
+    let (gl, gw) = step(dev).unwrap();
+    let (gl, gw) = (gl.item::<f32>().unwrap(), gw.to_vec::<f32>().unwrap());
+    assert_eq!(dev.stats().unwrap().pipelines, p1, "the step after its dry run compiled no pipeline");
+    voltaic::manual_seed(6);
+    let (cl, cw) = step(Device::Cpu).unwrap();
+    let (cl, cw) = (cl.item::<f32>().unwrap(), cw.to_vec::<f32>().unwrap());
+    assert!((gl - cl).abs() <= 1e-5 * (1.0 + cl.abs()), "loss {gl} on the GPU, {cl} on the CPU");
+    for (i, (a, b)) in gw.iter().zip(&cw).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "weight {i}: {a} on the GPU, {b} on the CPU");
+    }
+    // A pending tensor from before: refused, and still right afterwards.
+    let pending = x.to_device(dev).unwrap().exp().unwrap();
+    let e = voltaic::dry_run(|| pending.realize()).unwrap_err().to_string();
+    assert!(e.contains("before the dry run"), "{e}");
+    let want: Vec<f32> = x.to_vec::<f32>().unwrap().iter().map(|v| v.exp()).collect();
+    for (a, b) in pending.to_vec::<f32>().unwrap().iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "{a} vs {b}");
+    }
+}
+
+/// Four draws of the default generator.
+fn g_rand() -> Vec<f32> {
+    Tensor::rand(&[4], DType::F32, Device::Cpu).unwrap().to_vec::<f32>().unwrap()
 }

@@ -293,12 +293,31 @@ pub(crate) trait LaterFill: Send {
 }
 
 /// A device's executor.
+/// The output buffers of a plan that is not run: an output that is one of
+/// the plan's inputs is that buffer, any other a new one from `alloc`.
+pub(crate) fn dry_outputs(plan: &Plan, inputs: &[Buffer], mut alloc: impl FnMut(crate::DType, usize) -> Result<Buffer>) -> Result<Vec<Buffer>> {
+    plan.outputs
+        .iter()
+        .map(|&s| match plan.slots[s].source {
+            crate::ir::SlotSource::Input(k) => Ok(inputs[k].clone()),
+            crate::ir::SlotSource::Kernel => alloc(plan.slots[s].dtype, plan.slots[s].numel),
+        })
+        .collect()
+}
+
 pub(crate) trait Executor: Send + Sync {
     /// What the executor offers.
     fn capabilities(&self) -> Capabilities;
     /// Run `plan` with `inputs` (one per input slot, in order); returns the
     /// buffers of `plan.outputs`, in order.
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>>;
+    /// What [`run`](Self::run) returns, without running anything: the
+    /// plan's kernels made ready for a later run (compiled, where the
+    /// executor compiles) and buffers of the outputs' sizes whose contents
+    /// are undefined (see `voltaic::dry_run`). Here: zeroed host buffers.
+    fn dry_run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+        dry_outputs(plan, inputs, |dtype, numel| self.upload(CpuStorage::zeros(dtype, numel)))
+    }
     /// A new buffer holding `data`.
     fn upload(&self, data: CpuStorage) -> Result<Buffer>;
     /// Start reading the elements `layout` sees of `buf` back to the host.

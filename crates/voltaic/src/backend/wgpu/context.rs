@@ -239,6 +239,9 @@ pub(crate) struct GpuContext {
     pub upload_staging: Arc<Mutex<Vec<wgpu::Buffer>>>,
     /// Compiled kernels by signature (see `exec::compile`).
     pub compiled_kernels: Mutex<super::exec::KernelCache>,
+    /// Signatures (hashes) of kernels being compiled now, so that a second
+    /// thread that needs one waits for it instead of compiling it again.
+    pub compiling: (Mutex<std::collections::HashSet<u64>>, std::sync::Condvar),
     /// Matmul plans chosen by measurement.
     pub tuner: super::autotune::Tuner,
     /// Where the driver's pipeline cache is kept between runs.
@@ -349,6 +352,7 @@ impl GpuContext {
         });
         Ok(GpuContext {
             compiled_kernels: Mutex::new(HashMap::new()),
+            compiling: Default::default(),
             staging: Mutex::new(Vec::new()),
             upload_staging: Arc::new(Mutex::new(Vec::new())),
             tuner: super::autotune::Tuner::new(&info),

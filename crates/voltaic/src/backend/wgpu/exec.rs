@@ -50,10 +50,31 @@ pub(crate) struct Signature {
 /// kernel was compiled before (a training loop generates and compiles each
 /// kernel once), else generated and compiled now.
 pub(crate) fn compile(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], variant: Option<super::matmul::Variant>) -> Result<Arc<Compiled>> {
-    if let Some(c) = cached(ctx, k, inputs, variant) {
-        return Ok(c);
-    }
     let key = signature_hash(k, inputs, variant);
+    // One compile per signature at a time: a thread that finds it being
+    // compiled (a dry run's step ahead, another device's realization) waits
+    // for the pipeline rather than compiling it again beside it.
+    let (busy, done) = &ctx.compiling;
+    let mut now = busy.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if let Some(c) = cached(ctx, k, inputs, variant) {
+            return Ok(c);
+        }
+        if now.insert(key) {
+            break;
+        }
+        now = done.wait(now).unwrap_or_else(|e| e.into_inner());
+    }
+    drop(now);
+    struct Release<'a>(&'a GpuContext, u64);
+    impl Drop for Release<'_> {
+        fn drop(&mut self) {
+            let (busy, done) = &self.0.compiling;
+            busy.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.1);
+            done.notify_all();
+        }
+    }
+    let _release = Release(ctx, key);
     let prog = super::kernels::program(&ctx.caps, k, inputs, variant)?;
     let mut dispatches = Vec::with_capacity(prog.dispatches.len());
     for d in prog.dispatches {
@@ -281,6 +302,18 @@ pub(crate) fn run_plan(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Resu
         return Err(e);
     }
     res
+}
+
+/// [`run_plan`] without running: the plan's kernels compiled (kept with
+/// the plan, as a run keeps them) and its outputs as pooled buffers of
+/// their sizes, contents undefined (see `voltaic::dry_run`).
+pub(crate) fn dry_run(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+    ctx.check_alive()?;
+    crate::profile::time(Phase::Compile, || prepare(ctx, plan))?;
+    crate::backend::dry_outputs(plan, inputs, |dt, numel| {
+        let bytes = numel as u64 * elem_bytes(&ctx.caps, dt);
+        Ok(Buffer::Wgpu(Arc::new(super::pool::alloc(ctx, dt, numel, bytes)?)))
+    })
 }
 
 /// The compiled kernels of a plan, kept with the plan while it is cached

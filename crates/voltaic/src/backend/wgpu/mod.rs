@@ -418,6 +418,10 @@ impl Executor for GpuContext {
         exec::run_plan(self, plan, inputs)
     }
 
+    fn dry_run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
+        exec::dry_run(self, plan, inputs)
+    }
+
     fn upload(&self, data: CpuStorage) -> Result<Buffer> {
         Ok(Buffer::Wgpu(Arc::new(transfer::upload(self, &data)?)))
     }
