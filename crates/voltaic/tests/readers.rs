@@ -55,6 +55,34 @@ fn idx_refuses_malformed_files_with_clear_errors() {
     }
 }
 
+/// `read_dims` gives the dims of a file's header, plain or gzipped,
+/// without its data (a file cut after its header still has them), and
+/// refuses a file whose header is cut or malformed.
+#[test]
+fn idx_dims_come_from_the_header_alone() {
+    let dir = std::env::temp_dir().join(format!("voltaic-idx-dims-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let full = idx_bytes(0x08, &[3, 2, 4], &[7; 24]);
+    let cases: [(&str, Vec<u8>, Option<Vec<usize>>); 5] = [
+        ("plain", full.clone(), Some(vec![3, 2, 4])),
+        ("gz", gzip(&full), Some(vec![3, 2, 4])),
+        ("no-data", full[..16].to_vec(), Some(vec![3, 2, 4])),
+        ("cut-header", full[..9].to_vec(), None),
+        ("bad-type", idx_bytes(0x42, &[3], &[0; 3]), None),
+    ];
+    for (name, bytes, want) in cases {
+        let path = dir.join(name);
+        std::fs::write(&path, &bytes).unwrap();
+        match (idx::read_dims(&path), want) {
+            (Ok(d), Some(w)) => assert_eq!(d, w, "{name}"),
+            (Err(e), None) => assert!(e.to_string().contains(name), "{name}: the error names the file: {e}"),
+            (got, want) => panic!("{name}: got {got:?}, expected {want:?}"),
+        }
+    }
+    assert!(idx::read_dims(dir.join("missing")).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn valid_safetensors() -> Vec<u8> {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let k = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -116,6 +144,9 @@ proptest! {
         b.truncate(cut.max(1).min(b.len()));
         let _ = idx::parse_bytes(&b, "fuzz");
         let _ = idx::parse_bytes(&gzip(&b), "fuzz");
+        let path = std::env::temp_dir().join(format!("voltaic-idx-fuzz-{}", std::process::id()));
+        std::fs::write(&path, &b).unwrap();
+        let _ = idx::read_dims(&path);
     }
 
     #[test]

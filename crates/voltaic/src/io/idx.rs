@@ -42,6 +42,44 @@ fn bad(what: &str, msg: impl std::fmt::Display) -> Error {
 
 /// Parse IDX from a reader (decompressed).
 pub fn parse(mut r: impl Read, what: &str) -> Result<Idx> {
+    let (code, size, dims) = header(&mut r, what)?;
+    let total: u64 = dims.iter().map(|&d| d as u64).product();
+    let want = (total * size) as usize;
+    let mut bytes = Vec::new();
+    r.by_ref().take(want as u64).read_to_end(&mut bytes).map_err(|e| bad(what, e))?;
+    if bytes.len() != want {
+        return Err(bad(what, format!("dimensions {dims:?} need {want} bytes of data, the file has {}", bytes.len())));
+    }
+    let mut extra = [0u8; 1];
+    if r.read(&mut extra).map_err(|e| bad(what, e))? != 0 {
+        return Err(bad(what, format!("trailing data after the {want} bytes that dimensions {dims:?} describe")));
+    }
+    let data = match code {
+        0x08 => IdxData::U8(bytes),
+        0x09 => IdxData::I8(bytes.into_iter().map(|b| b as i8).collect()),
+        0x0B => IdxData::Wide(bytes.chunks_exact(2).map(|c| i16::from_be_bytes([c[0], c[1]]) as f64).collect()),
+        0x0C => IdxData::Wide(bytes.chunks_exact(4).map(|c| i32::from_be_bytes([c[0], c[1], c[2], c[3]]) as f64).collect()),
+        0x0D => IdxData::Wide(bytes.chunks_exact(4).map(|c| f32::from_be_bytes([c[0], c[1], c[2], c[3]]) as f64).collect()),
+        _ => IdxData::Wide(bytes.chunks_exact(8).map(|c| f64::from_be_bytes(c.try_into().expect("8 bytes"))).collect()),
+    };
+    Ok(Idx { dims, data })
+}
+
+/// The dimensions of an IDX file (`.gz` or plain), from its header alone:
+/// what a caller needs before the data is read (a gzipped file is only
+/// decompressed as far as its header).
+pub fn read_dims(path: impl AsRef<Path>) -> Result<Vec<usize>> {
+    let path = path.as_ref();
+    let what = path.display().to_string();
+    let mut file = std::io::BufReader::new(std::fs::File::open(path).map_err(|e| Error::Io(format!("{what}: {e}")))?);
+    let gz = std::io::BufRead::fill_buf(&mut file).map_err(|e| Error::Io(format!("{what}: {e}")))?.starts_with(&[0x1f, 0x8b]);
+    let dims = if gz { header(&mut flate2::read::GzDecoder::new(file), &what)?.2 } else { header(&mut file, &what)?.2 };
+    Ok(dims)
+}
+
+/// The header: the element type's code and size in bytes, and the
+/// dimensions (their product checked against [`MAX_BYTES`]).
+fn header(r: &mut impl Read, what: &str) -> Result<(u8, u64, Vec<usize>)> {
     let mut head = [0u8; 4];
     r.read_exact(&mut head).map_err(|_| bad(what, "file too short for the IDX header"))?;
     if head[0] != 0 || head[1] != 0 {
@@ -69,25 +107,7 @@ pub fn parse(mut r: impl Read, what: &str) -> Result<Idx> {
         })?;
         dims.push(d as usize);
     }
-    let want = (total * size) as usize;
-    let mut bytes = Vec::new();
-    r.by_ref().take(want as u64).read_to_end(&mut bytes).map_err(|e| bad(what, e))?;
-    if bytes.len() != want {
-        return Err(bad(what, format!("dimensions {dims:?} need {want} bytes of data, the file has {}", bytes.len())));
-    }
-    let mut extra = [0u8; 1];
-    if r.read(&mut extra).map_err(|e| bad(what, e))? != 0 {
-        return Err(bad(what, format!("trailing data after the {want} bytes that dimensions {dims:?} describe")));
-    }
-    let data = match head[2] {
-        0x08 => IdxData::U8(bytes),
-        0x09 => IdxData::I8(bytes.into_iter().map(|b| b as i8).collect()),
-        0x0B => IdxData::Wide(bytes.chunks_exact(2).map(|c| i16::from_be_bytes([c[0], c[1]]) as f64).collect()),
-        0x0C => IdxData::Wide(bytes.chunks_exact(4).map(|c| i32::from_be_bytes([c[0], c[1], c[2], c[3]]) as f64).collect()),
-        0x0D => IdxData::Wide(bytes.chunks_exact(4).map(|c| f32::from_be_bytes([c[0], c[1], c[2], c[3]]) as f64).collect()),
-        _ => IdxData::Wide(bytes.chunks_exact(8).map(|c| f64::from_be_bytes(c.try_into().expect("8 bytes"))).collect()),
-    };
-    Ok(Idx { dims, data })
+    Ok((head[2], size, dims))
 }
 
 /// Parse IDX bytes, gunzipping them first when they start with the gzip magic.
