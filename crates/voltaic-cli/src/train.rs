@@ -10,7 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-use voltaic::data::{fashion_mnist, DataLoader, Dataset, DeviceDataset, LoaderOpts, FASHION_MNIST_DIR};
+use voltaic::data::{fashion_mnist, fashion_mnist_dims, Batch, DataLoader, Dataset, DeviceDataset, LoaderOpts, FASHION_MNIST_DIR};
 use voltaic::nn::{Forward, Module, Sequential};
 use voltaic::optim::{Adam, CosineLr, GradScaler, LrSchedule, Optimizer, Sgd};
 use voltaic::{DType, Device, Reduction, Tensor};
@@ -180,6 +180,7 @@ pub fn build_optimizer(args: &TrainArgs, model: &Sequential) -> Box<dyn Optimize
 }
 
 /// One split of the data, and its copy on the device when it lives there.
+#[derive(Clone)]
 pub struct Split {
     /// The examples on the host.
     pub host: Arc<Dataset>,
@@ -211,6 +212,14 @@ impl Split {
         self.host.len()
     }
 
+    /// The batch of examples `idx`, as the loader makes it.
+    fn batch(&self, idx: &[usize], device: Device) -> voltaic::Result<Batch> {
+        match &self.resident {
+            Some(d) => d.batch(idx),
+            None => self.host.batch(idx, MEAN, STD, device),
+        }
+    }
+
     /// The batches of one epoch.
     fn loader(&self, opts: &LoaderOpts, epoch: u64) -> voltaic::Result<DataLoader> {
         match &self.resident {
@@ -225,18 +234,95 @@ pub fn evaluate(model: &Sequential, data: &Split, device: Device, precision: &st
     model.eval();
     let _g = voltaic::NoGradGuard::new();
     let _a = voltaic::AutocastGuard::new(autocast_type(precision));
-    let opts = LoaderOpts { batch_size: 1000, shuffle: false, seed: 0, mean: MEAN, std: STD, drop_last: false, device };
-    let mut loss_sum = Tensor::from_vec(vec![0f32], &[], device)?;
-    let mut correct = Tensor::from_vec(vec![0i32], &[], device)?;
+    let opts = LoaderOpts { batch_size: EVAL_BATCH, shuffle: false, seed: 0, mean: MEAN, std: STD, drop_last: false, device };
+    let mut sums = Sums::zeros(device)?;
     for b in data.loader(&opts, 0)? {
-        let b = b?;
-        let logits = model.forward(&b.x)?;
-        loss_sum = loss_sum.add(&logits.cross_entropy(&b.y, 0.0, Reduction::Sum)?)?;
-        correct = correct.add(&logits.argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
-        Tensor::realize_all(&[&loss_sum, &correct])?;
+        eval_batch(model, &b?, &mut sums)?;
     }
     let n = data.len() as f64;
-    Ok((loss_sum.item::<f32>()? as f64 / n, correct.item::<i32>()? as f64 / n))
+    Ok((sums.loss.item::<f32>()? as f64 / n, sums.correct.item::<i32>()? as f64 / n))
+}
+
+/// Examples per evaluation batch.
+const EVAL_BATCH: usize = 1000;
+
+/// Add batch `b`'s summed loss and correct count to `sums` (under the
+/// caller's no-grad and autocast guards) and realize them.
+fn eval_batch(model: &Sequential, b: &Batch, sums: &mut Sums) -> voltaic::Result<()> {
+    let logits = model.forward(&b.x)?;
+    sums.loss = sums.loss.add(&logits.cross_entropy(&b.y, 0.0, Reduction::Sum)?)?;
+    sums.correct = sums.correct.add(&logits.argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
+    Tensor::realize_all(&[&sums.loss, &sums.correct])
+}
+
+/// What an epoch (or an evaluation) adds up on the device, read at most once
+/// per log interval: the loss summed over examples, the correct
+/// predictions, and the loss since the last log line. They start as
+/// uploaded zeros, not constants: every step's metrics then have one
+/// structure (one cached plan, no kernels of their own).
+struct Sums {
+    loss: Tensor,
+    correct: Tensor,
+    window: Tensor,
+}
+
+impl Sums {
+    fn zeros(device: Device) -> voltaic::Result<Sums> {
+        Ok(Sums { loss: Sums::zero(device)?, correct: Tensor::from_vec(vec![0i32], &[], device)?, window: Sums::zero(device)? })
+    }
+
+    fn zero(device: Device) -> voltaic::Result<Tensor> {
+        Tensor::from_vec(vec![0f32], &[], device)
+    }
+}
+
+/// The step's optimizer and the f16 loss scaler, if the precision needs one.
+struct Stepper<'a> {
+    opt: &'a mut dyn Optimizer,
+    scaler: Option<GradScaler>,
+    /// The autocast type (`--precision`), `None` for f32.
+    low: Option<DType>,
+}
+
+impl Stepper<'_> {
+    /// One training step on batch `b`, realized with the metrics it adds to
+    /// `sums`: forward under autocast, backward (scaled for f16), the
+    /// optimizer's update. With `keep_loss`, the step's loss is realized too
+    /// and returned (`--loss-log`).
+    fn step(&mut self, model: &Sequential, b: &Batch, sums: &mut Sums, keep_loss: bool) -> voltaic::Result<Option<Tensor>> {
+        let bs = b.y.numel();
+        let (logits, loss) = {
+            let _a = voltaic::AutocastGuard::new(self.low);
+            let logits = model.forward(&b.x)?;
+            let loss = logits.cross_entropy(&b.y, 0.0, Reduction::Mean)?;
+            (logits, loss)
+        };
+        self.opt.zero_grad();
+        match &mut self.scaler {
+            Some(s) => {
+                s.scale(&loss)?.backward()?;
+                s.step(&mut *self.opt)?;
+                s.update()?;
+            }
+            None => {
+                loss.backward()?;
+                self.opt.step()?;
+            }
+        }
+        model.realize_state()?;
+        let l = loss.detach().mul(bs as f64)?;
+        sums.loss = sums.loss.add(&l)?;
+        sums.window = sums.window.add(&l)?;
+        sums.correct = sums.correct.add(&logits.detach().argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
+        if keep_loss {
+            let step_loss = loss.detach().to_dtype(DType::F32)?;
+            Tensor::realize_all(&[&sums.loss, &sums.correct, &sums.window, &step_loss])?;
+            Ok(Some(step_loss))
+        } else {
+            Tensor::realize_all(&[&sums.loss, &sums.correct, &sums.window])?;
+            Ok(None)
+        }
+    }
 }
 
 /// One logged step: (epoch as a fraction, training loss).
@@ -294,84 +380,55 @@ pub fn train_loop(
     let log_every = 50;
     let low = autocast_type(&args.precision);
     // f16's range needs the loss scaled; bf16 has f32's.
-    let mut scaler = (low == Some(DType::F16)).then(|| {
+    let scaler = (low == Some(DType::F16)).then(|| {
         let mut s = GradScaler::new();
         if let Some((scale, clean)) = progress.loss_scale {
             s.load_state(scale, clean);
         }
         s
     });
+    let mut stepper = Stepper { opt, scaler, low };
     // The scaler counts the steps it skipped on the device; a resumed run adds its own.
     let skipped_before = progress.skipped_steps;
     for epoch in progress.epoch + 1..=args.epochs {
         model.train();
         let pb = epoch_bar(args.quiet, steps_per_epoch, epoch, args.epochs);
         let t0 = Instant::now();
-        // Sums start as uploaded zeros, not constants: every step's metrics
-        // then have one structure (one cached plan, no kernels of their own).
-        let mut loss_sum = Tensor::from_vec(vec![0f32], &[], device)?;
-        let mut correct = Tensor::from_vec(vec![0i32], &[], device)?;
+        let mut sums = Sums::zeros(device)?;
         let (mut seen, mut window_seen) = (0usize, 0usize);
-        let mut window = Tensor::from_vec(vec![0f32], &[], device)?;
         // With --loss-log, every step's loss, read once the epoch is over.
         let mut step_losses: Vec<Tensor> = Vec::new();
         for b in train.loader(&opts, epoch as u64)? {
             let b = b?;
             let bs = b.y.numel();
             if args.schedule == "cosine" {
-                opt.set_lr(schedule.lr(base_lr, progress.step));
+                stepper.opt.set_lr(schedule.lr(base_lr, progress.step));
             }
-            let (logits, loss) = {
-                let _a = voltaic::AutocastGuard::new(low);
-                let logits = model.forward(&b.x)?;
-                let loss = logits.cross_entropy(&b.y, 0.0, Reduction::Mean)?;
-                (logits, loss)
-            };
-            opt.zero_grad();
-            match &mut scaler {
-                Some(s) => {
-                    s.scale(&loss)?.backward()?;
-                    s.step(opt)?;
-                    s.update()?;
-                }
-                None => {
-                    loss.backward()?;
-                    opt.step()?;
-                }
-            }
-            model.realize_state()?;
-            let l = loss.detach().mul(bs as f64)?;
-            loss_sum = loss_sum.add(&l)?;
-            window = window.add(&l)?;
-            correct = correct.add(&logits.detach().argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
-            if args.loss_log.is_some() {
-                step_losses.push(loss.detach().to_dtype(DType::F32)?);
-                Tensor::realize_all(&[&loss_sum, &correct, &window, step_losses.last().expect("just pushed")])?;
-            } else {
-                Tensor::realize_all(&[&loss_sum, &correct, &window])?;
+            if let Some(l) = stepper.step(model, &b, &mut sums, args.loss_log.is_some())? {
+                step_losses.push(l);
             }
             seen += bs;
             window_seen += bs;
             progress.step += 1;
             pb.inc(1);
             if progress.step.is_multiple_of(log_every) {
-                let avg = window.item::<f32>()? as f64 / window_seen as f64;
+                let avg = sums.window.item::<f32>()? as f64 / window_seen as f64;
                 if !avg.is_finite() {
                     bail!("the training loss became {avg} at step {}: lower --lr", progress.step);
                 }
                 progress.step_losses.push((progress.step as f64 / steps_per_epoch as f64, avg));
                 let rate = seen as f64 / t0.elapsed().as_secs_f64();
-                let acc = correct.item::<i32>()? as f64 / seen as f64;
+                let acc = sums.correct.item::<i32>()? as f64 / seen as f64;
                 pb.set_message(format!("loss {avg:.4} acc {:.2}% {rate:.0} samples/s", 100.0 * acc));
-                window = Tensor::from_vec(vec![0f32], &[], device)?;
+                sums.window = Sums::zero(device)?;
                 window_seen = 0;
             }
         }
         for l in &step_losses {
             progress.every_step.push(l.item::<f32>()? as f64);
         }
-        let train_loss = loss_sum.item::<f32>()? as f64 / seen as f64;
-        let train_acc = correct.item::<i32>()? as f64 / seen as f64;
+        let train_loss = sums.loss.item::<f32>()? as f64 / seen as f64;
+        let train_acc = sums.correct.item::<i32>()? as f64 / seen as f64;
         let secs = t0.elapsed().as_secs_f64();
         pb.finish_and_clear();
         if !train_loss.is_finite() {
@@ -382,14 +439,102 @@ pub fn train_loop(
             None => (f64::NAN, f64::NAN),
         };
         progress.epoch = epoch;
-        progress.loss_scale = scaler.as_ref().map(|s| s.state()).transpose()?;
-        if let Some(s) = &scaler {
+        progress.loss_scale = stepper.scaler.as_ref().map(|s| s.state()).transpose()?;
+        if let Some(s) = &stepper.scaler {
             progress.skipped_steps = skipped_before + s.skipped_steps()? as usize;
         }
         progress.history.push(EpochStats { epoch, train_loss, train_acc, test_loss, test_acc, train_seconds: secs, samples_per_second: seen as f64 / secs });
-        on_epoch(&progress, &*opt)?;
+        on_epoch(&progress, &*stepper.opt)?;
     }
     Ok(progress)
+}
+
+/// A split's size and item shape, and whether it will live on the device:
+/// what [`compile_ahead`] needs before the data is loaded.
+#[derive(Clone)]
+struct SplitShape {
+    len: usize,
+    item_dims: Vec<usize>,
+    resident: bool,
+}
+
+impl SplitShape {
+    /// A stand-in for the split in a dry run: zeros of its shapes where the
+    /// split will be (on the device, realized, so that batches gather from
+    /// a buffer as they will from the real one; or on the host, `batch`
+    /// examples of it, uploaded per batch as the real loader does).
+    fn stand_in(&self, device: Device, batch: usize) -> voltaic::Result<Split> {
+        let k: usize = self.item_dims.iter().product();
+        if self.resident {
+            let mut dims = vec![self.len];
+            dims.extend_from_slice(&self.item_dims);
+            // Contiguous: `zeros` alone is a broadcast scalar, which a gather would read as one.
+            let zeros = |dims: &[usize], dt| Tensor::zeros(dims, dt, device)?.contiguous();
+            let d = DeviceDataset { x: zeros(&dims, DType::F32)?, y: zeros(&[self.len], DType::I32)? };
+            Tensor::realize_all(&[&d.x, &d.y])?;
+            let none = Dataset { pixels: vec![], labels: vec![], item_dims: self.item_dims.clone() };
+            return Ok(Split { host: Arc::new(none), resident: Some(Arc::new(d)) });
+        }
+        let host = Dataset { pixels: vec![0; batch * k], labels: vec![0; batch], item_dims: self.item_dims.clone() };
+        Ok(Split { host: Arc::new(host), resident: None })
+    }
+}
+
+/// Compile, on a thread of its own, the kernels of every batch shape the run
+/// will meet (a GPU compiles each kernel anew for new sizes: about 50
+/// pipelines for the CNN's step, a few tenths of a second on an H100's 16
+/// threads): the first training batch while the data loads, then the
+/// epoch's last batch where it is smaller than the others, and the
+/// evaluation's batches, which a cold run would otherwise pay for when they
+/// come. The thread runs one step (and one evaluation batch) of each size
+/// as a dry run (`voltaic::dry_run`) on a fresh model and optimizer of the
+/// same kind over zeros of the data's shapes, so nothing of the run's own
+/// state or random stream moves; the real steps then find their plans and
+/// kernels ready, or wait for a kernel being compiled rather than compile
+/// it again. `None` when there is nothing to compile (the CPU) or with
+/// `VOLTAIC_COMPILE_AHEAD=0` (for measuring what it saves).
+fn compile_ahead(args: &TrainArgs, device: Device, train: SplitShape, test: SplitShape) -> Option<std::thread::JoinHandle<()>> {
+    let off = std::env::var("VOLTAIC_COMPILE_AHEAD").is_ok_and(|v| v == "0");
+    if off || matches!(device, Device::Cpu) || train.len == 0 {
+        return None;
+    }
+    let sizes = |n: usize, bs: usize| -> Vec<usize> {
+        let mut v: Vec<usize> = [bs.min(n), n % bs].into_iter().filter(|&r| r > 0).collect();
+        v.dedup();
+        v
+    };
+    let (train_sizes, eval_sizes) = (sizes(train.len, args.batch_size), sizes(test.len, EVAL_BATCH));
+    let args = args.clone();
+    let work = move || -> anyhow::Result<()> {
+        let model = build_model(&args.model, device)?;
+        let mut opt = build_optimizer(&args, &model);
+        let low = autocast_type(&args.precision);
+        let mut stepper = Stepper { opt: opt.as_mut(), scaler: (low == Some(DType::F16)).then(GradScaler::new), low };
+        let data = train.stand_in(device, train_sizes[0])?;
+        for &size in &train_sizes {
+            model.train();
+            let b = data.batch(&(0..size).collect::<Vec<_>>(), device)?;
+            stepper.step(&model, &b, &mut Sums::zeros(device)?, args.loss_log.is_some())?;
+        }
+        drop(data);
+        if let Some(&first) = eval_sizes.first() {
+            let data = test.stand_in(device, first)?;
+            model.eval();
+            let _g = voltaic::NoGradGuard::new();
+            let _a = voltaic::AutocastGuard::new(low);
+            for &size in &eval_sizes {
+                eval_batch(&model, &data.batch(&(0..size).collect::<Vec<_>>(), device)?, &mut Sums::zeros(device)?)?;
+            }
+        }
+        Ok(())
+    };
+    let spawned = std::thread::Builder::new().name("voltaic-compile-ahead".into()).spawn(move || {
+        if let Err(e) = voltaic::dry_run(work) {
+            // Only time is lost: each batch compiles its kernels when it comes.
+            eprintln!("warning: compiling the training step's kernels ahead failed: {e:#}");
+        }
+    });
+    spawned.ok()
 }
 
 /// The progress bar of one epoch (hidden when `quiet`).
@@ -548,6 +693,16 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
         None => None,
     };
     let dir = locate_data(args.data.as_deref(), args.quiet)?;
+    // The data's shapes from the files' headers: the kernels of the steps
+    // to come compile while the data loads (see `compile_ahead`). A file
+    // that cannot be read is reported by the loading below.
+    let ahead = fashion_mnist_dims(&dir).ok().and_then(|[(n_train, item), (n_test, _)]| {
+        let n_train = args.limit.map_or(n_train, |l| l.min(n_train));
+        // What `DeviceDataset::bytes` gives for the loaded splits.
+        let resident = Split::keep_on_device(&args.data_on_device, device, 4 * (n_train + n_test) as u64 * (1 + item.iter().product::<usize>()) as u64);
+        let shape = |len: usize| SplitShape { len, item_dims: item.clone(), resident };
+        compile_ahead(&args, device, shape(n_train), shape(n_test))
+    });
     let (mut train, test) = fashion_mnist(&dir).with_context(|| format!("loading Fashion-MNIST from {}", dir.display()))?;
     if let Some(n) = args.limit {
         train = train.take(n);
@@ -612,6 +767,10 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
         }
         write_checkpoint(&args.out, &args, &model, opt, p)
     })?;
+    if let Some(h) = ahead {
+        // Done long before on a GPU; joined so that no thread outlives the run.
+        let _ = h.join();
+    }
     finish(&args, &progress, &device.to_string(), device)
 }
 
@@ -668,6 +827,7 @@ pub(crate) fn finish(args: &TrainArgs, progress: &Progress, where_: &str, device
                 "samples_per_second": (samples / train_seconds).round(),
                 "epoch_seconds": history.iter().map(|s| (s.train_seconds * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
                 "pipelines": device.stats().map(|s| s.pipelines).unwrap_or(0),
+                "bind_groups": device.stats().map(|s| s.bind_groups).unwrap_or(0),
                 "compile_seconds": (voltaic::host_profile().compile_us / 1e4).round() / 100.0,
             })
         );

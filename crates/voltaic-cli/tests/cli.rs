@@ -245,6 +245,37 @@ fn long_inputs_warn_once_and_broken_pipes_exit_quietly() {
 
 /// A run killed with SIGKILL in its second epoch, resumed, ends with the
 /// same weights as an uninterrupted run of the same seed.
+/// On a GPU, `voltaic train` compiles the kernels of its first, last
+/// (smaller) and evaluation batches ahead on a thread of its own, as a dry
+/// run over a model of its own: the run's weights and metrics are those of
+/// a run without it (`VOLTAIC_COMPILE_AHEAD=0`), bit for bit.
+#[test]
+fn compiling_ahead_changes_nothing_in_a_run() {
+    let gpu = format!("gpu:{}", std::env::var("VOLTAIC_TEST_GPU").unwrap_or_else(|_| "0".into()));
+    let base = std::env::temp_dir().join(format!("voltaic-cli-ahead-{}", std::process::id()));
+    let run = |ahead: &str| -> (Vec<u8>, Vec<String>) {
+        let dir = base.join(ahead);
+        // 1,100 examples in batches of 256: a last batch of 76.
+        let out = voltaic()
+            .env("VOLTAIC_COMPILE_AHEAD", ahead)
+            .args(["train", "--model", "mlp", "--epochs", "1", "--limit", "1100", "--batch-size", "256", "--seed", "4", "--json", "--quiet", "--device", &gpu, "--out"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "ahead {ahead}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("warning"), "ahead {ahead}: {}", String::from_utf8_lossy(&out.stderr));
+        // The metrics without their timings.
+        let csv = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
+        let rows: Vec<String> = csv.lines().map(|l| l.split(',').take(5).collect::<Vec<_>>().join(",")).collect();
+        (std::fs::read(dir.join("model.safetensors")).unwrap(), rows)
+    };
+    let (w_on, m_on) = run("1");
+    let (w_off, m_off) = run("0");
+    assert!(w_on == w_off, "the weights differ with and without compiling ahead");
+    assert_eq!(m_on, m_off, "the metrics differ with and without compiling ahead");
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
 #[test]
 fn a_killed_run_resumes_to_the_same_weights() {
     let base = std::env::temp_dir().join(format!("voltaic-cli-resume-{}", std::process::id()));
