@@ -40,6 +40,9 @@ impl Log {
             if l.is_some() {
                 bail!(Value, "capture", "a captured step ran another capture inside it; captures do not nest");
             }
+            if is_dry() {
+                bail!(Value, "capture", "a step was captured inside voltaic::dry_run, which runs nothing to capture");
+            }
             *l = Some(Vec::new());
             Ok(Log(()))
         })
@@ -119,7 +122,7 @@ pub fn dry_run<R>(f: impl FnOnce() -> R) -> R {
         open
     });
     let _close = Close(outermost);
-    f()
+    crate::rng::with_own_generator(f)
 }
 
 /// Whether this thread is inside [`dry_run`].

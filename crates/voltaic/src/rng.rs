@@ -116,17 +116,43 @@ pub fn set_rng_state(g: Generator) {
 }
 
 thread_local! {
-    /// The generator a dry run draws from (see `voltaic::dry_run`).
-    static DRY: std::cell::RefCell<Generator> = std::cell::RefCell::new(Generator::new(DEFAULT_SEED));
+    /// The thread's own generator while [`with_own_generator`] runs.
+    static OWN: std::cell::RefCell<Option<Generator>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Run `f` with the default generator. Inside a dry run, with a generator
-/// of the thread's own instead: compiling a step ahead on another thread
-/// must not move the run's random stream (its initialisation, dropout).
-pub(crate) fn with_default<T>(f: impl FnOnce(&mut Generator) -> T) -> T {
-    if crate::realize::is_dry() {
-        return DRY.with(|g| f(&mut g.borrow_mut()));
+/// Run `f` with draws from the default generator going to a generator of
+/// this thread's own (from [`DEFAULT_SEED`]) instead: a dry run compiling a
+/// step ahead on another thread must not move the run's random stream (its
+/// initialisation, dropout). Nested calls share the outermost's.
+pub(crate) fn with_own_generator<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if self.0 {
+                OWN.with(|g| g.borrow_mut().take());
+            }
+        }
     }
+    let outermost = OWN.with(|g| {
+        let mut g = g.borrow_mut();
+        let none = g.is_none();
+        if none {
+            *g = Some(Generator::new(DEFAULT_SEED));
+        }
+        none
+    });
+    let _restore = Restore(outermost);
+    f()
+}
+
+/// Run `f` with the default generator (or the thread's own, see
+/// [`with_own_generator`]).
+pub(crate) fn with_default<T>(f: impl FnOnce(&mut Generator) -> T) -> T {
+    let mut f = Some(f);
+    if let Some(r) = OWN.with(|g| g.borrow_mut().as_mut().map(|g| f.take().expect("called once")(g))) {
+        return r;
+    }
+    let f = f.expect("not called above");
     let mut g = DEFAULT.lock().unwrap_or_else(|e| e.into_inner());
     f(g.get_or_insert_with(|| Generator::new(DEFAULT_SEED)))
 }

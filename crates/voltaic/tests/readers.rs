@@ -63,8 +63,9 @@ fn idx_dims_come_from_the_header_alone() {
     let dir = std::env::temp_dir().join(format!("voltaic-idx-dims-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let full = idx_bytes(0x08, &[3, 2, 4], &[7; 24]);
-    let cases: [(&str, Vec<u8>, Option<Vec<usize>>); 5] = [
-        ("plain", full.clone(), Some(vec![3, 2, 4])),
+    // (file name, bytes, the dims expected or None for an error)
+    let cases = [
+        ("plain", full.clone(), Some(vec![3usize, 2, 4])),
         ("gz", gzip(&full), Some(vec![3, 2, 4])),
         ("no-data", full[..16].to_vec(), Some(vec![3, 2, 4])),
         ("cut-header", full[..9].to_vec(), None),
