@@ -698,8 +698,8 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<()> {
     // that cannot be read is reported by the loading below.
     let ahead = fashion_mnist_dims(&dir).ok().and_then(|[(n_train, item), (n_test, _)]| {
         let n_train = args.limit.map_or(n_train, |l| l.min(n_train));
-        // What `DeviceDataset::bytes` gives for the loaded splits.
-        let resident = Split::keep_on_device(&args.data_on_device, device, 4 * (n_train + n_test) as u64 * (1 + item.iter().product::<usize>()) as u64);
+        let k: usize = item.iter().product();
+        let resident = Split::keep_on_device(&args.data_on_device, device, DeviceDataset::bytes_for(n_train, k) + DeviceDataset::bytes_for(n_test, k));
         let shape = |len: usize| SplitShape { len, item_dims: item.clone(), resident };
         compile_ahead(&args, device, shape(n_train), shape(n_test))
     });

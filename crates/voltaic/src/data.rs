@@ -274,6 +274,13 @@ impl DeviceDataset {
         4 * (data.pixels.len() + data.labels.len()) as u64
     }
 
+    /// Bytes a dataset of `len` examples of `item_numel` elements each
+    /// would take on its device (f32 examples, i32 labels): what
+    /// [`bytes`](Self::bytes) gives once it is loaded.
+    pub fn bytes_for(len: usize, item_numel: usize) -> u64 {
+        4 * (len * item_numel + len) as u64
+    }
+
     /// Number of examples.
     pub fn len(&self) -> usize {
         self.y.dims()[0]

@@ -104,24 +104,18 @@ thread_local! {
 /// # Ok::<(), voltaic::Error>(())
 /// ```
 pub fn dry_run<R>(f: impl FnOnce() -> R) -> R {
-    /// Closes the outermost dry run however `f` ends.
-    struct Close(bool);
+    if is_dry() {
+        return f(); // nested: part of the outer dry run
+    }
+    /// Closes the dry run however `f` ends.
+    struct Close;
     impl Drop for Close {
         fn drop(&mut self) {
-            if self.0 {
-                DRY.with(|d| d.borrow_mut().take());
-            }
+            DRY.with(|d| d.borrow_mut().take());
         }
     }
-    let outermost = DRY.with(|d| {
-        let mut d = d.borrow_mut();
-        let open = d.is_none();
-        if open {
-            *d = Some(Dry { first: crate::graph::next_node_id(), realized: HashSet::new() });
-        }
-        open
-    });
-    let _close = Close(outermost);
+    DRY.with(|d| *d.borrow_mut() = Some(Dry { first: crate::graph::next_node_id(), realized: HashSet::new() }));
+    let _close = Close;
     crate::rng::with_own_generator(f)
 }
 

@@ -125,34 +125,26 @@ thread_local! {
 /// step ahead on another thread must not move the run's random stream (its
 /// initialisation, dropout). Nested calls share the outermost's.
 pub(crate) fn with_own_generator<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
+    if OWN.with(|g| g.borrow().is_some()) {
+        return f();
+    }
+    struct Restore;
     impl Drop for Restore {
         fn drop(&mut self) {
-            if self.0 {
-                OWN.with(|g| g.borrow_mut().take());
-            }
+            OWN.with(|g| g.borrow_mut().take());
         }
     }
-    let outermost = OWN.with(|g| {
-        let mut g = g.borrow_mut();
-        let none = g.is_none();
-        if none {
-            *g = Some(Generator::new(DEFAULT_SEED));
-        }
-        none
-    });
-    let _restore = Restore(outermost);
+    OWN.with(|g| *g.borrow_mut() = Some(Generator::new(DEFAULT_SEED)));
+    let _restore = Restore;
     f()
 }
 
 /// Run `f` with the default generator (or the thread's own, see
 /// [`with_own_generator`]).
 pub(crate) fn with_default<T>(f: impl FnOnce(&mut Generator) -> T) -> T {
-    let mut f = Some(f);
-    if let Some(r) = OWN.with(|g| g.borrow_mut().as_mut().map(|g| f.take().expect("called once")(g))) {
-        return r;
+    if OWN.with(|g| g.borrow().is_some()) {
+        return OWN.with(|g| f(g.borrow_mut().as_mut().expect("checked just above")));
     }
-    let f = f.expect("not called above");
     let mut g = DEFAULT.lock().unwrap_or_else(|e| e.into_inner());
     f(g.get_or_insert_with(|| Generator::new(DEFAULT_SEED)))
 }
