@@ -91,6 +91,10 @@ if [[ "$what" == *rounds* ]]; then
     fi
     VOLTAIC_PROFILE=pass .bin/voltaic generate "$prompt" --device gpu -n 128 > "$OUT/pass_new.txt" 2>&1
     echo "new: $(grep -E 'one pass of' "$OUT/pass_new.txt" | tail -100 | awk '{s += $1; n++} END {printf "%.1f us per realization over %d", s / n, n}')" | tee -a "$OUT/rounds.txt"
+    for e in ${ROUND_ENVS:-}; do
+        env "$e" VOLTAIC_PROFILE=pass .bin/voltaic generate "$prompt" --device gpu -n 128 > "$OUT/pass_$e.txt" 2>&1
+        echo "$e: $(grep -E 'one pass of' "$OUT/pass_$e.txt" | tail -100 | awk '{s += $1; n++} END {printf "%.1f us per realization over %d", s / n, n}')" | tee -a "$OUT/rounds.txt"
+    done
     VOLTAIC_PROFILE=1 .bin/voltaic generate "$prompt" --device gpu -n 70 > "$OUT/prof_new.txt" 2>&1
 fi
 if [[ "$what" == *wide* ]]; then

@@ -114,6 +114,27 @@ fn one_kernel_attention_matches_f64_loops_and_the_cpu() {
     }
 }
 
+/// Scores spread far past exp's range (queries and keys scaled by 30): a
+/// kernel whose running maximum missed any key of a chunk (the maximum is
+/// only a stabilizer, invisible at ordinary scores) overflows to inf/NaN.
+/// Shapes with the decode step's few rows (their keys split over
+/// workgroups) and with many rows, keys past one chunk.
+#[test]
+fn scores_past_exps_range_take_every_keys_maximum() {
+    let mut rng = Rng::new(21);
+    for &shape in &[(1, 9, 257, 64, 64), (2, 40, 300, 16, 8), (3, 3, 256, 64, 64)] {
+        let mut c = Case::new(&mut rng, shape, false);
+        for x in c.q.iter_mut().chain(c.k.iter_mut()) {
+            *x *= 30.0;
+        }
+        let want = c.reference(1.0 / (shape.3 as f64).sqrt());
+        for dev in [Device::Cpu, gpu()] {
+            let got = c.run(dev, DType::F32, None, false).to_f64_vec().unwrap();
+            close(&got, &want, 1e-4, &format!("{dev} {shape:?}, scores beyond exp's range"));
+        }
+    }
+}
+
 /// Leading dims and a mask broadcast over them (`[1, 1, M, N]` against
 /// `[2, 3, M, N]` scores), as grouped-query attention uses it; and none.
 #[test]

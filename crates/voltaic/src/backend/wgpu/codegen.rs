@@ -206,11 +206,13 @@ pub(crate) struct Shader<'c> {
     enables: Vec<&'static str>,
     /// The arrays bound so far, by name.
     arrays: Vec<String>,
+    /// F32s of the folds' workgroup array `sv` (0: none), declared by `finish`.
+    scratch: u32,
 }
 
 impl<'c> Shader<'c> {
     pub(crate) fn new(caps: &'c Caps) -> Shader<'c> {
-        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0, consts: false, const_base: 0, enables: vec![], arrays: vec![] }
+        Shader { caps, decls: String::new(), binds: vec![], f16: false, tmp: 0, consts: false, const_base: 0, enables: vec![], arrays: vec![], scratch: 0 }
     }
 
     /// Where the constants of the expressions emitted next start among the
@@ -358,6 +360,19 @@ fn bad_index(op: u32, index: i32, size: u32) {{
         }
     }
 
+    /// The subgroup size folds may shuffle across ([`Caps::subgroup`]).
+    /// (Naga takes subgroup built-ins where the device has the feature,
+    /// and does not yet parse WGSL's `enable subgroups;`.)
+    pub(crate) fn subgroup(&self) -> Option<u32> {
+        self.caps.subgroup
+    }
+
+    /// Declare `sv`, the workgroup array of at least `n` f32s that folds
+    /// combine through (one array: the kernel's folds take turns with it).
+    pub(crate) fn fold_scratch(&mut self, n: u32) {
+        self.scratch = self.scratch.max(n);
+    }
+
     /// Extra module-scope declarations (workgroup arrays, helper functions).
     pub(crate) fn decl(&mut self, s: &str) {
         self.decls.push_str(s);
@@ -375,6 +390,9 @@ fn bad_index(op: u32, index: i32, size: u32) {{
             src.push_str(&format!("enable {e};\n"));
         }
         src.push_str(&self.decls);
+        if self.scratch > 0 {
+            src.push_str(&format!("var<workgroup> sv: array<f32, {}>;\n", self.scratch));
+        }
         let main = format!(
             "@compute @workgroup_size({wg})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{

@@ -37,6 +37,19 @@ pub(crate) struct Caps {
     /// `VOLTAIC_KERNELS=hardware` gives a software adapter the kernels of a
     /// hardware one (so the tests check those here too).
     pub software: bool,
+    /// Threads per subgroup, where the device has subgroup operations and
+    /// every subgroup of the adapter has the same size (a power of two):
+    /// reductions then combine a subgroup's values by shuffles, without
+    /// workgroup memory or barriers (`Reduction::segment_fold`). `None`
+    /// elsewhere, and with `VOLTAIC_SUBGROUPS=0` (to measure them).
+    pub subgroup: Option<u32>,
+}
+
+/// The subgroup size folds may rely on (see [`Caps::subgroup`]).
+pub(crate) fn fold_subgroup(info: &wgpu::AdapterInfo, features: wgpu::Features) -> Option<u32> {
+    let on = std::env::var("VOLTAIC_SUBGROUPS").map_or(true, |v| v != "0");
+    let size = info.subgroup_min_size;
+    (on && features.contains(wgpu::Features::SUBGROUP) && size == info.subgroup_max_size && size.is_power_of_two() && (4..=128).contains(&size)).then_some(size)
 }
 
 /// Whether `VOLTAIC_KERNELS=hardware` asks for hardware kernels on a software adapter.
@@ -322,6 +335,7 @@ impl GpuContext {
             max_invocations: limits.max_compute_invocations_per_workgroup,
             coop_f16: coop && features.contains(wgpu::Features::SHADER_F16),
             software: info.device_type == wgpu::DeviceType::Cpu && !hardware_kernels(),
+            subgroup: fold_subgroup(&info, features),
         };
         let pipeline_cache_file = wgpu::util::pipeline_cache_key(&info)
             .and_then(|k| Some(crate::files::cache_dir()?.join(format!("{k}-{}.bin", super::autotune::device_tag(&info)))));

@@ -229,6 +229,12 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
                 ("f16", format!("2 bytes, {}; {}", if f16 { "native (SHADER_F16)" } else { "packed in 32-bit words" }, products("f16"))),
                 ("bf16", format!("2 bytes, packed in 32-bit words, computed in f32; {}", products("bf16"))),
             ];
+            if f.contains(wgpu::Features::SUBGROUP) {
+                notes.push(match context::fold_subgroup(&i, f) {
+                    Some(n) => format!("subgroups of {n} lanes: reductions combine within them by shuffles"),
+                    None => format!("subgroups of {}-{} lanes: reductions combine through workgroup memory", i.subgroup_min_size, i.subgroup_max_size),
+                });
+            }
             if i.backend == wgpu::Backend::Gl {
                 notes.push("autotune off: GL serialises the device on one context lock".to_string());
             } else if i.backend == wgpu::Backend::BrowserWebGpu {

@@ -290,6 +290,32 @@ impl Gen<'_> {
             for i in 0..m {
                 let _ = writeln!(s, "    {{ let o = {}u + j; st_out(o, epi(o, acc{i})); }}", i * n);
             }
+        } else if let Some(sg) = sh.subgroup().map(|s| s as usize) {
+            // A row's threads add their sums by shuffles within a subgroup;
+            // rows wider than one add their subgroups' sums after one barrier.
+            let mut mask = threads.min(sg) / 2;
+            while mask > 0 {
+                for i in 0..m {
+                    let _ = writeln!(s, "    acc{i} = acc{i} + subgroupShuffleXor(acc{i}, {mask}u);");
+                }
+                mask /= 2;
+            }
+            let per = WG as usize / sg;
+            if threads > sg {
+                sh.decl(&format!("var<workgroup> part: array<f32, {}>;", per * m.max(1)));
+                for i in 0..m {
+                    let _ = writeln!(s, "    if (lid % {sg}u == 0u) {{ part[{}u + lid / {sg}u] = acc{i}; }}", i * per);
+                }
+                let _ = writeln!(s, "    workgroupBarrier();");
+            }
+            let _ = writeln!(s, "    if (t == 0u && j < {n}u) {{");
+            for i in 0..m {
+                if threads > sg {
+                    let _ = writeln!(s, "        for (var g = 1u; g < {}u; g = g + 1u) {{ acc{i} = acc{i} + part[{}u + lid / {sg}u + g]; }}", threads / sg, i * per);
+                }
+                let _ = writeln!(s, "        {{ let o = {}u + j; st_out(o, epi(o, acc{i})); }}", i * n);
+            }
+            let _ = writeln!(s, "    }}");
         } else {
             sh.decl(&format!("var<workgroup> part: array<f32, {}>;", WG as usize * m.max(1)));
             for i in 0..m {
@@ -425,9 +451,6 @@ pub(crate) fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result
 /// was no faster: lavapipe decoded SmolLM2 at 1.10 tokens/s either way,
 /// 1.6-1.7 without prologues, which is why they are off there by default.)
 fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: usize) {
-    if p.stages.iter().any(|st| st.op.is_some()) {
-        sh.decl(&format!("var<workgroup> sv: array<f32, {WG}>;"));
-    }
     for i in 0..m {
         for (s, st) in p.stages.iter().enumerate() {
             let Some(op) = st.op else {
@@ -438,7 +461,7 @@ fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: u
             let _ = writeln!(b, "    var st{s}_{i}: {};\n    {{\n    var pacc: f32 = {};", compute_ty(st.dtype), r.identity());
             let each = r.fold("pacc", "0u", &format!("pro_s{s}({i}u * {k}u + j{})", stage_args(s, i)), "0u");
             let _ = writeln!(b, "    for (var j = lid; j < {k}u; j = j + {WG}u) {{\n        {each}\n    }}");
-            let _ = writeln!(b, "{}", r.workgroup_fold("pacc", WG));
+            let _ = writeln!(b, "{}", r.workgroup_fold(sh, "pacc", WG));
             let _ = writeln!(b, "    st{s}_{i} = {};\n    }}", r.finish("pacc", "0u"));
         }
     }

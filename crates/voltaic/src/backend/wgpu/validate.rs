@@ -28,6 +28,7 @@ fn lavapipe() -> Caps {
         max_invocations: 1024,
         coop_f16: false,
         software: true,
+        subgroup: Some(8),
     }
 }
 
@@ -44,6 +45,7 @@ fn h100() -> Caps {
         max_invocations: 1024,
         coop_f16: true,
         software: false,
+        subgroup: Some(32),
     }
 }
 
@@ -57,6 +59,9 @@ fn validate(label: &str, source: &str, caps: &Caps) {
     }
     if caps.coop_f16 {
         allowed |= C::COOPERATIVE_MATRIX;
+    }
+    if caps.subgroup.is_some() {
+        allowed |= C::SUBGROUP;
     }
     Validator::new(ValidationFlags::all(), allowed)
         .validate(&module)
@@ -228,7 +233,9 @@ fn every_kernel_family_generates_valid_wgsl() {
     let mut modules = 0;
     // f16 on an adapter without SHADER_F16 is held in 32-bit words: its
     // kernels must not need the f16 capability.
-    for (caps, dtypes) in [(lavapipe(), vec![DType::F32, DType::F16, DType::BF16]), (h100(), vec![DType::F32, DType::F16, DType::BF16])] {
+    // Folds with and without subgroup shuffles (8 and 32 lanes; none).
+    let all = || vec![DType::F32, DType::F16, DType::BF16];
+    for (caps, dtypes) in [(lavapipe(), all()), (h100(), all()), (Caps { subgroup: None, ..h100() }, all())] {
         for dt in dtypes {
             for t in graphs(dt) {
                 modules += check(&t, &caps, &mut seen);

@@ -3,13 +3,14 @@
 //! range is flagged in the device's index-error buffer and reported by the
 //! next read.
 
+use super::reduce::Reduction;
 use super::{groups, Gen, WG};
 use crate::backend::wgpu::codegen::{cast, compute_ty, literal, round_to, strided, unravel, Dispatch, Src, WgslProgram};
 use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::ir::{Prologue, Strided as View};
 use crate::layout::Layout;
-use crate::primitive::{IndexOp, UnfoldParams};
+use crate::primitive::{IndexOp, ReduceOp, UnfoldParams};
 use std::fmt::Write;
 
 impl Gen<'_> {
@@ -165,11 +166,15 @@ impl Gen<'_> {
             let _ = writeln!(b, "{};", terms.join(" + "));
         }
         let _ = writeln!(b, "        s = dot * {} + ld_in{mi}({});\n    }}", literal(scale, DType::F32), at(&mask.layout, ["mi", "p"]));
-        let _ = writeln!(b, "    red[lid] = s;\n    workgroupBarrier();");
-        if threads == LANES {
+        // The chunk's maximum score, in every thread: one group's threads
+        // without subgroups read the scores in turn (a software adapter,
+        // where each barrier costs a switch of every thread).
+        if threads == LANES && sh.subgroup().is_none() {
+            let _ = writeln!(b, "    red[lid] = s;\n    workgroupBarrier();");
             let _ = writeln!(b, "    var cm = ninf;\n    for (var j = 0u; j < {threads}u; j = j + 1u) {{ cm = max(cm, red[j]); }}");
         } else {
-            let _ = writeln!(b, "    for (var h = {}u; h > 0u; h = h / 2u) {{\n        if (lid < h) {{ red[lid] = max(red[lid], red[lid + h]); }}\n        workgroupBarrier();\n    }}\n    let cm = red[0];", threads / 2);
+            let max = Reduction { op: ReduceOp::Max, adt: DType::F32, vdt: DType::F32, out: DType::F32 };
+            let _ = writeln!(b, "    var cm = s;\n{}", max.workgroup_fold(&mut sh, "cm", threads as u32));
         }
         // While every score so far is -inf nothing is accumulated (weights 0, scale 1).
         let _ = writeln!(b, "    let nm = max(mx, cm);\n    let w = select(0.0, exp(s - nm), p < {k1} && nm > ninf);\n    let alpha = select(exp(mx - nm), 1.0, mx == nm);\n    wts[lid] = w;\n    workgroupBarrier();");

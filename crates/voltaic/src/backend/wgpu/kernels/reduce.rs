@@ -123,7 +123,7 @@ impl Gen<'_> {
         let mut b = format!("    if (group >= {total}u) {{ return; }}\n    let o = group / {splits}u;\n    let s = group % {splits}u;\n");
         let _ = writeln!(b, "    let j0 = s * {chunk}u;\n    let j1 = min(j0 + {chunk}u, {inner}u);");
         fold_range(&mut b, &mut sh, r, expr, shape, inner, "j0 + lid", WG as usize)?;
-        tree_fold(&mut b, r);
+        tree_fold(&mut b, &sh, r);
         if splits == 1 {
             let _ = writeln!(b, "    if (lid == 0u) {{ st_out(o, {}); }}", r.finish("sv[0]", "si[0]"));
         } else {
@@ -150,7 +150,7 @@ impl Gen<'_> {
             let _ = writeln!(b, "    var acc: {at} = {};\n    var ai: u32 = 0xffffffffu;", r.identity());
             let fold = r.fold("acc", "ai", &format!("ld_pv(o * {splits}u + s)"), &format!("ld_pi(o * {splits}u + s)"));
             let _ = writeln!(b, "    for (var s = lid; s < {splits}u; s = s + {WG}u) {{\n        {fold}\n    }}");
-            tree_fold(&mut b, r);
+            tree_fold(&mut b, &sh, r);
             let _ = writeln!(b, "    if (lid == 0u) {{ st_out(o, {}); }}", r.finish("sv[0]", "si[0]"));
             return sh.finish(format!("reduce_partials {} of {splits}", r.op.name()), WG, outer as u64, &b);
         }
@@ -169,10 +169,28 @@ impl Gen<'_> {
     }
 }
 
-/// Fold each thread's `acc`/`ai` into `sv[0]`/`si[0]` through workgroup
-/// memory, a tree of halving strides (partials combine by index, so ties
-/// still go to the lowest).
-fn tree_fold(b: &mut String, r: &Reduction) {
+/// Fold each thread's `acc`/`ai` into `sv[0]`/`si[0]` as thread 0 sees
+/// them (partials combine by index, so ties still go to the lowest). With
+/// subgroups, a butterfly of shuffles within each subgroup, then thread 0
+/// adds the subgroups' results after one barrier; without, a tree of
+/// halving strides through workgroup memory.
+fn tree_fold(b: &mut String, sh: &Shader, r: &Reduction) {
+    if let Some(sg) = sh.subgroup() {
+        let mut m = sg / 2;
+        while m > 0 {
+            let yi = if r.op.is_arg() { format!("subgroupShuffleXor(ai, {m}u)") } else { "0u".to_string() };
+            let _ = writeln!(b, "    {{ let y = subgroupShuffleXor(acc, {m}u); let yi = {yi}; {} }}", r.fold("acc", "ai", "y", "yi"));
+            m /= 2;
+        }
+        let _ = writeln!(b, "    if (lid % {sg}u == 0u) {{ sv[lid / {sg}u] = acc; si[lid / {sg}u] = ai; }}\n    workgroupBarrier();");
+        let _ = writeln!(
+            b,
+            "    if (lid == 0u) {{\n        for (var g = 1u; g < {}u; g = g + 1u) {{ {} }}\n        sv[0] = acc;\n        si[0] = ai;\n    }}",
+            WG / sg,
+            r.fold("acc", "ai", "sv[g]", "si[g]")
+        );
+        return;
+    }
     let _ = writeln!(b, "    sv[lid] = acc;\n    si[lid] = ai;\n    workgroupBarrier();");
     let _ = writeln!(
         b,
@@ -276,28 +294,54 @@ impl Reduction {
     }
 
     /// Statements that combine each of `wg` threads' accumulator `a` (not
-    /// an arg reduction) through the workgroup array `sv` (at least `wg`
-    /// f32s) in a tree, leaving the total in every thread's `a`. Every
-    /// thread of the workgroup must reach them (they hold barriers).
-    pub(crate) fn workgroup_fold(&self, a: &str, wg: u32) -> String {
-        self.tree_fold(a, wg, "lid", "0")
+    /// an arg reduction), leaving the total in every thread's `a`. Every
+    /// thread of the workgroup must reach them (they may hold barriers).
+    pub(crate) fn workgroup_fold(&self, sh: &mut Shader, a: &str, wg: u32) -> String {
+        self.tree_fold(sh, a, wg, "lid", "0u")
     }
 
     /// [`Self::workgroup_fold`] within segments of `width` threads (a power
     /// of two dividing the workgroup; `lane` is the thread's place in its
     /// segment): every thread of a segment ends with the segment's value.
-    pub(crate) fn segment_fold(&self, a: &str, width: u32) -> String {
-        self.tree_fold(a, width, "lane", "lid - lane")
+    pub(crate) fn segment_fold(&self, sh: &mut Shader, a: &str, width: u32) -> String {
+        self.tree_fold(sh, a, width, "lane", "lid - lane")
     }
 
-    /// The tree of both folds over `width` threads: `lane` is a thread's
-    /// place among them, `first` the `sv` slot of the first of them.
-    fn tree_fold(&self, a: &str, width: u32, lane: &str, first: &str) -> String {
-        format!(
-            "    sv[lid] = {a};\n    workgroupBarrier();\n    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if ({lane} < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    {a} = sv[{first}];\n    workgroupBarrier();",
-            width / 2,
-            self.fold("x", "0u", "sv[lid + w]", "0u")
-        )
+    /// The fold of both over `width` threads: `lane` is a thread's place
+    /// among them, `first` the index of the first of them. With subgroups,
+    /// each subgroup's lanes first exchange values by shuffles (a butterfly,
+    /// which pairs lanes as the tree below does, so a fold of at most a
+    /// subgroup gives the same bits); a segment wider than a subgroup then
+    /// adds its subgroups' totals from `sv`: one barrier where the tree
+    /// takes one per halving. Without, a tree of halving strides in `sv`.
+    fn tree_fold(&self, sh: &mut Shader, a: &str, width: u32, lane: &str, first: &str) -> String {
+        sh.fold_scratch(width.max(super::WG));
+        let Some(sg) = sh.subgroup() else {
+            return format!(
+                "    sv[lid] = {a};\n    workgroupBarrier();\n    for (var w = {}u; w > 0u; w = w >> 1u) {{\n        if ({lane} < w) {{\n            var x = sv[lid];\n            {}\n            sv[lid] = x;\n        }}\n        workgroupBarrier();\n    }}\n    {a} = sv[{first}];\n    workgroupBarrier();",
+                width / 2,
+                self.fold("x", "0u", "sv[lid + w]", "0u")
+            );
+        };
+        let mut b = format!("    {{\n    var x = {a};\n");
+        let mut m = width.min(sg) / 2;
+        while m > 0 {
+            let _ = writeln!(b, "    {{ let y = subgroupShuffleXor(x, {m}u); {} }}", self.fold("x", "0u", "y", "0u"));
+            m /= 2;
+        }
+        if width <= sg {
+            let _ = write!(b, "    {a} = x;\n    }}");
+            return b;
+        }
+        // The first lane of each subgroup holds its total for the segment.
+        let _ = writeln!(b, "    if (lid % {sg}u == 0u) {{ sv[lid / {sg}u] = x; }}\n    }}\n    workgroupBarrier();");
+        let _ = write!(
+            b,
+            "    {{\n    let g0 = ({first}) / {sg}u;\n    var x = sv[g0];\n    for (var g = 1u; g < {}u; g = g + 1u) {{ let y = sv[g0 + g]; {} }}\n    {a} = x;\n    }}\n    workgroupBarrier();",
+            width / sg,
+            self.fold("x", "0u", "y", "0u")
+        );
+        b
     }
 
     /// The output value from the final accumulator.

@@ -53,9 +53,6 @@ impl Gen<'_> {
             // `row` is uniform across the workgroup, so the barriers below are too.
             let _ = writeln!(b, "    let row = group;\n    if (row >= {outer}u) {{ return; }}");
         }
-        if !threaded {
-            sh.decl(&format!("var<workgroup> sv: array<f32, {wg}>;"));
-        }
         // A row's threads start at their place in it and step by their count.
         let (j0, step) = (if threaded { "0u" } else if segmented { "lane" } else { "lid" }, seg);
         // `unroll` elements per thread and trip: that many loads in flight.
@@ -101,9 +98,9 @@ impl Gen<'_> {
                 let _ = writeln!(b, "    {}", fold("acc", &format!("acc{u}")));
             }
             if segmented {
-                let _ = writeln!(b, "{}", r.segment_fold("acc", seg));
+                let _ = writeln!(b, "{}", r.segment_fold(&mut sh, "acc", seg));
             } else if !threaded {
-                let _ = writeln!(b, "{}", r.workgroup_fold("acc", wg));
+                let _ = writeln!(b, "{}", r.workgroup_fold(&mut sh, "acc", wg));
             }
             let _ = writeln!(b, "    st{s} = {};\n    }}", r.finish("acc", "0u"));
         }
