@@ -73,7 +73,7 @@ if [[ "$what" == *rounds* ]]; then
     # The decode row, the session-start binary against this one (and this
     # one with VOLTAIC_GEMV variants, ROUND_VARIANTS, and with other
     # settings, ROUND_ENVS="VAR=value ..."), alternated.
-    for round in 1 2; do
+    for round in $(seq ${ROUNDS:-2}); do
         for bin in ${ROUND_BINS:-.bin/voltaic-before .bin/voltaic-prev .bin/voltaic}; do
             [ -x $bin ] && $bin bench --suite llm --device gpu --filter decode --no-peer 2>&1 | grep -E "^llm_decode" | sed "s/^/${bin#.bin\/} /" | tee -a "$OUT/rounds.txt"
         done

@@ -375,6 +375,26 @@ pub(crate) fn executor(device: Device) -> Result<Arc<dyn Executor>> {
 
 thread_local! {
     static READ_FOLLOWS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static ONE_SUBMISSION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Run `f`, a whole step of work that ends in a read of its result (a
+/// decode step and the read of its token), telling executors to submit it
+/// as one: a GPU keeps every realization of `f` in its pending batch,
+/// however many dispatches it holds, and the read submits them with its
+/// copy. Each submission costs the device a drain at its end; a loop that
+/// runs one step ahead of its reads keeps the device busy meanwhile. Work
+/// that would hold back too much freed memory is still submitted early.
+pub(crate) fn one_submission<R>(f: impl FnOnce() -> R) -> R {
+    let was = ONE_SUBMISSION.with(|c| c.replace(true));
+    let out = f();
+    ONE_SUBMISSION.with(|c| c.set(was));
+    out
+}
+
+/// Whether this thread's work is to be submitted as one (see [`one_submission`]).
+pub(crate) fn is_one_submission() -> bool {
+    ONE_SUBMISSION.with(|c| c.get())
 }
 
 /// Run `f` (a realization) telling executors that this thread reads a

@@ -173,13 +173,20 @@ pub fn generate(model: &Llama, prompt: &[u32], max_tokens: usize, sampling: &Sam
             if !greedy {
                 tok = Tensor::from_vec(vec![last as i32], &[1], dev)?;
             }
-            let (head, next_pos) = run_step(&mut step, &tok, &pos, &mut cache)?;
-            pos = next_pos;
+            // The step and the read of its result go to the device as one
+            // submission (see `backend::one_submission`).
+            let (head, read) = crate::backend::one_submission(|| -> Result<_> {
+                let (head, next_pos) = run_step(&mut step, &tok, &pos, &mut cache)?;
+                pos = next_pos;
+                let read = head.read_start()?;
+                Ok((head, read))
+            })?;
             if greedy {
                 tok = head;
-                reads.push_back(tok.read_start()?);
+                reads.push_back(read);
             } else {
-                last = sampling.choose(&mut head.to_vec::<f32>()?, &history, &mut rng);
+                let mut logits: Vec<f32> = read.wait()?.into_vec().expect("f32 logits");
+                last = sampling.choose(&mut logits, &history, &mut rng);
                 go_on = emit(&mut out, &mut history, last, stop, &mut on_token);
                 continue;
             }

@@ -169,6 +169,21 @@ struct Handed {
     sent: u64,
     done: u64,
     error: Option<Error>,
+    /// The newest batches the submitter finished with: their submission's
+    /// index, or `None` where it failed (for reads of them; see [`Ticket`]).
+    submitted: std::collections::VecDeque<(u64, Option<wgpu::SubmissionIndex>)>,
+    /// The newest batch it finished with.
+    last: u64,
+}
+
+/// Batches whose submissions [`Handed::submitted`] remembers.
+const REMEMBERED_SUBMISSIONS: usize = 64;
+
+/// Where work handed over for submission is: submitted, or in a batch the
+/// submitting thread has yet to submit ([`GpuContext::submission_of`]).
+pub(crate) enum Ticket {
+    Submitted(wgpu::SubmissionIndex),
+    Handed(u64),
 }
 
 /// Freed bytes a batch that waits on a gate may hold back (see
@@ -555,11 +570,14 @@ impl GpuContext {
             }
             return Ok(());
         }
-        let full = p.dispatches >= batch_dispatches() || deferred > MAX_DEFERRED_BYTES;
+        // A step submitted as one waits for its read, however long.
+        let one = crate::backend::is_one_submission();
+        let full = (p.dispatches >= batch_dispatches() && !one) || deferred > MAX_DEFERRED_BYTES;
         // An idle GPU gets the work at once, unless a read follows: its
         // submission carries this work too.
         let idle = self.submissions.load(Ordering::Relaxed) + self.handed_not_submitted() <= self.finished.load(Ordering::Acquire)
-            && !crate::backend::is_read_following();
+            && !crate::backend::is_read_following()
+            && !one;
         if now || full || idle {
             self.hand_off(pending)?;
         }
@@ -579,16 +597,25 @@ impl GpuContext {
         let spawned = std::thread::Builder::new().name(format!("voltaic-submit-gpu{}", self.index)).spawn(move || {
             // Ends when the context, which holds the sender, is dropped.
             while let Ok(p) = queue.recv() {
+                let batch = p.batch;
                 let res = match ctx.upgrade() {
                     Some(ctx) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.submit_batch(Some(p), None, false)))
                         .unwrap_or_else(|_| Err(Error::Backend("internal: submitting a batch of GPU work panicked".into())))
-                        .map(|_| ()),
-                    None => Ok(()),
+                        .map(Some),
+                    None => Ok(None),
                 };
                 let mut h = counts.0.lock().unwrap_or_else(|e| e.into_inner());
                 h.done += 1;
-                if let Err(e) = res {
-                    h.error.get_or_insert(e);
+                h.last = batch;
+                if h.submitted.len() == REMEMBERED_SUBMISSIONS {
+                    h.submitted.pop_front();
+                }
+                match res {
+                    Ok(idx) => h.submitted.push_back((batch, idx)),
+                    Err(e) => {
+                        h.submitted.push_back((batch, None));
+                        h.error.get_or_insert(e);
+                    }
                 }
                 counts.1.notify_all();
             }
@@ -607,9 +634,9 @@ impl GpuContext {
     }
 
     /// Submit the pending batch through the submitter, or here when there is none.
-    fn hand_off(&self, mut pending: std::sync::MutexGuard<'_, Option<Pending>>) -> Result<()> {
+    fn hand_off(&self, mut pending: std::sync::MutexGuard<'_, Option<Pending>>) -> Result<Ticket> {
         let Some(sub) = self.submitter.get() else {
-            return self.submit_locked(&mut pending, None).map(|_| ());
+            return self.submit_locked(&mut pending, None).map(Ticket::Submitted);
         };
         {
             let mut h = sub.handed.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -620,6 +647,7 @@ impl GpuContext {
             h.sent += 1;
         }
         let p = pending.take().expect("encode_pending hands over the batch it filled");
+        let batch = p.batch;
         // Sent under the lock on the batch, so batches reach the submitter in
         // the order they were recorded in, whichever thread hands them over
         // (the next may reuse buffers this one reads). The submitter never
@@ -627,10 +655,53 @@ impl GpuContext {
         if let Err(std::sync::mpsc::SendError(p)) = sub.jobs.send(p) {
             // The thread is gone (it never exits while the context lives): submit here.
             sub.handed.0.lock().unwrap_or_else(|e| e.into_inner()).done += 1;
-            self.submit_batch(Some(p), None, true)?;
+            return self.submit_batch(Some(p), None, true).map(Ticket::Submitted);
         }
         drop(pending);
-        Ok(())
+        Ok(Ticket::Handed(batch))
+    }
+
+    /// Whether batches go to the device through a thread of their own.
+    pub(crate) fn has_submitter(&self) -> bool {
+        self.submitter.get().is_some()
+    }
+
+    /// Record commands with `record` at the end of the pending batch (after
+    /// its compute pass) and hand the batch to the submitting thread: as
+    /// [`GpuContext::submit_recording`], without waiting on this thread for
+    /// wgpu to finish and submit the command buffer.
+    pub(crate) fn hand_off_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<Ticket> {
+        let mut pending = self.lock_ungated();
+        let p = self.pending_or_new(&mut pending);
+        drop(p.pass.take());
+        record(&mut p.encoder);
+        self.hand_off(pending)
+    }
+
+    /// The submission holding a ticket's work, once it is made: waits for
+    /// the submitting thread when `block`, else `Ok(None)` until then.
+    /// `Some(None)`: submitted long ago, its index forgotten (wait for all).
+    pub(crate) fn submission_of(&self, ticket: &Ticket, block: bool) -> Result<Option<Option<wgpu::SubmissionIndex>>> {
+        let batch = match ticket {
+            Ticket::Submitted(idx) => return Ok(Some(Some(idx.clone()))),
+            Ticket::Handed(batch) => *batch,
+        };
+        let Some(sub) = self.submitter.get() else { return Ok(Some(None)) };
+        let (lock, changed) = &*sub.handed;
+        let mut h = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let t = web_time::Instant::now();
+        while h.last < batch && h.done < h.sent {
+            if !block {
+                return Ok(None);
+            }
+            h = changed.wait(h).unwrap_or_else(|e| e.into_inner());
+        }
+        crate::profile::add(crate::profile::Phase::Wait, t.elapsed());
+        match h.submitted.iter().find(|(b, _)| *b == batch) {
+            Some((_, Some(idx))) => Ok(Some(Some(idx.clone()))),
+            Some((_, None)) => Err(h.error.take().unwrap_or_else(|| Error::Backend(format!("gpu:{}: submitting the work a read waits for failed", self.index)))),
+            None => Ok(Some(None)),
+        }
     }
 
     /// Wait until every batch handed to the submitter is submitted; its
@@ -904,6 +975,42 @@ pub(crate) fn short_error(e: &str, source: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use crate::{DType, Device, Tensor};
+    use std::sync::atomic::Ordering;
+
+    /// A step submitted as one: realizations of more dispatches than a
+    /// batch holds and the read of their result go to the device in one
+    /// submission (the submitting thread's), and the read, waited for after
+    /// later work was queued, gives the step's values.
+    #[test]
+    fn a_step_submitted_as_one_is_one_submission_and_reads_its_values() {
+        assert!(!crate::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+        let dev = Device::Gpu(0);
+        let ctx = super::super::context(0).unwrap();
+        assert!(ctx.has_submitter(), "the test is of batches submitted by their own thread");
+        let x = Tensor::randn(&[1000], DType::F32, dev).unwrap();
+        let want: Vec<f64> = x.to_f64_vec().unwrap().iter().map(|v| (0..3 * super::batch_dispatches()).fold(*v, |y, i| (y * 0.5 + i as f64) as f32 as f64)).collect();
+        let before = ctx.submissions.load(Ordering::Relaxed);
+        let read = crate::backend::one_submission(|| {
+            let mut y = x.clone();
+            for i in 0..3 * super::batch_dispatches() {
+                y = y.mul(0.5).unwrap().add(i as f64).unwrap();
+                y.realize().unwrap();
+            }
+            y.read_start().unwrap()
+        });
+        ctx.drain().unwrap();
+        assert_eq!(ctx.submissions.load(Ordering::Relaxed) - before, 1, "the step and its read took more than one submission");
+        // Work queued after the step, before its read is waited for.
+        let later = x.mul(3.0).unwrap();
+        later.realize().unwrap();
+        let got: Vec<f32> = read.wait().unwrap().into_vec().unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((*g as f64 - w).abs() <= 1e-4 * (1.0 + w.abs()), "element {i}: {g}, expected {w}");
+        }
+        assert_eq!(later.to_vec::<f32>().unwrap()[7], x.to_vec::<f32>().unwrap()[7] * 3.0);
+    }
+
     #[test]
     fn a_compile_error_is_one_line_without_the_source() {
         let e = "Validation Error\n\nCaused by:\n  In Device::create_shader_module\n    \nShader '' parsing error: redefinition of `in0_0`\n  ┌─ wgsl:1:42\n  │\n1 │ @group(0) var in0_0\n";

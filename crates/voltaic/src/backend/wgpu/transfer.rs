@@ -109,20 +109,29 @@ pub(crate) fn download_start(
     }
     // The copies go at the end of the pending work (the realization this
     // read waits for, usually): one command buffer, one submission.
-    let idx = ctx.submit_recording(|enc| {
+    let copy = |enc: &mut wgpu::CommandEncoder| {
         if size > 0 {
             enc.copy_buffer_to_buffer(buf.raw(), lo, &staging, 0, size);
         }
         enc.copy_buffer_to_buffer(&ctx.index_error, 0, &staging, size, 16);
-    })?;
-    if let Some(e) = ctx.take_uncaptured() {
-        return Err(e);
-    }
+    };
     let signal = Arc::new(Signal::default());
-    let s2 = signal.clone();
-    // The mapping completes once the copy's submission has finished.
-    staging.map_async(wgpu::MapMode::Read, ..size + 16, move |r| s2.set(r.err().map(|e| format!("reading a buffer back failed: {e}"))));
-    let completion = Box::new(GpuCompletion::new(ctx.clone(), Some(idx), signal));
+    // A step submitted as one (`backend::one_submission`) is handed with its
+    // copy to the submitting thread, which finishes and submits it while
+    // this one goes on; the mapping is asked for once that submission is
+    // made (asked before, it could complete before the copy runs).
+    let completion = if crate::backend::is_one_submission() && ctx.has_submitter() {
+        let ticket = ctx.hand_off_recording(copy)?;
+        Box::new(GpuCompletion::mapped_later(ctx.clone(), signal, Later { ticket, staging: staging.clone(), bytes: size + 16 }))
+    } else {
+        let idx = ctx.submit_recording(copy)?;
+        if let Some(e) = ctx.take_uncaptured() {
+            return Err(e);
+        }
+        // The mapping completes once the copy's submission has finished.
+        map_into(&staging, size + 16, &signal);
+        Box::new(GpuCompletion::new(ctx.clone(), Some(idx), signal))
+    };
     let (ctx, dtype) = (ctx.clone(), buf.dtype);
     let collect = move || {
         // On the web, errors of the work read here arrive this way.
@@ -362,20 +371,60 @@ fn settle(ctx: &GpuContext, signal: &Signal) -> Result<()> {
 pub(crate) struct GpuCompletion {
     ctx: Arc<GpuContext>,
     /// The submission to wait for (`None`: everything submitted).
-    idx: Option<wgpu::SubmissionIndex>,
+    idx: Mutex<Option<wgpu::SubmissionIndex>>,
     signal: Arc<Signal>,
     #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
     waiter: AtomicBool,
+    /// A read whose mapping is yet to be asked for.
+    later: Mutex<Option<Later>>,
+}
+
+/// A staging buffer to map once the batch that copies into it is submitted.
+pub(crate) struct Later {
+    ticket: super::context::Ticket,
+    staging: wgpu::Buffer,
+    bytes: u64,
+}
+
+/// Ask for `staging`'s first `bytes` to be mapped, reporting to `signal`.
+fn map_into(staging: &wgpu::Buffer, bytes: u64, signal: &Arc<Signal>) {
+    let s2 = signal.clone();
+    staging.map_async(wgpu::MapMode::Read, ..bytes, move |r| s2.set(r.err().map(|e| format!("reading a buffer back failed: {e}"))));
 }
 
 impl GpuCompletion {
     pub(crate) fn new(ctx: Arc<GpuContext>, idx: Option<wgpu::SubmissionIndex>, signal: Arc<Signal>) -> GpuCompletion {
-        GpuCompletion { ctx, idx, signal, waiter: AtomicBool::new(false) }
+        GpuCompletion { ctx, idx: Mutex::new(idx), signal, waiter: AtomicBool::new(false), later: Mutex::new(None) }
+    }
+
+    fn mapped_later(ctx: Arc<GpuContext>, signal: Arc<Signal>, later: Later) -> GpuCompletion {
+        GpuCompletion { later: Mutex::new(Some(later)), ..GpuCompletion::new(ctx, None, signal) }
+    }
+
+    /// Ask for a later read's mapping once its batch is submitted (waiting
+    /// for that when `block`); whether it is asked for (or was not needed).
+    /// A failed submission is reported through the signal.
+    fn ask_mapping(&self, block: bool) -> bool {
+        let mut later = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(l) = later.as_ref() else { return true };
+        match self.ctx.submission_of(&l.ticket, block) {
+            Ok(None) => return false,
+            Ok(Some(idx)) => {
+                *self.idx.lock().unwrap_or_else(|e| e.into_inner()) = idx;
+                map_into(&l.staging, l.bytes, &self.signal);
+            }
+            Err(e) => self.signal.set(Some(e.to_string())),
+        }
+        *later = None;
+        true
     }
 }
 
 impl Completion for GpuCompletion {
     fn is_done(&self) -> bool {
+        if !self.ask_mapping(false) {
+            return false;
+        }
         #[cfg(not(target_arch = "wasm32"))]
         if !self.signal.is_set() {
             let _ = self.ctx.device.poll(wgpu::PollType::Poll);
@@ -392,8 +441,10 @@ impl Completion for GpuCompletion {
                     .into(),
             });
         }
+        self.ask_mapping(true);
         if !self.ctx.spin_until(&|_| self.signal.is_set())? {
-            self.ctx.wait(self.idx.clone())?;
+            let idx = self.idx.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            self.ctx.wait(idx)?;
         }
         self.ctx.clear_in_flight();
         settle(&self.ctx, &self.signal)?;
@@ -401,6 +452,7 @@ impl Completion for GpuCompletion {
     }
 
     fn register(&self, waker: &Waker) {
+        self.ask_mapping(true);
         *self.signal.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(waker.clone());
         #[cfg(not(target_arch = "wasm32"))]
         if !self.waiter.swap(true, Ordering::AcqRel) {
