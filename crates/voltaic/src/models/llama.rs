@@ -565,17 +565,23 @@ impl Llama {
         };
         let mut x = self.embed.rows(ids)?;
         for (l, b) in self.blocks.iter().enumerate() {
-            let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
-            let (q, kn, vn) = self.qkv(b, &hn, &cos, &sin)?;
-            let kn = if t > 1 { self.rope(&kn, &cos, &sin)? } else { kn };
-            k[l] = put(&k[l], &kn, t == 1)?;
-            v[l] = put(&v[l], &vn, false)?;
-            let a = attention(&q, &k[l], &v[l], &mask, c)?;
-            x = x.add(&b.wo.forward(&a)?)?;
-            let hn = rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
-            let gu = b.gate_up.forward(&hn)?;
-            let ff = gu[0].silu()?.mul(&gu[1])?;
-            x = x.add(&b.down.forward(&ff)?)?;
+            // The layer's intermediate tensors end with its block: a
+            // realization below must not see them held (it would keep each
+            // one in a buffer of its own instead of fusing it into the
+            // kernel that reads it).
+            {
+                let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
+                let (q, kn, vn) = self.qkv(b, &hn, &cos, &sin)?;
+                let kn = if t > 1 { self.rope(&kn, &cos, &sin)? } else { kn };
+                k[l] = put(&k[l], &kn, t == 1)?;
+                v[l] = put(&v[l], &vn, false)?;
+                let a = attention(&q, &k[l], &v[l], &mask, c)?;
+                x = x.add(&b.wo.forward(&a)?)?;
+                let hn = rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
+                let gu = b.gate_up.forward(&hn)?;
+                let ff = gu[0].silu()?.mul(&gu[1])?;
+                x = x.add(&b.down.forward(&ff)?)?;
+            }
             // Realize every few layers, with the cache entries written so
             // far: a step's graph stays under the pending-depth limit (about
             // 36 levels a layer), where the limit would otherwise split it
