@@ -386,10 +386,7 @@ thread_local! {
 /// runs one step ahead of its reads keeps the device busy meanwhile. Work
 /// that would hold back too much freed memory is still submitted early.
 pub(crate) fn one_submission<R>(f: impl FnOnce() -> R) -> R {
-    let was = ONE_SUBMISSION.with(|c| c.replace(true));
-    let out = f();
-    ONE_SUBMISSION.with(|c| c.set(was));
-    out
+    with_flag(&ONE_SUBMISSION, f)
 }
 
 /// Whether this thread's work is to be submitted as one (see [`one_submission`]).
@@ -401,10 +398,20 @@ pub(crate) fn is_one_submission() -> bool {
 /// result right after: a GPU then leaves the work for the read's submission
 /// instead of submitting it alone (one submission instead of two).
 pub(crate) fn read_follows<R>(f: impl FnOnce() -> R) -> R {
-    let was = READ_FOLLOWS.with(|c| c.replace(true));
-    let out = f();
-    READ_FOLLOWS.with(|c| c.set(was));
-    out
+    with_flag(&READ_FOLLOWS, f)
+}
+
+/// Run `f` with this thread's `flag` set, as it was again afterwards (also
+/// when `f` unwinds).
+fn with_flag<R>(flag: &'static std::thread::LocalKey<std::cell::Cell<bool>>, f: impl FnOnce() -> R) -> R {
+    struct Restore(&'static std::thread::LocalKey<std::cell::Cell<bool>>, bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            self.0.with(|c| c.set(self.1));
+        }
+    }
+    let _restore = Restore(flag, flag.with(|c| c.replace(true)));
+    f()
 }
 
 /// Whether the current realization is followed by a read (see [`read_follows`]).
