@@ -169,11 +169,10 @@ struct Handed {
     sent: u64,
     done: u64,
     error: Option<Error>,
-    /// The newest batches the submitter finished with: their submission's
-    /// index, or `None` where it failed (for reads of them; see [`Ticket`]).
+    /// The newest batches the submitter finished with, oldest first: their
+    /// submission's index, or `None` where it failed (for reads of them;
+    /// see [`Ticket`]).
     submitted: std::collections::VecDeque<(u64, Option<wgpu::SubmissionIndex>)>,
-    /// The newest batch it finished with.
-    last: u64,
 }
 
 /// Batches whose submissions [`Handed::submitted`] remembers.
@@ -606,7 +605,6 @@ impl GpuContext {
                 };
                 let mut h = counts.0.lock().unwrap_or_else(|e| e.into_inner());
                 h.done += 1;
-                h.last = batch;
                 if h.submitted.len() == REMEMBERED_SUBMISSIONS {
                     h.submitted.pop_front();
                 }
@@ -671,36 +669,38 @@ impl GpuContext {
     /// [`GpuContext::submit_recording`], without waiting on this thread for
     /// wgpu to finish and submit the command buffer.
     pub(crate) fn hand_off_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<Ticket> {
-        let mut pending = self.lock_ungated();
-        let p = self.pending_or_new(&mut pending);
-        drop(p.pass.take());
-        record(&mut p.encoder);
-        self.hand_off(pending)
+        self.hand_off(self.pending_recording(record))
     }
 
     /// The submission holding a ticket's work, once it is made: waits for
-    /// the submitting thread when `block`, else `Ok(None)` until then.
-    /// `Some(None)`: submitted long ago, its index forgotten (wait for all).
-    pub(crate) fn submission_of(&self, ticket: &Ticket, block: bool) -> Result<Option<Option<wgpu::SubmissionIndex>>> {
+    /// the submitting thread when `block`, else `Ok(None)` until then. A
+    /// batch submitted so long ago that its index is forgotten gets a later
+    /// submission's, whose end implies its own.
+    pub(crate) fn submission_of(&self, ticket: &Ticket, block: bool) -> Result<Option<wgpu::SubmissionIndex>> {
         let batch = match ticket {
-            Ticket::Submitted(idx) => return Ok(Some(Some(idx.clone()))),
+            Ticket::Submitted(idx) => return Ok(Some(idx.clone())),
             Ticket::Handed(batch) => *batch,
         };
-        let Some(sub) = self.submitter.get() else { return Ok(Some(None)) };
+        let failed = || Error::Backend(format!("gpu:{}: submitting the work a read waits for failed", self.index));
+        let Some(sub) = self.submitter.get() else { return Err(failed()) };
         let (lock, changed) = &*sub.handed;
         let mut h = lock.lock().unwrap_or_else(|e| e.into_inner());
         let t = web_time::Instant::now();
-        while h.last < batch && h.done < h.sent {
+        // Batches are submitted in order: the newest finished tells whether this one is.
+        while h.submitted.back().is_none_or(|&(b, _)| b < batch) && h.done < h.sent {
             if !block {
                 return Ok(None);
             }
             h = changed.wait(h).unwrap_or_else(|e| e.into_inner());
         }
         crate::profile::add(crate::profile::Phase::Wait, t.elapsed());
-        match h.submitted.iter().find(|(b, _)| *b == batch) {
-            Some((_, Some(idx))) => Ok(Some(Some(idx.clone()))),
-            Some((_, None)) => Err(h.error.take().unwrap_or_else(|| Error::Backend(format!("gpu:{}: submitting the work a read waits for failed", self.index)))),
-            None => Ok(Some(None)),
+        let idx = match h.submitted.iter().find(|(b, _)| *b == batch) {
+            Some((_, idx)) => idx.clone(),
+            None => h.submitted.iter().find_map(|(_, idx)| idx.clone()),
+        };
+        match idx {
+            Some(idx) => Ok(Some(idx)),
+            None => Err(h.error.take().unwrap_or_else(failed)),
         }
     }
 
@@ -811,12 +811,19 @@ impl GpuContext {
     /// submit it: a read right after a realization costs one command buffer
     /// and one submission.
     pub(crate) fn submit_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> Result<wgpu::SubmissionIndex> {
+        let mut pending = self.pending_recording(record);
+        self.submit_locked(&mut pending, None)
+    }
+
+    /// The pending batch (locked, begun if there is none) with `record`'s
+    /// commands at its end.
+    fn pending_recording(&self, record: impl FnOnce(&mut wgpu::CommandEncoder)) -> std::sync::MutexGuard<'_, Option<Pending>> {
         let mut pending = self.lock_ungated();
         let p = self.pending_or_new(&mut pending);
         // Copies go after the compute pass, which must end first.
         drop(p.pass.take());
         record(&mut p.encoder);
-        self.submit_locked(&mut pending, None)
+        pending
     }
 
     /// Submit a command buffer, after the pending one (in the same

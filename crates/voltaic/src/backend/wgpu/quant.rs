@@ -293,12 +293,10 @@ impl Gen<'_> {
         } else if let Some(sg) = sh.subgroup().map(|s| s as usize) {
             // A row's threads add their sums by shuffles within a subgroup;
             // rows wider than one add their subgroups' sums after one barrier.
-            let mut mask = threads.min(sg) / 2;
-            while mask > 0 {
+            for mask in super::kernels::butterfly(threads.min(sg) as u32) {
                 for i in 0..m {
                     let _ = writeln!(s, "    acc{i} = acc{i} + subgroupShuffleXor(acc{i}, {mask}u);");
                 }
-                mask /= 2;
             }
             let per = WG as usize / sg;
             if threads > sg {

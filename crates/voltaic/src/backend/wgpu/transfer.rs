@@ -410,7 +410,7 @@ impl GpuCompletion {
         match self.ctx.submission_of(&l.ticket, block) {
             Ok(None) => return false,
             Ok(Some(idx)) => {
-                *self.idx.lock().unwrap_or_else(|e| e.into_inner()) = idx;
+                *self.idx.lock().unwrap_or_else(|e| e.into_inner()) = Some(idx);
                 map_into(&l.staging, l.bytes, &self.signal);
             }
             Err(e) => self.signal.set(Some(e.to_string())),

@@ -8,7 +8,7 @@ mod elementwise;
 mod index;
 pub(crate) use index::UNSIGNED_INDEX;
 mod reduce;
-pub(crate) use reduce::Reduction;
+pub(crate) use reduce::{butterfly, Reduction};
 mod rows;
 pub(crate) use rows::stage_values;
 

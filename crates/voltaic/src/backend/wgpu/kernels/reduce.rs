@@ -169,6 +169,14 @@ impl Gen<'_> {
     }
 }
 
+/// The lane distances of a butterfly over `span` lanes of a subgroup:
+/// `span / 2, span / 4, ..., 1`. Shuffling with each in turn leaves every
+/// lane with the fold of its `span`-lane group, pairing lanes as a tree of
+/// halving strides does.
+pub(crate) fn butterfly(span: u32) -> impl Iterator<Item = u32> {
+    std::iter::successors(Some(span / 2), |m| Some(m / 2)).take_while(|&m| m > 0)
+}
+
 /// Fold each thread's `acc`/`ai` into `sv[0]`/`si[0]` as thread 0 sees
 /// them (partials combine by index, so ties still go to the lowest). With
 /// subgroups, a butterfly of shuffles within each subgroup, then thread 0
@@ -176,11 +184,9 @@ impl Gen<'_> {
 /// halving strides through workgroup memory.
 fn tree_fold(b: &mut String, sh: &Shader, r: &Reduction) {
     if let Some(sg) = sh.subgroup() {
-        let mut m = sg / 2;
-        while m > 0 {
+        for m in butterfly(sg) {
             let yi = if r.op.is_arg() { format!("subgroupShuffleXor(ai, {m}u)") } else { "0u".to_string() };
             let _ = writeln!(b, "    {{ let y = subgroupShuffleXor(acc, {m}u); let yi = {yi}; {} }}", r.fold("acc", "ai", "y", "yi"));
-            m /= 2;
         }
         let _ = writeln!(b, "    if (lid % {sg}u == 0u) {{ sv[lid / {sg}u] = acc; si[lid / {sg}u] = ai; }}\n    workgroupBarrier();");
         let _ = writeln!(
@@ -324,10 +330,8 @@ impl Reduction {
             );
         };
         let mut b = format!("    {{\n    var x = {a};\n");
-        let mut m = width.min(sg) / 2;
-        while m > 0 {
+        for m in butterfly(width.min(sg)) {
             let _ = writeln!(b, "    {{ let y = subgroupShuffleXor(x, {m}u); {} }}", self.fold("x", "0u", "y", "0u"));
-            m /= 2;
         }
         if width <= sg {
             let _ = write!(b, "    {a} = x;\n    }}");
