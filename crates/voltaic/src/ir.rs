@@ -10,7 +10,7 @@
 
 use crate::dtype::DType;
 use crate::layout::Layout;
-use crate::primitive::{IndexOp, MapOp, ReduceOp};
+use crate::primitive::{BinaryOp, IndexOp, MapOp, ReduceOp};
 
 /// Index of a buffer slot in a [`Plan`].
 pub(crate) type Slot = usize;
@@ -109,6 +109,74 @@ pub(crate) struct Epilogue {
 pub(crate) struct Prologue {
     pub stages: Vec<RowStage>,
     pub out: RowStage,
+}
+
+/// A prologue whose reductions read only the kernel's inputs (sums, not
+/// over an earlier stage) and whose operand is one per-row stage value
+/// times the rest, as in an RMS norm (`x * rsqrt(mean(x^2) + eps) * g`):
+/// a product can fold the reductions into its loop over the weights and
+/// multiply each row's sum by the factor at the end, `sum(w * (x * f) * g)
+/// = f * sum(w * x * g)` (rounded differently). The weights' loads then no
+/// longer wait for the reductions and their barriers.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Factored {
+    /// The reduced stages.
+    pub reduced: Vec<usize>,
+    /// The stage whose value multiplies the operand.
+    pub factor: usize,
+}
+
+impl Factored {
+    /// The factored form of the stages `stages` before `out`, if it has one.
+    fn of(stages: &[RowStage], out: &RowStage) -> Option<Factored> {
+        let f32s = stages.iter().chain([out]).all(|st| st.dtype == DType::F32 && st.expr.dtype() == DType::F32);
+        let plain = stages.iter().all(|st| st.op.is_none() || (st.op == Some(ReduceOp::Sum) && st.from.is_empty()));
+        let reduced: Vec<usize> = stages.iter().enumerate().filter(|(_, st)| st.op.is_some()).map(|(s, _)| s).collect();
+        if !f32s || !plain || reduced.is_empty() {
+            return None;
+        }
+        let instrs = &out.expr.instrs;
+        let is_stage = |i: usize| matches!(instrs[i].0, Instr::Load(l) if out.reads_stage(l));
+        let [at] = (0..instrs.len()).filter(|&i| is_stage(i)).collect::<Vec<_>>()[..] else { return None };
+        let uses = |i: usize| instrs.iter().map(|(ins, _)| ins.operands().iter().filter(|&&o| o == i).count()).sum::<usize>();
+        // The path of f32 products from the result down to the stage's
+        // value, each step used by the next alone.
+        let mut path = vec![instrs.len() - 1];
+        while let Some(&i) = path.last() {
+            if i == at {
+                break;
+            }
+            let next = match instrs[i] {
+                (Instr::Map(MapOp::Binary(BinaryOp::Mul), [a, b, _]), DType::F32) => [a, b].into_iter().find(|&o| reaches(instrs, o, at)),
+                _ => None,
+            };
+            path.push(next?);
+        }
+        if path[1..].iter().any(|&i| uses(i) != 1) {
+            return None;
+        }
+        let Instr::Load(l) = instrs[at].0 else { return None };
+        let factor = out.from.iter().find(|&&(load, _)| load == l)?.1;
+        Some(Factored { reduced, factor })
+    }
+
+    /// Arguments for a function of the first `stages` stages: 1 for the
+    /// factor's stage (`one`), 0 for the others (which it does not read).
+    pub fn args(&self, stages: usize, one: Option<usize>) -> String {
+        (0..stages).map(|s| if Some(s) == one { ", 1.0".to_string() } else { ", 0.0".to_string() }).collect()
+    }
+}
+
+/// Whether instruction `from` depends on instruction `to`.
+fn reaches(instrs: &[(Instr, DType)], from: usize, to: usize) -> bool {
+    from == to || instrs[from].0.operands().iter().any(|&o| reaches(instrs, o, to))
+}
+
+impl Prologue {
+    /// The prologue's factored form (see [`Factored`]), if it has one.
+    pub fn factored(&self) -> Option<Factored> {
+        Factored::of(&self.stages, &self.out)
+    }
 }
 
 /// One step of a [`KernelKind::Rows`] kernel, computed for each row.

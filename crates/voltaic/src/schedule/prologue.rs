@@ -190,7 +190,7 @@ pub(crate) fn has_prologue(k: &crate::ir::Kernel) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::has_prologue;
+    use super::{has_prologue, KernelKind};
     use crate::primitive::{BinaryOp, ReduceOp, UnaryOp};
     use crate::quant::GgmlType;
     use crate::schedule::testing::*;
@@ -251,6 +251,45 @@ mod tests {
         let head = qweight(GgmlType::Q8_0, super::MAX_OUTPUTS + 1, 64);
         let y = qmatmul(&rms_norm(&x, &broadcast(&g, &[2, 64])), &head, GgmlType::Q8_0, super::MAX_OUTPUTS + 1);
         assert_eq!(plan(&[&y], 8).len(), 2);
+    }
+
+    /// The prologue of the product in `ks`, if one has one.
+    fn prologue_of(ks: &[crate::ir::Kernel]) -> Option<crate::ir::Prologue> {
+        ks.iter().find_map(|k| match &k.kind {
+            KernelKind::Matmul { prologue, .. } => prologue.clone(),
+            _ => None,
+        })
+    }
+
+    /// An RMS norm's operand is its row's factor times the rest, so a GEMV
+    /// can add up the norm's sum beside its products; a softmax reduces a
+    /// maximum first, and a square of the factor's product is not linear
+    /// in it, so neither factors.
+    #[test]
+    fn an_rms_norm_prologue_factors_and_a_softmax_does_not() {
+        let (x, g) = (input(&[2, 64]), input(&[1, 64]));
+        let w = qweight(GgmlType::Q8_0, 16, 64);
+        let y = qmatmul(&rms_norm(&x, &broadcast(&g, &[2, 64])), &w, GgmlType::Q8_0, 16);
+        let f = prologue_of(&plan(&[&y], 8)).and_then(|p| p.factored()).expect("the RMS norm factors");
+        assert_eq!(f.reduced, [0]);
+        // (The intermediate values are dropped: a value still held is kept.)
+        let y = {
+            let mx = reduce(&x, ReduceOp::Max, &[1]);
+            let e = unary(&binary(&x, &broadcast(&mx, &[2, 64]), BinaryOp::Sub), UnaryOp::Exp);
+            let sum = reduce(&e, ReduceOp::Sum, &[1]);
+            qmatmul(&binary(&e, &broadcast(&sum, &[2, 64]), BinaryOp::Div), &w, GgmlType::Q8_0, 16)
+        };
+        let p = prologue_of(&plan(&[&y], 8)).expect("the softmax runs in the GEMV's loads");
+        assert_eq!(p.factored(), None);
+        // (x * r)^2, r per row: a product of the factor's product with
+        // itself, not linear in it.
+        let y = {
+            let ms = reduce(&binary(&x, &x, BinaryOp::Mul), ReduceOp::Sum, &[1]);
+            let xr = binary(&x, &broadcast(&unary(&ms, UnaryOp::Rsqrt), &[2, 64]), BinaryOp::Mul);
+            qmatmul(&binary(&xr, &xr, BinaryOp::Mul), &w, GgmlType::Q8_0, 16)
+        };
+        let p = prologue_of(&plan(&[&y], 8)).expect("the sum runs in the GEMV's loads");
+        assert_eq!(p.factored(), None);
     }
 
     #[test]

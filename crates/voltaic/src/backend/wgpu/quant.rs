@@ -40,6 +40,10 @@ struct GemvShape {
     /// H100, off: Vulkan lets a driver flush f16 subnormals there, and
     /// these kernels multiply exactly what the dequantizer gives).
     unpack: bool,
+    /// Threads a workgroup (`VOLTAIC_GEMV_WG`: 64 to 1024, a power of two
+    /// of at least `threads`). On the H200 (SmolLM2 decode, 2026-11-28):
+    /// 256 and 512 alike (490 and 492 us a pass), 1,024 slower (585 us).
+    wg: u32,
 }
 
 /// Outputs above which a GEMV is "wide" (a language model's output head):
@@ -62,7 +66,7 @@ fn gemv_shape(n: usize) -> GemvShape {
             }
             parts
         }
-        let mut g = GemvShape { threads: 64, unroll: 1, words: true, unpack: false };
+        let mut g = GemvShape { threads: 64, unroll: 1, words: true, unpack: false, wg: WG };
         if let Ok(v) = std::env::var("VOLTAIC_GEMV") {
             let parts = parse(&mut g, &v);
             g.words = !parts.contains(&"bytes");
@@ -77,6 +81,13 @@ fn gemv_shape(n: usize) -> GemvShape {
         let mut w = GemvShape { threads: 8, unroll: 1, ..g };
         if let Ok(v) = std::env::var("VOLTAIC_GEMV_WIDE") {
             parse(&mut w, &v);
+        }
+        if let Some(n) = std::env::var("VOLTAIC_GEMV_WG").ok().and_then(|v| v.parse::<u32>().ok()) {
+            for s in [&mut g, &mut w] {
+                if (64..=1024).contains(&n) && n.is_power_of_two() && n as usize >= s.threads {
+                    s.wg = n;
+                }
+            }
         }
         (g, w)
     });
@@ -213,7 +224,12 @@ impl Gen<'_> {
     /// With a prologue, each workgroup first computes the stages of each
     /// row of `a` (its threads share each reduction through workgroup
     /// memory), then evaluates `a`'s elements where it would have loaded
-    /// them.
+    /// them. A factored prologue (an RMS norm, see `Factored`) instead adds
+    /// up its reductions in the loop over the weights, beside the products,
+    /// and each row's sum is multiplied by its factor at the end: on the
+    /// H200 the attention and feed-forward projections of SmolLM2 went from
+    /// 7.77 to 7.25 us and 10.48 to 9.90 us (each kernel timed in a pass of
+    /// its own).
     #[allow(clippy::too_many_arguments)]
     fn qgemv(&self, a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, pro: Option<&Prologue>) -> Result<Dispatch> {
         let mut sh = self.qshader(a, w, q, epi, pro)?;
@@ -223,19 +239,36 @@ impl Gen<'_> {
         let (threads, unroll) = if self.caps.software { (1, 1) } else { (shape.threads, shape.unroll) };
         let runs_by_words = run_bytes(q).filter(|_| !self.caps.software && shape.words);
         let q41 = q == GgmlType::Q4_1 && !self.caps.software;
-        let rows_per_wg = WG as usize / threads;
+        // A software adapter runs a thread per row (see above) in the usual workgroups.
+        let wg = if self.caps.software { WG } else { shape.wg };
+        let rows_per_wg = wg as usize / threads;
         let mut s = String::new();
-        if let Some(p) = pro {
-            prologue_stages(&mut sh, &mut s, p, m, k);
+        let factored = pro.and_then(Prologue::factored);
+        if let Some(p) = pro.filter(|_| factored.is_none()) {
+            prologue_stages(&mut sh, &mut s, p, m, k, wg);
         }
-        let a_at = |i: usize, c: &str| match pro {
-            Some(p) => format!("pro_a({i}u * {k}u + {c}{})", stage_args(p.stages.len(), i)),
-            None => Self::a_at(a, &i.to_string(), c),
+        let a_at = |i: usize, c: &str| match (pro, &factored) {
+            // The operand without its row's factor (given as 1).
+            (Some(p), Some(d)) => format!("pro_a({i}u * {k}u + {c}{})", d.args(p.stages.len(), Some(d.factor))),
+            (Some(p), None) => format!("pro_a({i}u * {k}u + {c}{})", stage_args(p.stages.len(), i)),
+            (None, _) => Self::a_at(a, &i.to_string(), c),
+        };
+        // A factored prologue's reductions of row `i` take the element at
+        // column `c` (counted only while `ok` holds).
+        let fold_stages = |s: &mut String, i: usize, c: &str, ok: &str| {
+            for (d, r) in factored.iter().flat_map(|d| d.reduced.iter().map(move |&r| (d, r))) {
+                let v = format!("pro_s{r}({i}u * {k}u + {c}{})", d.args(r, None));
+                let v = if ok.is_empty() { v } else { format!("select(0.0, {v}, {ok})") };
+                let _ = writeln!(s, "            ps{r}_{i} = ps{r}_{i} + {v};");
+            }
         };
         let _ = writeln!(s, "    let t = lid % {threads}u;\n    let j = group * {rows_per_wg}u + lid / {threads}u;");
         let _ = writeln!(s, "    let row = {}u + min(j, {}u) * {wpr}u;", w.layout.offset, n.saturating_sub(1));
         for i in 0..m {
             let _ = writeln!(s, "    var acc{i} = 0.0;");
+            for r in factored.iter().flat_map(|d| &d.reduced) {
+                let _ = writeln!(s, "    var ps{r}_{i} = 0.0;");
+            }
         }
         // `unroll` runs of 8 a trip, their loads unconditional (a run past
         // the row's end reads its last run again and counts for nothing),
@@ -247,6 +280,7 @@ impl Gen<'_> {
             let _ = writeln!(s, "        let c0 = u * 8u;\n        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
             // A run past the end gets a zero scale and offset.
             let ok = if x == 0 { String::new() } else { format!(" * select(0.0, 1.0, u0 + {x}u < {runs}u)") };
+            let counts = if x == 0 { String::new() } else { format!("u0 + {x}u < {runs}u") };
             let scale = if q41 && shape.unpack { format!("unpack2x16float(ld_in{}(base))", w.input) } else { "qscale(base, e0)".to_string() };
             let _ = writeln!(s, "        let sc = {scale}{ok};");
             if let Some((qoff, nibbles)) = runs_by_words {
@@ -272,6 +306,7 @@ impl Gen<'_> {
                     let _ = writeln!(s, "        {{ let v = sc.x * {int} + sc.y;");
                     for i in 0..m {
                         let _ = writeln!(s, "            acc{i} = acc{i} + v * {};", a_at(i, &format!("c0 + {l}u")));
+                        fold_stages(&mut s, i, &format!("c0 + {l}u"), &counts);
                     }
                     let _ = writeln!(s, "        }}");
                 }
@@ -280,58 +315,69 @@ impl Gen<'_> {
                 let _ = writeln!(s, "        for (var l = 0u; l < 8u; l = l + 1u) {{\n            let v = sc.x * qv(base, e0 + l) + sc.y;");
                 for i in 0..m {
                     let _ = writeln!(s, "            acc{i} = acc{i} + v * {};", a_at(i, "c0 + l"));
+                    fold_stages(&mut s, i, "c0 + l", &counts);
                 }
                 let _ = writeln!(s, "        }}\n        }}");
             }
         }
         let _ = writeln!(s, "    }}");
+        // What each row's threads add together: the products' sums, then,
+        // for a factored prologue (see `Factored`), each row's reductions.
+        let mut sums: Vec<String> = (0..m).map(|i| format!("acc{i}")).collect();
+        if let Some(d) = &factored {
+            sums.extend((0..m).flat_map(|i| d.reduced.iter().map(move |r| format!("ps{r}_{i}"))));
+        }
+        let mut gather = String::new();
         if threads == 1 {
-            let _ = writeln!(s, "    if (j >= {n}u) {{ return; }}");
-            for i in 0..m {
-                let _ = writeln!(s, "    {{ let o = {}u + j; st_out(o, epi(o, acc{i})); }}", i * n);
-            }
+            // A thread holds its row's whole sums.
         } else if let Some(sg) = sh.subgroup().map(|s| s as usize) {
             // A row's threads add their sums by shuffles within a subgroup;
             // rows wider than one add their subgroups' sums after one barrier.
             for mask in super::kernels::butterfly(threads.min(sg) as u32) {
-                for i in 0..m {
-                    let _ = writeln!(s, "    acc{i} = acc{i} + subgroupShuffleXor(acc{i}, {mask}u);");
+                for a in &sums {
+                    let _ = writeln!(s, "    {a} = {a} + subgroupShuffleXor({a}, {mask}u);");
                 }
             }
-            let per = WG as usize / sg;
+            let per = wg as usize / sg;
             if threads > sg {
-                sh.decl(&format!("var<workgroup> part: array<f32, {}>;", per * m.max(1)));
-                for i in 0..m {
-                    let _ = writeln!(s, "    if (lid % {sg}u == 0u) {{ part[{}u + lid / {sg}u] = acc{i}; }}", i * per);
+                sh.decl(&format!("var<workgroup> part: array<f32, {}>;", per * sums.len().max(1)));
+                for (v, a) in sums.iter().enumerate() {
+                    let _ = writeln!(s, "    if (lid % {sg}u == 0u) {{ part[{}u + lid / {sg}u] = {a}; }}", v * per);
+                    let _ = writeln!(gather, "        for (var g = 1u; g < {}u; g = g + 1u) {{ {a} = {a} + part[{}u + lid / {sg}u + g]; }}", threads / sg, v * per);
                 }
                 let _ = writeln!(s, "    workgroupBarrier();");
             }
-            let _ = writeln!(s, "    if (t == 0u && j < {n}u) {{");
-            for i in 0..m {
-                if threads > sg {
-                    let _ = writeln!(s, "        for (var g = 1u; g < {}u; g = g + 1u) {{ acc{i} = acc{i} + part[{}u + lid / {sg}u + g]; }}", threads / sg, i * per);
-                }
-                let _ = writeln!(s, "        {{ let o = {}u + j; st_out(o, epi(o, acc{i})); }}", i * n);
-            }
-            let _ = writeln!(s, "    }}");
         } else {
-            sh.decl(&format!("var<workgroup> part: array<f32, {}>;", WG as usize * m.max(1)));
-            for i in 0..m {
-                let _ = writeln!(s, "    part[{}u + lid] = acc{i};", i * WG as usize);
+            let wg = wg as usize;
+            sh.decl(&format!("var<workgroup> part: array<f32, {}>;", wg * sums.len().max(1)));
+            for (v, a) in sums.iter().enumerate() {
+                let _ = writeln!(s, "    part[{}u + lid] = {a};", v * wg);
+                let _ = writeln!(gather, "        {a} = part[{}u + lid];", v * wg);
             }
             let _ = writeln!(s, "    workgroupBarrier();");
             let _ = writeln!(s, "    for (var h = {}u; h > 0u; h = h / 2u) {{\n        if (t < h) {{", threads / 2);
-            for i in 0..m {
-                let o = i * WG as usize;
+            for v in 0..sums.len() {
+                let o = v * wg;
                 let _ = writeln!(s, "            part[{o}u + lid] = part[{o}u + lid] + part[{o}u + lid + h];");
             }
             let _ = writeln!(s, "        }}\n        workgroupBarrier();\n    }}");
-            let _ = writeln!(s, "    if (t == 0u && j < {n}u) {{");
-            for i in 0..m {
-                let _ = writeln!(s, "        {{ let o = {}u + j; st_out(o, epi(o, part[{}u + lid])); }}", i * n, i * WG as usize);
-            }
-            let _ = writeln!(s, "    }}");
         }
+        let _ = writeln!(s, "    if (t == 0u && j < {n}u) {{\n{gather}");
+        for i in 0..m {
+            if let (Some(d), Some(p)) = (&factored, pro) {
+                // The row's stages from its sums, then its factor.
+                for (st, stage) in p.stages.iter().enumerate() {
+                    let v = match stage.op {
+                        Some(op) => Reduction { op, adt: DType::F32, vdt: DType::F32, out: stage.dtype }.finish(&format!("ps{st}_{i}"), "0u"),
+                        None => format!("pro_s{st}({i}u{})", stage_args(st, i)),
+                    };
+                    let _ = writeln!(s, "        let st{st}_{i} = {v};");
+                }
+                let _ = writeln!(s, "        acc{i} = acc{i} * st{}_{i};", d.factor);
+            }
+            let _ = writeln!(s, "        {{ let o = {}u + j; st_out(o, epi(o, acc{i})); }}", i * n);
+        }
+        let _ = writeln!(s, "    }}");
         let mut trips = if unroll > 1 { format!(", {unroll} runs a trip") } else { String::new() };
         if runs_by_words.is_some() {
             trips.push_str(", word loads");
@@ -339,7 +385,7 @@ impl Gen<'_> {
         if q41 && shape.unpack {
             trips.push_str(", unpacked scales");
         }
-        Ok(sh.finish(format!("qmatmul_gemv {} {m}x{k}x{n} ({threads} threads a row{trips})", q.name()), WG, n.div_ceil(rows_per_wg) as u64, &s))
+        Ok(sh.finish(format!("qmatmul_gemv {} {m}x{k}x{n} ({threads} threads a row{trips})", q.name()), wg, n.div_ceil(rows_per_wg) as u64, &s))
     }
 
     /// 4 x 4 outputs per thread, 8 x 8 threads per workgroup, and no
@@ -448,7 +494,7 @@ pub(crate) fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result
 /// per weight row without barriers, each thread reducing the rows alone
 /// was no faster: lavapipe decoded SmolLM2 at 1.10 tokens/s either way,
 /// 1.6-1.7 without prologues, which is why they are off there by default.)
-fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: usize) {
+fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: usize, wg: u32) {
     for i in 0..m {
         for (s, st) in p.stages.iter().enumerate() {
             let Some(op) = st.op else {
@@ -458,8 +504,8 @@ fn prologue_stages(sh: &mut Shader, b: &mut String, p: &Prologue, m: usize, k: u
             let r = Reduction { op, adt: DType::F32, vdt: DType::F32, out: st.dtype };
             let _ = writeln!(b, "    var st{s}_{i}: {};\n    {{\n    var pacc: f32 = {};", compute_ty(st.dtype), r.identity());
             let each = r.fold("pacc", "0u", &format!("pro_s{s}({i}u * {k}u + j{})", stage_args(s, i)), "0u");
-            let _ = writeln!(b, "    for (var j = lid; j < {k}u; j = j + {WG}u) {{\n        {each}\n    }}");
-            let _ = writeln!(b, "{}", r.workgroup_fold(sh, "pacc", WG));
+            let _ = writeln!(b, "    for (var j = lid; j < {k}u; j = j + {wg}u) {{\n        {each}\n    }}");
+            let _ = writeln!(b, "{}", r.workgroup_fold(sh, "pacc", wg));
             let _ = writeln!(b, "    st{s}_{i} = {};\n    }}", r.finish("pacc", "0u"));
         }
     }
