@@ -349,12 +349,12 @@ pub struct Llama {
     norm: Tensor,
     /// `None`: tied to `embed`.
     output: Option<Weight>,
-    /// `[context, head_dim]`: each position's cosines, one per element (a
-    /// pair's two elements share theirs; 1 past `rope_dims`).
-    cos: Tensor,
-    /// `[context, head_dim]`: the sines, signed for the element they scale
-    /// (`-sin` for a pair's first element, `+sin` for its second; 0 past `rope_dims`).
-    sin: Tensor,
+    /// `[context, 2, head_dim]`: each position's cosines, one per element
+    /// (a pair's two elements share theirs; 1 past `rope_dims`), then its
+    /// sines, signed for the element they scale (`-sin` for a pair's first
+    /// element, `+sin` for its second; 0 past `rope_dims`). One table, so
+    /// a step gathers its positions' rows in one kernel.
+    angles: Tensor,
     /// Where each element's pair partner is: see [`Partner`].
     partner: Partner,
     device: Device,
@@ -412,8 +412,9 @@ impl Llama {
         let norm = vector("output_norm.weight")?;
         // Angles in f64, as the reference computes them, rounded once.
         let d = c.head_dim;
-        let (mut cos, mut sin) = (Vec::with_capacity(c.context * d), Vec::with_capacity(c.context * d));
+        let mut angles = Vec::with_capacity(c.context * 2 * d);
         for p in 0..c.context {
+            let (mut cos, mut sin) = (Vec::with_capacity(d), Vec::with_capacity(d));
             for e in 0..d {
                 if e < c.rope_dims {
                     let a = c.rope_scaling.angle(p, e / 2, c.rope_freq_base.powf(-2.0 * (e / 2) as f64 / c.rope_dims as f64));
@@ -424,11 +425,11 @@ impl Llama {
                     sin.push(0.0);
                 }
             }
+            angles.extend(cos.into_iter().chain(sin));
         }
-        let cos = Tensor::from_vec(cos, &[c.context, d], device)?;
-        let sin = Tensor::from_vec(sin, &[c.context, d], device)?;
+        let angles = Tensor::from_vec(angles, &[c.context, 2, d], device)?;
         let partner = Partner::new(d, c.rope_dims, device)?;
-        Ok(Llama { config: c, embed, blocks, norm, output, cos, sin, partner, device, decode: Default::default() })
+        Ok(Llama { config: c, embed, blocks, norm, output, angles, partner, device, decode: Default::default() })
     }
 
     /// The same model with no decode captures of its own: what a capture's
@@ -462,7 +463,7 @@ impl Llama {
         let b = &self.blocks;
         let mats: usize = b.iter().map(|b| b.qkv.size_in_bytes() + b.wo.size_in_bytes() + b.gate_up.size_in_bytes() + b.down.size_in_bytes()).sum();
         let vecs = (2 * b.len() + 1) * self.config.hidden * 4;
-        mats + vecs + self.embed.size_in_bytes() + self.output.as_ref().map_or(0, |w| w.size_in_bytes()) + 2 * self.cos.numel() * 4 + self.partner.size_in_bytes()
+        mats + vecs + self.embed.size_in_bytes() + self.output.as_ref().map_or(0, |w| w.size_in_bytes()) + self.angles.numel() * 4 + self.partner.size_in_bytes()
     }
 
     /// An empty cache for one sequence.
@@ -541,8 +542,10 @@ impl Llama {
         let src = if t > 1 { Some(rel.clamp(Some(0.0), Some((t - 1) as f64))?.to_dtype(DType::I32)?) } else { None };
         let visible = slots.reshape_dims(&[1, cap])?.le(&pos.reshape_dims(&[t, 1])?)?;
         let mask = group_mask(&Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?, c)?;
-        let rows = |table: &Tensor| table.index_select(0, pos)?.reshape_dims(&[t, 1, c.head_dim]);
-        let (cos, sin) = (rows(&self.cos)?, rows(&self.sin)?);
+        let angles = self.angles.index_select(0, pos)?;
+        let rows = |k: usize| angles.narrow(1, k, 1);
+        let (cos, sin) = (rows(0)?, rows(1)?);
+        drop(angles);
         // Write a layer's new keys and values into their slots. One decoded
         // token's key rotates where it is written: the rotation of the key
         // broadcast over the slots is the cache write's own work (one
