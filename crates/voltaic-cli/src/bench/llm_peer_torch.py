@@ -6,7 +6,7 @@
 # torch._dynamo.mark_static_address, as transformers' StaticCache does, so
 # that CUDA graphs engage). Every generated token id is read back to the
 # host, as a streaming generation loop does: before the next step
-# ("eager_ms", "compiled_ms"), and, compiled, also one step behind with the
+# ("eager_ms", "compiled_ms"), and, compiled, also two steps behind with the
 # id fed to the next step on the device and copied out asynchronously
 # ("pipelined_ms", as Voltaic's generate loop does). One JSON line per
 # case: "ms" is the row's peer time (the faster compiled decode, eager
@@ -120,13 +120,14 @@ def decode(step, kc, vc):
 
 
 def decode_pipelined(step, kc, vc):
-    # As decode, but step p + 1 is queued before token p is read: the id
-    # stays on the device for the next step and is copied to pinned host
-    # memory behind it (CUDA graphs reuse their output buffers: clone).
+    # As decode, but steps p + 1 and p + 2 are queued before token p is
+    # read (Voltaic's generate loop keeps two steps ahead too): the id stays
+    # on the device for the next step and is copied to pinned host memory
+    # behind it (CUDA graphs reuse their output buffers: clone).
     n = decode_prompt
     tok = greedy(forward(torch.tensor(ids[:n], device=dev), torch.arange(n, device=dev), kc, vc, False)).view(1)
     host = torch.empty(decode_tokens, dtype=torch.int64, pin_memory=True)
-    out, pending = [], None
+    out, pending = [], []
     torch.cuda.synchronize()
     s = time.perf_counter()
     for i, p in enumerate(range(n, n + decode_tokens)):
@@ -134,12 +135,14 @@ def decode_pipelined(step, kc, vc):
         host[i : i + 1].copy_(tok, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        if pending is not None:
-            pending[0].synchronize()
-            out.append(int(host[pending[1]]))
-        pending = (done, i)
-    pending[0].synchronize()
-    out.append(int(host[pending[1]]))
+        pending.append((done, i))
+        if len(pending) > 2:
+            done_i, j = pending.pop(0)
+            done_i.synchronize()
+            out.append(int(host[j]))
+    for done_i, j in pending:
+        done_i.synchronize()
+        out.append(int(host[j]))
     return (time.perf_counter() - s) * 1e3, out
 
 
