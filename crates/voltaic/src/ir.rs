@@ -138,7 +138,16 @@ impl Factored {
         let instrs = &out.expr.instrs;
         let is_stage = |i: usize| matches!(instrs[i].0, Instr::Load(l) if out.reads_stage(l));
         let [at] = (0..instrs.len()).filter(|&i| is_stage(i)).collect::<Vec<_>>()[..] else { return None };
-        let uses = |i: usize| instrs.iter().map(|(ins, _)| ins.operands().iter().filter(|&&o| o == i).count()).sum::<usize>();
+        // Each instruction's operand uses, and whether it depends on the
+        // stage's value (operands come before their users: one pass each).
+        let mut uses = vec![0usize; instrs.len()];
+        let mut reaches = vec![false; instrs.len()];
+        for (i, (ins, _)) in instrs.iter().enumerate() {
+            for &o in ins.operands() {
+                uses[o] += 1;
+            }
+            reaches[i] = i == at || ins.operands().iter().any(|&o| reaches[o]);
+        }
         // The path of f32 products from the result down to the stage's
         // value, each step used by the next alone.
         let mut path = vec![instrs.len() - 1];
@@ -147,12 +156,12 @@ impl Factored {
                 break;
             }
             let next = match instrs[i] {
-                (Instr::Map(MapOp::Binary(BinaryOp::Mul), [a, b, _]), DType::F32) => [a, b].into_iter().find(|&o| reaches(instrs, o, at)),
+                (Instr::Map(MapOp::Binary(BinaryOp::Mul), [a, b, _]), DType::F32) => [a, b].into_iter().find(|&o| reaches[o]),
                 _ => None,
             };
             path.push(next?);
         }
-        if path[1..].iter().any(|&i| uses(i) != 1) {
+        if path[1..].iter().any(|&i| uses[i] != 1) {
             return None;
         }
         let Instr::Load(l) = instrs[at].0 else { return None };
@@ -165,11 +174,6 @@ impl Factored {
     pub fn args(&self, stages: usize, one: Option<usize>) -> String {
         (0..stages).map(|s| if Some(s) == one { ", 1.0".to_string() } else { ", 0.0".to_string() }).collect()
     }
-}
-
-/// Whether instruction `from` depends on instruction `to`.
-fn reaches(instrs: &[(Instr, DType)], from: usize, to: usize) -> bool {
-    from == to || instrs[from].0.operands().iter().any(|&o| reaches(instrs, o, to))
 }
 
 impl Prologue {

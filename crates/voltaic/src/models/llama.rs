@@ -545,7 +545,6 @@ impl Llama {
         let angles = self.angles.index_select(0, pos)?;
         let rows = |k: usize| angles.narrow(1, k, 1);
         let (cos, sin) = (rows(0)?, rows(1)?);
-        drop(angles);
         // Write a layer's new keys and values into their slots. One decoded
         // token's key rotates where it is written: the rotation of the key
         // broadcast over the slots is the cache write's own work (one

@@ -279,8 +279,8 @@ impl Gen<'_> {
             let _ = writeln!(s, "        {{\n        let u = min(u0 + {x}u, {}u);", runs.saturating_sub(1));
             let _ = writeln!(s, "        let c0 = u * 8u;\n        let base = row + (c0 / {per}u) * {wpb}u;\n        let e0 = c0 % {per}u;");
             // A run past the end gets a zero scale and offset.
-            let ok = if x == 0 { String::new() } else { format!(" * select(0.0, 1.0, u0 + {x}u < {runs}u)") };
             let counts = if x == 0 { String::new() } else { format!("u0 + {x}u < {runs}u") };
+            let ok = if x == 0 { String::new() } else { format!(" * select(0.0, 1.0, {counts})") };
             let scale = if q41 && shape.unpack { format!("unpack2x16float(ld_in{}(base))", w.input) } else { "qscale(base, e0)".to_string() };
             let _ = writeln!(s, "        let sc = {scale}{ok};");
             if let Some((qoff, nibbles)) = runs_by_words {
