@@ -246,9 +246,11 @@ pub(crate) enum KernelKind {
         prologue: Option<Prologue>,
     },
     /// An index-like primitive over its operands (see [`IndexOp`]). An
-    /// attention kernel may compute its queries in their loads (`prologue`:
-    /// elementwise work whose result only it read; `args[0]` is then not read).
-    Index { op: IndexOp, args: Vec<Strided>, prologue: Option<Prologue> },
+    /// attention kernel may compute its queries, keys or values in their
+    /// loads: `prologues` is empty or holds one entry per arg, and an arg
+    /// with a prologue (elementwise work over that arg's elements, in the
+    /// order of its buffer) is not read from its input.
+    Index { op: IndexOp, args: Vec<Strided>, prologues: Vec<Option<Prologue>> },
     /// Elementwise work with several outputs over one `shape`: output `j`
     /// (the kernel's `out` first, then its `also`) stores the value of
     /// instruction `stores[j]`, in that instruction's dtype. Made from
@@ -288,8 +290,7 @@ impl KernelKind {
                 epilogue.iter().map(|e| &e.expr).chain(pro).collect()
             }
             KernelKind::Rows { stages, out, .. } => stages.iter().chain([out]).map(|s| &s.expr).collect(),
-            KernelKind::Index { prologue: Some(p), .. } => p.stages.iter().chain([&p.out]).map(|s| &s.expr).collect(),
-            _ => vec![],
+            KernelKind::Index { prologues, .. } => prologues.iter().flatten().flat_map(|p| p.stages.iter().chain([&p.out])).map(|s| &s.expr).collect(),
         }
     }
 
@@ -302,8 +303,7 @@ impl KernelKind {
                 epilogue.iter_mut().map(|e| &mut e.expr).chain(pro).collect()
             }
             KernelKind::Rows { stages, out, .. } => stages.iter_mut().chain([out]).map(|s| &mut s.expr).collect(),
-            KernelKind::Index { prologue: Some(p), .. } => p.stages.iter_mut().chain([&mut p.out]).map(|s| &mut s.expr).collect(),
-            _ => vec![],
+            KernelKind::Index { prologues, .. } => prologues.iter_mut().flatten().flat_map(|p| p.stages.iter_mut().chain([&mut p.out])).map(|s| &mut s.expr).collect(),
         }
     }
 

@@ -321,3 +321,66 @@ fn work_before_the_queries_runs_in_their_loads() {
         close(&out.to_f64_vec().unwrap(), &want, 1e-5, &format!("{dev}: kept queries"));
     }
 }
+
+/// A KV cache's write of the new token (a `where` over the slots, as a
+/// decoder writes it), which the caller keeps, is computed in the attention
+/// kernel's loads as well where the executor takes prologues: the attention
+/// reads its keys and values from the old caches and the new token, and
+/// the written caches are stored too. Both give the f64 results, with the
+/// keys' write rotating the new key in pairs as RoPE does, and a key width
+/// of 6 (its loads cannot walk whole rows in slices of four).
+#[test]
+fn cache_writes_the_caller_keeps_run_in_the_attention_loads_too() {
+    let mut rng = Rng::new(23);
+    let prologues = match std::env::var("VOLTAIC_PROLOGUES") {
+        Ok(v) => v != "0",
+        Err(_) => voltaic::backend::adapters()[0].device_type != "Cpu" || std::env::var("VOLTAIC_KERNELS").is_ok_and(|v| v == "hardware"),
+    };
+    for (b, m, n, d, slot) in [(3, 3, 37, 16, 11), (2, 1, 9, 6, 8), (1, 2, 300, 64, 0)] {
+        let q = rng.normals(b * m * d);
+        let (kc, vc) = (rng.normals(b * n * d), rng.normals(b * n * d));
+        let (kn, vn) = (rng.normals(b * d), rng.normals(b * d));
+        let (cos, sin) = (rng.normals(d / 2), rng.normals(d / 2));
+        // The new key rotated in pairs (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos).
+        let rot = |bi: usize, j: usize| {
+            let (x0, x1) = (kn[bi * d + j / 2 * 2], kn[bi * d + j / 2 * 2 + 1]);
+            let (c, s) = (cos[j / 2], sin[j / 2]);
+            if j.is_multiple_of(2) { x0 * c - x1 * s } else { x0 * s + x1 * c }
+        };
+        let kw: Vec<f64> = (0..b * n * d).map(|i| if (i / d) % n == slot { rot(i / (n * d), i % d) } else { kc[i] }).collect();
+        let vw: Vec<f64> = (0..b * n * d).map(|i| if (i / d) % n == slot { vn[i / (n * d) * d + i % d] + 1.0 } else { vc[i] }).collect();
+        let want = Case { b, m, n, d, e: d, q: q.clone(), k: kw.clone(), v: vw.clone(), mask: None }.reference(0.25);
+        for dev in [Device::Cpu, gpu()] {
+            let (qt, kct, vct) = (tensor(&q, &[b, m, d], dev), tensor(&kc, &[b, n, d], dev), tensor(&vc, &[b, n, d], dev));
+            let (knt, vnt) = (tensor(&kn, &[b, 1, d / 2, 2], dev), tensor(&vn, &[b, 1, d], dev));
+            // Each element's weights of its pair's first and second elements.
+            let w0: Vec<f64> = (0..d).map(|j| if j.is_multiple_of(2) { cos[j / 2] } else { sin[j / 2] }).collect();
+            let w1: Vec<f64> = (0..d).map(|j| if j.is_multiple_of(2) { -sin[j / 2] } else { cos[j / 2] }).collect();
+            let (w0, w1) = (tensor(&w0, &[1, 1, d / 2, 2], dev), tensor(&w1, &[1, 1, d / 2, 2], dev));
+            let mask = tensor(&vec![0.0; m * n], &[m, n], dev);
+            let slots = Tensor::arange(0.0, n as f64, 1.0, DType::I32, dev).unwrap();
+            Tensor::realize_all(&[&qt, &kct, &vct, &knt, &vnt, &w0, &w1, &mask]).unwrap();
+            let (kw_t, vw_t) = {
+                let keep = slots.eq(slot as f64).unwrap().reshape_dims(&[1, n, 1]).unwrap();
+                // The rotation of the new key broadcast over the slots, in
+                // the pairs' shape, as the LLaMA model writes it.
+                let wide = knt.broadcast_to(&[b, n, d / 2, 2]).unwrap();
+                let half = |i| wide.narrow(3, i, 1).unwrap().broadcast_to(&[b, n, d / 2, 2]).unwrap();
+                let rotated = half(0).mul(&w0).unwrap().add(half(1).mul(&w1).unwrap()).unwrap().reshape_dims(&[b, n, d]).unwrap();
+                let kw_t = keep.broadcast_to(&[b, n, d]).unwrap().where_cond(&rotated, &kct).unwrap();
+                let vw_t = keep.broadcast_to(&[b, n, d]).unwrap().where_cond(vnt.add(1.0).unwrap().broadcast_to(&[b, n, d]).unwrap(), &vct).unwrap();
+                (kw_t, vw_t)
+            };
+            let out = qt.scaled_dot_product_attention(&kw_t, &vw_t, Some(&mask), Some(0.25)).unwrap();
+            if dev.is_gpu() {
+                let att = voltaic::inspect(&[&out, &kw_t, &vw_t]).into_iter().find(|k| k.kind == "attention").expect("an attention kernel");
+                // Its own keys and values, or the old caches, the new token, its rotation's tables and the slots' flags.
+                assert_eq!(att.inputs > 4, prologues, "{dev}: the attention reads {} buffers", att.inputs);
+            }
+            let what = format!("{dev}: b {b} m {m} n {n} d {d}, slot {slot}");
+            close(&out.to_f64_vec().unwrap(), &want, 1e-5, &format!("{what}: attention"));
+            close(&kw_t.to_f64_vec().unwrap(), &kw, 1e-5, &format!("{what}: written keys"));
+            close(&vw_t.to_f64_vec().unwrap(), &vw, 1e-5, &format!("{what}: written values"));
+        }
+    }
+}

@@ -1,8 +1,9 @@
 //! Pass 7, prologue fusion (for executors that ask for it,
 //! `Capabilities::prologue_rows`): row-wise or elementwise work whose
 //! result only a quantized GEMV reads is computed in the GEMV's loads, and
-//! elementwise work whose result only an attention kernel reads as its
-//! queries (a decoder's RoPE) in that kernel's query loads.
+//! elementwise work whose result an attention kernel reads as its queries
+//! (a decoder's RoPE), keys or values (a KV cache with the new token
+//! written in) in that kernel's loads.
 //!
 //! A language model's decode step multiplies one row by each weight: the
 //! RMS norm before the attention and feed-forward projections and
@@ -38,25 +39,59 @@ pub(crate) fn fuse_prologues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: 
         if let Some(p) = producer(plan, k, kept, max_inputs, max_rows) {
             fuse(plan, p, k);
             // The producer came before the product, which moved down by one.
-        } else if let Some(p) = query_producer(plan, k, kept, max_inputs) {
-            fuse_queries(plan, p, k);
+        } else if matches!(plan.kernels[k].kind, KernelKind::Index { op: IndexOp::Attention { .. }, .. }) {
+            k = fuse_attention(plan, k, kept, max_inputs) + 1;
         } else {
             k += 1;
         }
     }
 }
 
-/// The index of the elementwise kernel whose result the attention kernel
-/// at `ai` could compute in its query loads: read by nothing else (not
-/// even the kernel's keys, values or mask), kept by nobody, f32.
-fn query_producer(plan: &Plan, ai: usize, kept: &HashSet<Slot>, max_inputs: usize) -> Option<usize> {
+/// Query rows up to which each key and value element is recomputed in an
+/// attention kernel's loads (a decode step of a grouped-query model: one
+/// token times the query heads of a key head). A prompt's dozens of rows
+/// would each redo the work.
+const MAX_KEY_READERS: usize = 8;
+
+/// The attention kernel at `ai` computing its operands in their loads:
+/// each of its queries, keys and values that an elementwise kernel makes
+/// becomes a prologue (see [`attention_producer`]). Returns where the
+/// attention kernel is afterwards.
+fn fuse_attention(plan: &mut Plan, mut ai: usize, kept: &HashSet<Slot>, max_inputs: usize) -> usize {
+    for arg in 0..3 {
+        if let Some((pi, stays)) = attention_producer(plan, ai, arg, kept, max_inputs) {
+            fuse_attention_arg(plan, pi, ai, arg, stays);
+            ai -= usize::from(!stays);
+        }
+    }
+    ai
+}
+
+/// The index of the elementwise kernel whose result the attention kernel at
+/// `ai` could compute in the loads of its operand `arg` (queries, keys or
+/// values; f32, read by no other operand), and whether that kernel must
+/// stay. The queries' kernel goes, so it may be neither kept nor read
+/// elsewhere (a decoder's RoPE of the queries). The keys' and values' may
+/// be both (a KV cache's write of the new token, which the caller keeps):
+/// computed again in the attention's loads, they no longer hold the
+/// attention back, and the write can join other layers' writes at the end
+/// of the plan (see `siblings`). Not for more than [`MAX_KEY_READERS`]
+/// query rows, each of which would compute every key again.
+fn attention_producer(plan: &Plan, ai: usize, arg: usize, kept: &HashSet<Slot>, max_inputs: usize) -> Option<(usize, bool)> {
     let ak = &plan.kernels[ai];
-    let KernelKind::Index { op: IndexOp::Attention { .. }, args, prologue: None } = &ak.kind else { return None };
-    let slot = ak.inputs[args[0].input];
-    if args[1..].iter().any(|a| ak.inputs[a.input] == slot) || kept.contains(&slot) {
+    let KernelKind::Index { op: IndexOp::Attention { .. }, args, prologues } = &ak.kind else { return None };
+    if prologues.get(arg).is_some_and(Option::is_some) {
         return None;
     }
-    if plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count() != 1 {
+    let with_prologue = |j: usize| prologues.get(j).is_some_and(Option::is_some);
+    let slot = ak.inputs[args[arg].input];
+    if args.iter().enumerate().any(|(j, a)| j != arg && !with_prologue(j) && ak.inputs[a.input] == slot) {
+        return None;
+    }
+    let elsewhere = kept.contains(&slot) || plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count() != 1;
+    let qd = args[0].layout.dims();
+    let rows = qd.get(qd.len().wrapping_sub(2)).copied().unwrap_or(1);
+    if (arg == 0 && elsewhere) || (arg > 0 && rows > MAX_KEY_READERS) {
         return None;
     }
     let pi = plan.kernels[..ai].iter().position(|p| p.out == slot)?;
@@ -64,32 +99,43 @@ fn query_producer(plan: &Plan, ai: usize, kept: &HashSet<Slot>, max_inputs: usiz
     if !matches!(p.kind, KernelKind::Elementwise { .. }) || !p.also.is_empty() || p.dtype != DType::F32 || p.inputs.is_empty() {
         return None;
     }
-    fits(&ak.inputs, slot, &p.inputs, max_inputs).then_some(pi)
+    fits(&ak.inputs, slot, &p.inputs, max_inputs).then_some((pi, elsewhere))
 }
 
-/// Move the elementwise kernel `pi` into the attention kernel at `ai` as
-/// the prologue of its queries.
-fn fuse_queries(plan: &mut Plan, pi: usize, ai: usize) {
-    let p = plan.kernels.remove(pi);
-    let ak = &mut plan.kernels[ai - 1];
-    let KernelKind::Index { args, prologue, .. } = &mut ak.kind else { unreachable!("checked by `query_producer`") };
-    let gone = args[0].input;
+/// Compute operand `arg` of the attention kernel at `ai` in its loads with
+/// the elementwise kernel `pi`'s expression; `pi` is moved into it, or
+/// copied when it `stays`.
+fn fuse_attention_arg(plan: &mut Plan, pi: usize, ai: usize, arg: usize, stays: bool) {
+    let (p, ai) = if stays { (plan.kernels[pi].clone(), ai) } else { (plan.kernels.remove(pi), ai - 1) };
+    let ak = &mut plan.kernels[ai];
+    let KernelKind::Index { args, prologues, .. } = &mut ak.kind else { unreachable!("checked by `attention_producer`") };
+    // The operand's buffer is no longer read: drop it and renumber the
+    // later inputs, in the other operands and in earlier prologues' loads.
+    let gone = args[arg].input;
     ak.inputs.remove(gone);
-    for a in args.iter_mut().skip(1) {
-        if a.input > gone {
+    for (j, a) in args.iter_mut().enumerate() {
+        if j != arg && a.input > gone {
             a.input -= 1;
         }
     }
-    // Not read when the prologue computes the queries; kept a valid index.
-    args[0].input = args[1].input;
-    let KernelKind::Elementwise { mut expr, shape } = p.kind else { unreachable!("checked by `query_producer`") };
+    for l in prologues.iter_mut().flatten().flat_map(|p| p.out.expr.loads.iter_mut()) {
+        if l.input > gone {
+            l.input -= 1;
+        }
+    }
+    let KernelKind::Elementwise { mut expr, shape } = p.kind else { unreachable!("checked by `attention_producer`") };
     for l in expr.loads.iter_mut() {
         l.input = input_of(&mut ak.inputs, p.inputs[l.input]);
     }
-    *prologue = Some(Prologue { stages: vec![], out: RowStage { op: None, expr, shape, from: vec![], dtype: p.dtype } });
-    let mut ops = p.ops;
-    ops.append(&mut ak.ops);
-    ak.ops = ops;
+    // Not read when the prologue computes the operand; kept a valid index.
+    args[arg].input = expr.loads[0].input;
+    prologues.resize(args.len(), None);
+    prologues[arg] = Some(Prologue { stages: vec![], out: RowStage { op: None, expr, shape, from: vec![], dtype: p.dtype } });
+    if !stays {
+        let mut ops = p.ops;
+        ops.append(&mut ak.ops);
+        ak.ops = ops;
+    }
 }
 
 /// The index of the kernel whose result the product at `mi` could compute in its loads.
@@ -217,6 +263,57 @@ mod tests {
 
     fn plan_with(targets: &[&crate::graph::Value], caps: crate::backend::Capabilities) -> Vec<crate::ir::Kernel> {
         crate::schedule::schedule_dag(&crate::schedule::collect::collect(targets), caps).0.plan.kernels.clone()
+    }
+
+    /// One layer of a decode step over a KV cache: the key and value
+    /// caches `[b, n, d]` with the new token's `[b, 1, d]` written where
+    /// `at` `[n]` holds (broadcast, as a decoder writes them), and the
+    /// attention of `rows` query rows over them. Returns the attention and
+    /// both written caches.
+    fn cache_layer(rows: usize, d: usize) -> [crate::graph::Value; 3] {
+        let (b, n) = (2, 16);
+        let (q, at, mask) = (input(&[b, rows, d]), input(&[1, n, 1]), input(&[rows, n]));
+        let write = |cache: &crate::graph::Value| {
+            let new = input(&[b, 1, d]);
+            let keep = broadcast(&at, &[b, n, d]);
+            crate::graph::Value { node: crate::graph::Node::pending(crate::graph::Op { kind: crate::graph::OpKind::Map(crate::primitive::MapOp::Where), inputs: vec![keep, broadcast(&new, &[b, n, d]), cache.clone()] }, crate::dtype::DType::F32, crate::device::Device::Cpu, vec![b, n, d]), layout: crate::layout::Layout::contiguous(&[b, n, d]) }
+        };
+        let (k, v) = (write(&input(&[b, n, d])), write(&input(&[b, n, d])));
+        [attention(&q, &k, &v, &mask), k, v]
+    }
+
+    /// The attention prologues of the kernels `ks` (queries, keys, values).
+    fn attention_prologues(ks: &[crate::ir::Kernel]) -> Vec<bool> {
+        ks.iter()
+            .find_map(|k| match &k.kind {
+                KernelKind::Index { prologues, .. } => Some((0..3).map(|i| prologues.get(i).is_some_and(Option::is_some)).collect()),
+                _ => None,
+            })
+            .expect("an attention kernel")
+    }
+
+    /// A decode step's cache writes, which the caller keeps, are computed
+    /// in the attention's loads as well: the attention no longer waits for
+    /// them, and they stay kernels of their own. A prompt's many query
+    /// rows would each compute every key, so there the attention reads
+    /// the written cache.
+    #[test]
+    fn kept_cache_writes_run_in_the_attention_loads_too_for_a_few_rows() {
+        let [a, k, v] = cache_layer(3, 8);
+        let ks = plan(&[&a, &k, &v], 8);
+        assert_eq!(attention_prologues(&ks), [false, true, true]);
+        let att = ks.iter().find(|k| k.kind.name() == "attention").unwrap();
+        let written: Vec<_> = ks.iter().filter(|k| k.kind.name() != "attention").flat_map(|k| k.outputs()).collect();
+        assert!(written.iter().all(|s| !att.inputs.contains(s)), "the attention reads none of the written caches");
+        assert_eq!(written.len(), 2, "both caches are still written");
+        // Written caches only the attention reads move into it.
+        let [a, _, _] = cache_layer(3, 8);
+        assert_eq!(plan(&[&a], 8).iter().map(|k| k.kind.name()).collect::<Vec<_>>(), ["attention"]);
+        // Not for many query rows, nor without the capability.
+        let [a, k, v] = cache_layer(super::MAX_KEY_READERS + 1, 8);
+        assert_eq!(attention_prologues(&plan(&[&a, &k, &v], 8)), [false, false, false]);
+        let [a, k, v] = cache_layer(3, 8);
+        assert_eq!(attention_prologues(&plan(&[&a, &k, &v], 0)), [false, false, false]);
     }
 
     #[test]

@@ -13,7 +13,10 @@
 //! when everything it reads exists at that earlier kernel's place: reads
 //! of the earlier kernel's own results, element for element, become its
 //! values instead of loads, shared inputs are loaded once, and results
-//! nobody else reads or keeps are no longer stored.
+//! nobody else reads or keeps are no longer stored. A kernel whose results
+//! nothing in the plan reads (a KV cache's write, once the attention
+//! computes the cache in its loads) may also move down to a later sibling:
+//! a decoder's 16 layers of cache writes are one dispatch, not 16.
 
 use super::refine::{common_refinement, split_expr};
 use crate::ir::{Expr, Instr, Kernel, KernelKind, Load, Plan, Slot};
@@ -32,12 +35,19 @@ const MAX_INSTRS: usize = 512;
 /// extra outputs counted among them.
 pub(crate) fn fuse_siblings(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: usize) {
     let kernels = std::mem::take(&mut plan.kernels);
+    // Slots some kernel reads: a kernel none of whose results is among them
+    // may run later than its place.
+    let read: HashSet<Slot> = kernels.iter().flat_map(|k| k.inputs.iter().copied()).collect();
     let mut out: Vec<Kernel> = Vec::with_capacity(kernels.len());
     // Which kernel of `out` writes each slot.
     let mut writer: HashMap<Slot, usize> = HashMap::with_capacity(kernels.len() * 2);
     for k in kernels {
         let target = match &k.kind {
-            KernelKind::Elementwise { .. } => best_sibling(plan, &out, &writer, &k, max_inputs),
+            KernelKind::Elementwise { .. } => best_sibling(plan, &out, &writer, &k, max_inputs).or_else(|| {
+                let a = later_sibling(plan, &out, &writer, &read, &k, max_inputs)?;
+                move_to_end(&mut out, &mut writer, a);
+                Some(out.len() - 1)
+            }),
             _ => None,
         };
         match target {
@@ -74,6 +84,40 @@ fn best_sibling(plan: &Plan, out: &[Kernel], writer: &HashMap<Slot, usize>, k: &
         }
     }
     best.map(|(_, a)| a)
+}
+
+/// An earlier kernel of `out` that `k` could join if it ran at `k`'s place:
+/// one whose results nothing reads, so it may run later (a KV cache's
+/// writes, which the attention kernels compute in their own loads; each
+/// layer's write joins the earlier layers', one dispatch instead of one a
+/// layer). The one sharing the most buffers with `k`.
+fn later_sibling(plan: &Plan, out: &[Kernel], writer: &HashMap<Slot, usize>, read: &HashSet<Slot>, k: &Kernel, max_inputs: usize) -> Option<usize> {
+    let KernelKind::Elementwise { expr, shape } = &k.kind else { return None };
+    let mut best: Option<(usize, usize)> = None;
+    for (ai, a) in out.iter().enumerate() {
+        if a.outputs().any(|s| read.contains(&s)) {
+            continue;
+        }
+        let Some(shared) = joinable(plan, a, ai, writer, k, expr, shape, max_inputs) else { continue };
+        if (shared > 0 || k.numel < SMALL) && best.is_none_or(|(s, _)| shared > s) {
+            best = Some((shared, ai));
+        }
+    }
+    best.map(|(_, a)| a)
+}
+
+/// Move kernel `a` of `out` to the end, renumbering the writers.
+fn move_to_end(out: &mut Vec<Kernel>, writer: &mut HashMap<Slot, usize>, a: usize) {
+    let k = out.remove(a);
+    for w in writer.values_mut() {
+        if *w > a {
+            *w -= 1;
+        }
+    }
+    for s in k.outputs() {
+        writer.insert(s, out.len());
+    }
+    out.push(k);
 }
 
 /// Whether `k` (with `expr` over `shape`) can join kernel `a` of `out`
@@ -380,6 +424,29 @@ mod tests {
         let plan = schedule(&[&w, &m, &v], gpu_like(7)).plan;
         assert!(plan.kernels.len() >= 2, "{}", plan.kernels.len());
         assert!(plan.kernels.iter().all(|k| 2 * (k.inputs.len() + k.also.len()) <= 7 || k.also.is_empty()));
+    }
+
+    /// `a` comes first and could join `b` only where `b`'s input exists:
+    /// nothing reads `a`, so it moves down to `b` (a KV cache's write of one
+    /// layer joining the next layer's). Read by a later kernel, it stays.
+    #[test]
+    fn a_kernel_nothing_reads_moves_down_to_join_a_later_sibling() {
+        let (x, y) = (input(&[64]), input(&[64]));
+        let a = unary(&x, UnaryOp::Exp);
+        let s = reduce(&unary(&y, UnaryOp::Neg), crate::primitive::ReduceOp::Sum, &[0]);
+        let b = binary(&y, &broadcast(&s, &[64]), BinaryOp::Mul);
+        let names = |p: &crate::ir::Plan| p.kernels.iter().map(|k| (k.kind.name(), 1 + k.also.len())).collect::<Vec<_>>();
+        let plan = schedule(&[&b, &s, &a], gpu_like(27)).plan;
+        assert_eq!(names(&plan), [("reduce", 1), ("elementwise", 2)]);
+        let plan = schedule(&[&b, &s, &a], cpu_caps()).plan;
+        assert_eq!(names(&plan), [("elementwise", 1), ("reduce", 1), ("elementwise", 1)], "the order it moves from");
+        // Read by a later kernel, `a` cannot move below it.
+        let c = reduce(&a, crate::primitive::ReduceOp::Max, &[0]);
+        let plan = schedule(&[&b, &s, &a, &c], gpu_like(27)).plan;
+        let at = |slot| plan.kernels.iter().position(|k| k.outputs().any(|o| o == slot)).unwrap();
+        let reads_a = plan.kernels.iter().position(|k| k.kind.name() == "reduce" && at(k.inputs[0]) == 0).expect("c reads a");
+        assert_eq!(plan.kernels[0].also.len(), 0, "a is alone");
+        assert!(reads_a > 0);
     }
 
     #[test]

@@ -81,6 +81,14 @@ pub(crate) fn qmatmul(x: &Value, w: &Value, q: crate::quant::GgmlType, n: usize)
     pending(OpKind::QMatmul(q), &[x, w], &[m, n])
 }
 
+/// `softmax(q k^T * scale + mask) v` over `q` `[b, m, d]`, `k` and `v`
+/// `[b, n, d]`, `mask` `[m, n]` broadcast over the batch.
+pub(crate) fn attention(q: &Value, k: &Value, v: &Value, mask: &Value) -> Value {
+    let d = q.layout.dims();
+    let mask = broadcast(mask, &[d[0], d[1], k.layout.dims()[1]]);
+    pending(OpKind::Index(crate::primitive::IndexOp::Attention { scale: 0.5 }), &[q, k, v, &mask], d)
+}
+
 /// Kind names of the kernels that would realize `targets`.
 pub(crate) fn kinds(targets: &[&Value], row_kernels: bool) -> Vec<&'static str> {
     let caps = Capabilities { row_kernels, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0 };

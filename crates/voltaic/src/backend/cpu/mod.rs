@@ -169,8 +169,8 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
                 }
             }
         }
-        KernelKind::Index { prologue: Some(_), .. } => bail!(Device, "realize", "an index kernel with a fused prologue reached the CPU executor"),
-        KernelKind::Index { op, args, prologue: None } => index::run(op, args, &inputs, k.dtype, k.numel)?,
+        KernelKind::Index { prologues, .. } if prologues.iter().any(Option::is_some) => bail!(Device, "realize", "an index kernel with a fused prologue reached the CPU executor"),
+        KernelKind::Index { op, args, .. } => index::run(op, args, &inputs, k.dtype, k.numel)?,
         // The CPU keeps reductions as their own kernels (rows are in cache anyway).
         KernelKind::Rows { .. } => bail!(Device, "realize", "a row-fused kernel reached the CPU executor"),
         // The CPU does not ask for them (`Capabilities::multi_output`).

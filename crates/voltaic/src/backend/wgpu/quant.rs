@@ -208,7 +208,7 @@ impl Gen<'_> {
         self.epilogue(&mut sh, epi)?;
         if let Some(p) = pro {
             // The prologue's constants follow the epilogue's (`KernelKind::exprs` order).
-            prologue_fns(&mut sh, p, epi.map_or(0, |e| e.expr.consts.len()))?;
+            prologue_fns(&mut sh, p, epi.map_or(0, |e| e.expr.consts.len()), "pro_a")?;
         }
         sh.decl(&deq_fn(q, &format!("in{}", w.input)));
         Ok(sh)
@@ -465,24 +465,26 @@ fn stage_args(stages: usize, i: usize) -> String {
 
 /// Declare the prologue's functions: `pro_s{s}(l, st0, ...)`, stage `s`'s
 /// value at element `l` of the operand (a reduced stage) or at row `l` (a
-/// per-row stage), and `pro_a(l, st0, ...)`, the operand's element `l`,
-/// each given the earlier stages' values of its row. Their constants start
-/// at `base` among the kernel's.
-pub(crate) fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize) -> Result<()> {
+/// per-row stage), and `name(l, st0, ...)` (`pro_a` before a GEMV), the
+/// operand's element `l`, each given the earlier stages' values of its row.
+/// Their constants start at `base` among the kernel's. (An attention
+/// kernel's several prologues are elementwise, without stages, so their
+/// names are all they need to differ in.)
+pub(crate) fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize, name: &str) -> Result<()> {
     let params = |n: usize| -> String { p.stages[..n].iter().enumerate().map(|(s, st)| format!(", st{s}: {}", compute_ty(st.dtype))).collect() };
     let mut base = base;
     for (s, st) in p.stages.iter().chain([&p.out]).enumerate() {
         sh.set_const_base(base);
         base += st.expr.consts.len();
-        let mut body = String::new();
-        let mut ix = Indexer::new(&st.shape, "l");
-        let v = emit_expr_with(&mut body, sh, &mut ix, &st.expr, &stage_values(st))?;
         // A reduced stage's elements and the operand are f32; a per-row value is in its stage's type.
         let (name, ty) = match st.op {
-            _ if s == p.stages.len() => ("pro_a".to_string(), DType::F32),
+            _ if s == p.stages.len() => (name.to_string(), DType::F32),
             Some(_) => (format!("pro_s{s}"), DType::F32),
             None => (format!("pro_s{s}"), st.dtype),
         };
+        let mut body = String::new();
+        let mut ix = Indexer::new(&st.shape, "l");
+        let v = emit_expr_with(&mut body, sh, &mut ix, &st.expr, &stage_values(st))?;
         sh.decl(&format!("fn {name}(l: u32{}) -> {} {{\n{body}    return {};\n}}", params(s), compute_ty(ty), cast(st.expr.dtype(), ty, &v)));
     }
     Ok(())

@@ -15,8 +15,8 @@ use std::fmt::Write;
 
 impl Gen<'_> {
     /// The dispatches of an index-like kernel.
-    pub(crate) fn index(&self, p: &mut WgslProgram, op: &IndexOp, args: &[View], prologue: Option<&Prologue>) -> Result<()> {
-        if prologue.is_some() && !matches!(op, IndexOp::Attention { .. }) {
+    pub(crate) fn index(&self, p: &mut WgslProgram, op: &IndexOp, args: &[View], prologues: &[Option<Prologue>]) -> Result<()> {
+        if prologues.iter().any(Option::is_some) && !matches!(op, IndexOp::Attention { .. }) {
             bail!(Device, "realize", "a prologue before {} (only attention takes one)", op.name());
         }
         match *op {
@@ -42,7 +42,7 @@ impl Gen<'_> {
             IndexOp::Unfold { params, pad } => p.dispatches.push(self.unfold(&args[0], &params, pad)),
             IndexOp::Fold { params, hw } => p.dispatches.push(self.fold(&args[0], &params, hw)),
             IndexOp::Dequantize { qtype, cols, .. } => p.dispatches.push(self.dequantize_rows(qtype, cols, &args[0], &args[1], op.error_code())),
-            IndexOp::Attention { scale } => self.attention(p, scale, args, prologue)?,
+            IndexOp::Attention { scale } => self.attention(p, scale, args, prologues)?,
         }
         Ok(())
     }
@@ -62,9 +62,10 @@ impl Gen<'_> {
     /// two products and a softmax. The leading dims are walked as they lie
     /// (heads split from a projection do not flatten).
     ///
-    /// With a prologue (elementwise work whose result only this kernel
-    /// reads, such as RoPE of the queries), each query element is computed
-    /// where it would have been loaded.
+    /// With prologues (elementwise work over the queries, keys or values,
+    /// such as RoPE of the queries or a KV cache's write of the new token),
+    /// each element of that operand is computed where it would have been
+    /// loaded.
     ///
     /// A few query rows over many keys (a decode step: 9 rows of SmolLM2,
     /// so 9 of the GPU's workgroups) split their keys over several
@@ -72,23 +73,39 @@ impl Gen<'_> {
     /// maximum, weight sum and weighted sums; the last of a row to finish
     /// (a ticket from the device's counters, see `Shader::counters`) adds
     /// them, rescaled to the row's maximum, and resets the row's counter.
-    fn attention(&self, p: &mut WgslProgram, scale: f64, args: &[View], prologue: Option<&Prologue>) -> Result<()> {
+    fn attention(&self, p: &mut WgslProgram, scale: f64, args: &[View], prologues: &[Option<Prologue>]) -> Result<()> {
         let threads = if self.caps.software { LANES } else { attention_threads().min(self.caps.max_invocations as usize).max(LANES) };
         let kg = threads / LANES;
         let [q, k, v, mask] = args else { unreachable!("attention has four inputs") };
+        let pro = |i: usize| prologues.get(i).and_then(Option::as_ref);
         let mut sh = self.shader();
-        let mut read = match prologue {
-            Some(p) => p.out.expr.loads.iter().map(|l| l.input).collect(),
-            None => vec![q.input],
-        };
-        read.extend([k.input, v.input, mask.input]);
+        let mut read = vec![];
+        for (i, a) in args.iter().enumerate() {
+            match pro(i) {
+                Some(p) => read.extend(p.stages.iter().chain([&p.out]).flat_map(|s| s.expr.loads.iter().map(|l| l.input))),
+                None => read.push(a.input),
+            }
+        }
         read.sort_unstable();
         read.dedup();
         self.bind_inputs(&mut sh, &read);
         self.bind_out(&mut sh);
-        if let Some(p) = prologue {
-            crate::backend::wgpu::quant::prologue_fns(&mut sh, p, 0)?;
+        // Each prologue's constants follow the earlier ones' (`KernelKind::exprs` order).
+        let mut base = 0;
+        for (i, name) in ["pro_q", "pro_k", "pro_v"].into_iter().enumerate() {
+            if let Some(p) = pro(i) {
+                crate::backend::wgpu::quant::prologue_fns(&mut sh, p, base, name)?;
+                base += p.stages.iter().chain([&p.out]).map(|s| s.expr.consts.len()).sum::<usize>();
+            }
         }
+        if pro(3).is_some() {
+            bail!(Device, "realize", "a prologue before an attention kernel's mask");
+        }
+        // Element `at` of arg `i`: computed by its prologue, or loaded.
+        let value = |i: usize, input: usize, at: String| match pro(i) {
+            Some(_) => format!("{}({at})", ["pro_q", "pro_k", "pro_v"][i]),
+            None => format!("ld_in{input}({at})"),
+        };
         let (qd, kd, vd) = (q.layout.dims(), k.layout.dims(), v.layout.dims());
         let r = qd.len();
         let lead_dims = &qd[..r - 2];
@@ -131,10 +148,7 @@ impl Gen<'_> {
         let lead = unravel(&mut b, &mut sh, "bi", lead_dims);
         let at = |l: &Layout, tail: [&str; 2]| at_lead(&lead, l, tail);
         let q_at = at(&q.layout, ["mi", "i"]);
-        let q_value = match prologue {
-            Some(_) => format!("pro_a({q_at})"),
-            None => format!("ld_in{qi}({q_at})"),
-        };
+        let q_value = value(0, qi, q_at);
         let _ = writeln!(b, "    for (var i = lid; i < {d}u; i = i + {threads}u) {{ qs[i] = {q_value}; }}");
         // The running maximum starts at -inf: a finite sentinel would sit
         // above scores masked with f32::MIN and zero their weights.
@@ -144,7 +158,7 @@ impl Gen<'_> {
         }
         let _ = writeln!(b, "    for (var c = {k0}; c < {k1}; c = c + {threads}u) {{\n    let p = c + lid;\n    var s = ninf;");
         if slices == 1 {
-            let _ = writeln!(b, "    if (p < {k1}) {{\n        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * ld_in{ki}({}); }}", at(&k.layout, ["p", "i"]));
+            let _ = writeln!(b, "    if (p < {k1}) {{\n        var dot = 0.0;\n        for (var i = 0u; i < {d}u; i = i + 1u) {{ dot = dot + qs[i] * {}; }}", value(1, ki, at(&k.layout, ["p", "i"])));
         } else {
             // Thread `lid` adds slice `lid % slices` of keys `lid / slices + j * (threads / slices)`:
             // the threads of a warp read whole key rows, not one element of 32 rows.
@@ -156,8 +170,8 @@ impl Gen<'_> {
                 let _ = writeln!(b, "    {{\n        let kk = lid / {slices}u + {}u;\n        let pk = c + kk;\n        var dot = 0.0;", j * span);
                 let _ = writeln!(
                     b,
-                    "        if (pk < {k1}) {{ for (var ii = 0u; ii < {per_slice}u; ii = ii + 1u) {{ let i = i0 + ii; {inside}{{ dot = dot + qs[i] * ld_in{ki}({}); }} }} }}",
-                    at(&k.layout, ["pk", "i"])
+                    "        if (pk < {k1}) {{ for (var ii = 0u; ii < {per_slice}u; ii = ii + 1u) {{ let i = i0 + ii; {inside}{{ dot = dot + qs[i] * {}; }} }} }}",
+                    value(1, ki, at(&k.layout, ["pk", "i"]))
                 );
                 let _ = writeln!(b, "        part[kk * {slices}u + sl] = dot;\n    }}");
             }
@@ -190,7 +204,7 @@ impl Gen<'_> {
             let _ = writeln!(b, "        let w0 = wts[j];\n        let w1 = wts[j + {kg}u];\n        let w2 = wts[j + {}u];\n        let w3 = wts[j + {}u];\n        l = l + ((w0 + w1) + (w2 + w3));", 2 * kg, 3 * kg);
             let _ = writeln!(b, "        let p0 = c + j;\n        let p1 = p0 + {kg}u;\n        let p2 = p0 + {}u;\n        let p3 = p0 + {}u;", 2 * kg, 3 * kg);
             for r in 0..per {
-                let vat = |pv: &str| format!("ld_in{vi}({})", at(&v.layout, [pv, "ee"]));
+                let vat = |pv: &str| value(2, vi, at(&v.layout, [pv, "ee"]));
                 let add = format!("acc{r} = acc{r} + ((w0 * {} + w1 * {}) + (w2 * {} + w3 * {}));", vat("p0"), vat("p1"), vat("p2"), vat("p3"));
                 let _ = writeln!(b, "        {}", lane_elem(r, e, &add));
             }
@@ -198,7 +212,7 @@ impl Gen<'_> {
         }
         let _ = writeln!(b, "    while (j < cnt) {{\n        let wj = wts[j];\n        l = l + wj;\n        let pj = c + j;");
         for r in 0..per {
-            let _ = writeln!(b, "        {}", lane_elem(r, e, &format!("acc{r} = acc{r} + wj * ld_in{vi}({});", at(&v.layout, ["pj", "ee"]))));
+            let _ = writeln!(b, "        {}", lane_elem(r, e, &format!("acc{r} = acc{r} + wj * {};", value(2, vi, at(&v.layout, ["pj", "ee"])))));
         }
         // The next chunk overwrites the scores and weights.
         let _ = writeln!(b, "        j = j + {kg}u;\n    }}\n    mx = nm;\n    workgroupBarrier();\n    }}");
@@ -224,7 +238,10 @@ impl Gen<'_> {
                 let _ = writeln!(b, "    {}", lane_elem(r, e, &format!("st_out(row * {e}u + ee, acc{r} / l);")));
             }
         }
-        let mut label = if prologue.is_some() { "attention with a prologue".to_string() } else { "attention".to_string() };
+        let mut label = match ["queries", "keys", "values"].iter().enumerate().filter(|&(i, _)| pro(i).is_some()).map(|(_, n)| *n).collect::<Vec<_>>() {
+            none if none.is_empty() => "attention".to_string(),
+            some => format!("attention computing its {}", some.join(" and ")),
+        };
         if splits > 1 {
             let _ = write!(label, ", keys in {splits} splits");
         }
