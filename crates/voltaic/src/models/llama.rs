@@ -349,11 +349,9 @@ pub struct Llama {
     norm: Tensor,
     /// `None`: tied to `embed`.
     output: Option<Weight>,
-    /// `[context, 2, head_dim]`: each position's cosines, one per element
-    /// (a pair's two elements share theirs; 1 past `rope_dims`), then its
-    /// sines, signed for the element they scale (`-sin` for a pair's first
-    /// element, `+sin` for its second; 0 past `rope_dims`). One table, so
-    /// a step gathers its positions' rows in one kernel.
+    /// `[context, 2, head_dim]`: each position's two rows of RoPE weights
+    /// (see [`rope_table`]). One table, so a step gathers its positions'
+    /// rows in one kernel.
     angles: Tensor,
     /// Where each element's pair partner is: see [`Partner`].
     partner: Partner,
@@ -367,14 +365,45 @@ pub struct Llama {
 /// `rope_dims`, `x[e]` past it).
 #[derive(Clone, Debug)]
 enum Partner {
-    /// An even head dim: the head seen as `[head_dim / 2, 2]` pairs, the
-    /// partner chosen from two broadcast views of it by two constant masks
-    /// `[head_dim / 2, 2]`: whether the element is a pair's first, and
-    /// whether it is rotated. Views and masks fuse into the rotation's own
-    /// kernel, where a gather was a kernel of its own (30 a decode step).
-    Pairs { first: Tensor, rotated: Tensor },
+    /// An even head dim: the head seen as `[head_dim / 2, 2]` pairs, each
+    /// element a weighted sum of its pair's two, read through two broadcast
+    /// views (see [`rope_table`]). The views fuse into the rotation's own
+    /// kernel, where a gather was a kernel of its own (30 a decode step),
+    /// and the sum needs no select: in the attention kernel's loads, where
+    /// a decode step's keys are rotated, each select and each mask is one
+    /// more load for every key element.
+    Pairs,
     /// An odd head dim: the partners' indices `[head_dim]`, gathered.
     Gather(Tensor),
+}
+
+/// The RoPE weights of `positions` positions, `[positions, 2, d]` (`d` the
+/// head dim), where `angle(p, i)` is pair `i`'s angle at position `p`.
+/// For an even `d`, the weights of each element's pair's first and second
+/// elements: `(cos, -sin)` for a pair's first element, `(sin, cos)` for
+/// its second, and `(1, 0)`, `(0, 1)` past `rope_dims`. For an odd `d`,
+/// each element's cosine and the sine that scales its partner (`-sin` for
+/// a pair's first, `+sin` for its second; 1 and 0 past `rope_dims`).
+fn rope_table(d: usize, rope_dims: usize, positions: usize, angle: impl Fn(usize, usize) -> f64) -> Vec<f32> {
+    let mut out = Vec::with_capacity(positions * 2 * d);
+    for p in 0..positions {
+        let (mut w0, mut w1) = (Vec::with_capacity(d), Vec::with_capacity(d));
+        for e in 0..d {
+            let (c, s) = if e < rope_dims { (angle(p, e / 2).cos(), angle(p, e / 2).sin()) } else { (1.0, 0.0) };
+            // A pair's first element is `x0 c - x1 s` either way.
+            let (a, b) = if e.is_multiple_of(2) {
+                (c, -s)
+            } else if d.is_multiple_of(2) {
+                (s, c)
+            } else {
+                (c, s)
+            };
+            w0.push(a as f32);
+            w1.push(b as f32);
+        }
+        out.extend(w0.into_iter().chain(w1));
+    }
+    out
 }
 
 impl Llama {
@@ -412,22 +441,8 @@ impl Llama {
         let norm = vector("output_norm.weight")?;
         // Angles in f64, as the reference computes them, rounded once.
         let d = c.head_dim;
-        let mut angles = Vec::with_capacity(c.context * 2 * d);
-        for p in 0..c.context {
-            let (mut cos, mut sin) = (Vec::with_capacity(d), Vec::with_capacity(d));
-            for e in 0..d {
-                if e < c.rope_dims {
-                    let a = c.rope_scaling.angle(p, e / 2, c.rope_freq_base.powf(-2.0 * (e / 2) as f64 / c.rope_dims as f64));
-                    cos.push(a.cos() as f32);
-                    sin.push(if e % 2 == 0 { -a.sin() } else { a.sin() } as f32);
-                } else {
-                    cos.push(1.0);
-                    sin.push(0.0);
-                }
-            }
-            angles.extend(cos.into_iter().chain(sin));
-        }
-        let angles = Tensor::from_vec(angles, &[c.context, 2, d], device)?;
+        let angle = |p: usize, i: usize| c.rope_scaling.angle(p, i, c.rope_freq_base.powf(-2.0 * i as f64 / c.rope_dims as f64));
+        let angles = Tensor::from_vec(rope_table(d, c.rope_dims, c.context, angle), &[c.context, 2, d], device)?;
         let partner = Partner::new(d, c.rope_dims, device)?;
         Ok(Llama { config: c, embed, blocks, norm, output, angles, partner, device, decode: Default::default() })
     }
@@ -654,10 +669,10 @@ impl Llama {
 
     /// Rotate adjacent pairs `(x[2i], x[2i + 1])` of the first `rope_dims`
     /// of each head of `x` `[t, heads, head_dim]` by each position's angles
-    /// (`cos`, `sin`: the tables' rows of the positions, `[t, 1, head_dim]`):
-    /// `x * cos + partner(x) * signed sin`, one fused kernel (see [`Partner`]).
+    /// (`cos`, `sin`: the two rows of [`rope_table`] of the positions,
+    /// `[t, 1, head_dim]`), one fused kernel (see [`Partner`]).
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        x.mul(cos)?.add(&self.partner.of(x)?.mul(sin)?)
+        self.partner.rotate(x, cos, sin)
     }
 }
 
@@ -666,9 +681,7 @@ impl Partner {
     /// pairs unless `d` is odd.
     fn new(d: usize, rope_dims: usize, device: Device) -> Result<Partner> {
         Ok(if d.is_multiple_of(2) {
-            let first: Vec<bool> = (0..d).map(|e| e % 2 == 0).collect();
-            let rotated: Vec<bool> = (0..d).map(|e| e < rope_dims).collect();
-            Partner::Pairs { first: Tensor::from_vec(first, &[d / 2, 2], device)?, rotated: Tensor::from_vec(rotated, &[d / 2, 2], device)? }
+            Partner::Pairs
         } else {
             // The last element of an odd head has no partner inside it.
             let idx: Vec<i32> = (0..d as i32).map(|e| if (e as usize) < rope_dims && ((e ^ 1) as usize) < d { e ^ 1 } else { e }).collect();
@@ -676,26 +689,26 @@ impl Partner {
         })
     }
 
-    /// Each element's partner in `x` `[t, heads, d]`.
-    fn of(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x` `[t, heads, d]` rotated by the weights `w0`, `w1` `[t, 1, d]`
+    /// (rows of [`rope_table`]).
+    fn rotate(&self, x: &Tensor, w0: &Tensor, w1: &Tensor) -> Result<Tensor> {
         match self {
-            Partner::Pairs { first, rotated } => {
+            Partner::Pairs => {
                 let (t, heads, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
-                let pairs = x.reshape_dims(&[t, heads, d / 2, 2])?;
-                let half = |i| pairs.narrow(3, i, 1)?.broadcast_to(&[t, heads, d / 2, 2]);
-                // A first element's partner is its pair's second, and back.
-                let swapped = first.where_cond(&half(1)?, &half(0)?)?;
-                rotated.where_cond(&swapped, &pairs)?.reshape_dims(&[t, heads, d])
+                let shape = [t, heads, d / 2, 2];
+                let pairs = x.reshape_dims(&shape)?;
+                let half = |i| pairs.narrow(3, i, 1)?.broadcast_to(&shape);
+                let w = |w: &Tensor| w.reshape_dims(&[w.dims()[0], 1, d / 2, 2]);
+                half(0)?.mul(&w(w0)?)?.add(&half(1)?.mul(&w(w1)?)?)?.reshape_dims(&[t, heads, d])
             }
-            Partner::Gather(idx) => x.index_select(2, idx),
+            Partner::Gather(idx) => x.mul(w0)?.add(&x.index_select(2, idx)?.mul(w1)?),
         }
     }
 
     /// Bytes its constants take on the device.
     fn size_in_bytes(&self) -> usize {
         match self {
-            // Booleans are stored as 32-bit words on the GPU.
-            Partner::Pairs { first, rotated } => 4 * (first.numel() + rotated.numel()),
+            Partner::Pairs => 0,
             Partner::Gather(idx) => 4 * idx.numel(),
         }
     }
@@ -756,25 +769,52 @@ pub fn smollm2_path() -> Result<std::path::PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Partner, RopeScaling};
+    use super::{rope_table, Partner, RopeScaling};
     use crate::{DType, Device, Tensor};
 
-    /// Both ways of finding RoPE partners give `x[e ^ 1]` below `rope_dims`
-    /// and `x[e]` past it, on a strided `x` (a narrowed projection, as the
-    /// stacked one is), on the CPU and the GPU.
+    /// Both ways of rotating (pairs of an even head dim, a gather for an
+    /// odd one) rotate `(x[2i], x[2i + 1])` by pair `i`'s angle below
+    /// `rope_dims` and keep `x[e]` past it, on a strided `x` (a narrowed
+    /// projection, as the stacked one is) and on a key broadcast over the
+    /// cache's slots (as a decode step writes it), on the CPU and the GPU,
+    /// against f64.
     #[test]
-    fn rope_partners_pair_neighbours_below_rope_dims() {
+    fn rope_rotates_pairs_below_rope_dims() {
+        let angle = |p: usize, i: usize| 0.3 + p as f64 * 0.7 + i as f64 * 1.1;
         for dev in [Device::Cpu, Device::Gpu(0)] {
-            for (d, rope) in [(8, 8), (8, 6), (8, 5), (7, 4), (7, 7)] {
+            for (d, rope) in [(8, 8), (8, 6), (8, 4), (7, 4), (7, 6)] {
                 let (t, heads) = (3, 2);
+                let table = Tensor::from_vec(rope_table(d, rope, 5, angle), &[5, 2, d], dev).unwrap();
+                let pos = Tensor::from_vec(vec![4i32, 0, 2], &[t], dev).unwrap();
+                let rows = table.index_select(0, &pos).unwrap();
+                let (w0, w1) = (rows.narrow(1, 0, 1).unwrap(), rows.narrow(1, 1, 1).unwrap());
                 let wide = Tensor::randn(&[t, heads * d + 5], DType::F32, dev).unwrap();
                 let x = wide.narrow(1, 2, heads * d).unwrap().reshape_dims(&[t, heads, d]).unwrap();
-                let got = Partner::new(d, rope, dev).unwrap().of(&x).unwrap().to_vec::<f32>().unwrap();
+                let partner = Partner::new(d, rope, dev).unwrap();
                 let xv = x.to_vec::<f32>().unwrap();
-                for (i, g) in got.iter().enumerate() {
+                let want = |i: usize, p: usize| {
                     let e = i % d;
-                    let p = if e < rope && (e ^ 1) < d { e ^ 1 } else { e };
-                    assert_eq!(*g, xv[i - e + p], "{dev} d {d} rope_dims {rope}: element {i}");
+                    let x = |e: usize| xv[i - i % d + e] as f64;
+                    if e >= rope || (e ^ 1) >= d {
+                        return x(e);
+                    }
+                    let (c, s) = (angle(p, e / 2).cos(), angle(p, e / 2).sin());
+                    if e.is_multiple_of(2) { x(e) * c - x(e + 1) * s } else { x(e - 1) * s + x(e) * c }
+                };
+                let got = partner.rotate(&x, &w0, &w1).unwrap().to_vec::<f32>().unwrap();
+                for (i, g) in got.iter().enumerate() {
+                    let p = [4, 0, 2][i / (heads * d)];
+                    assert!((*g as f64 - want(i, p)).abs() < 1e-5, "{dev} d {d} rope_dims {rope}: element {i} is {g}, expected {}", want(i, p));
+                }
+                // One token's key broadcast over 4 slots, at position 2.
+                let one = x.narrow(0, 2, 1).unwrap().permute(&[1, 0, 2]).unwrap().broadcast_to(&[heads, 4, d]).unwrap();
+                let (w0, w1) = (w0.narrow(0, 2, 1).unwrap(), w1.narrow(0, 2, 1).unwrap());
+                let got = partner.rotate(&one, &w0, &w1).unwrap().to_vec::<f32>().unwrap();
+                for (i, g) in got.iter().enumerate() {
+                    // Element e of head h at token 2.
+                    let (h, e) = (i / (4 * d), i % d);
+                    let w = want(2 * heads * d + h * d + e, 2);
+                    assert!((*g as f64 - w).abs() < 1e-5, "{dev} d {d} rope_dims {rope}, broadcast: element {i} is {g}, expected {w}");
                 }
             }
         }
