@@ -85,7 +85,10 @@ fn attention_producer(plan: &Plan, ai: usize, arg: usize, kept: &HashSet<Slot>, 
     }
     let with_prologue = |j: usize| prologues.get(j).is_some_and(Option::is_some);
     let slot = ak.inputs[args[arg].input];
-    if args.iter().enumerate().any(|(j, a)| j != arg && !with_prologue(j) && ak.inputs[a.input] == slot) {
+    // Read by another operand, or by an earlier prologue's loads (queries
+    // computed from the keys), the buffer stays.
+    let loaded = prologues.iter().flatten().any(|p| p.out.expr.loads.iter().any(|l| ak.inputs[l.input] == slot));
+    if loaded || args.iter().enumerate().any(|(j, a)| j != arg && !with_prologue(j) && ak.inputs[a.input] == slot) {
         return None;
     }
     let elsewhere = kept.contains(&slot) || plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count() != 1;
@@ -109,7 +112,8 @@ fn fuse_attention_arg(plan: &mut Plan, pi: usize, ai: usize, arg: usize, stays: 
     let (p, ai) = if stays { (plan.kernels[pi].clone(), ai) } else { (plan.kernels.remove(pi), ai - 1) };
     let ak = &mut plan.kernels[ai];
     let KernelKind::Index { args, prologues, .. } = &mut ak.kind else { unreachable!("checked by `attention_producer`") };
-    // The operand's buffer is no longer read: drop it and renumber the
+    // The operand's buffer is no longer read (`attention_producer` checked
+    // that nothing else in the kernel reads it): drop it and renumber the
     // later inputs, in the other operands and in earlier prologues' loads.
     let gone = args[arg].input;
     ak.inputs.remove(gone);
@@ -314,6 +318,28 @@ mod tests {
         assert_eq!(attention_prologues(&plan(&[&a, &k, &v], 8)), [false, false, false]);
         let [a, k, v] = cache_layer(3, 8);
         assert_eq!(attention_prologues(&plan(&[&a, &k, &v], 0)), [false, false, false]);
+    }
+
+    /// Keys that the queries' prologue reads (queries computed from the
+    /// keys) stay a kernel and a buffer: the keys' producer would otherwise
+    /// move into the attention, and the queries' loads read a buffer that
+    /// nothing writes.
+    #[test]
+    fn keys_the_query_prologue_reads_stay_a_buffer() {
+        let (b, m, n, d) = (2, 3, 16, 8);
+        // (The intermediate values are dropped: a value still held is kept.)
+        let a = {
+            let k = unary(&unary(&input(&[b, n, d]), UnaryOp::Neg), UnaryOp::Sqrt);
+            let first = crate::graph::Value { node: k.node.clone(), layout: k.layout.slice(1, 0, m, 1) };
+            attention(&unary(&first, UnaryOp::Exp), &k, &input(&[b, n, d]), &input(&[m, n]))
+        };
+        let ks = plan(&[&a], 8);
+        assert_eq!(attention_prologues(&ks), [true, false, false]);
+        let att = ks.iter().find(|k| k.kind.name() == "attention").expect("an attention kernel");
+        let KernelKind::Index { prologues, args, .. } = &att.kind else { unreachable!() };
+        let k_slot = ks.iter().find(|k| k.ops.contains(&"sqrt")).expect("the keys are a kernel").out;
+        let q_reads: Vec<_> = prologues[0].as_ref().unwrap().out.expr.loads.iter().map(|l| att.inputs[l.input]).collect();
+        assert_eq!((q_reads, att.inputs[args[1].input]), (vec![k_slot], k_slot));
     }
 
     #[test]
