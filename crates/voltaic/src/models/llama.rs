@@ -559,7 +559,7 @@ impl Llama {
         let mask = group_mask(&Tensor::full(&[t, cap], -1e30, DType::F32, dev)?.masked_fill(&visible, 0.0)?, c)?;
         let angles = self.angles.index_select(0, pos)?;
         let rows = |k: usize| angles.narrow(1, k, 1);
-        let (cos, sin) = (rows(0)?, rows(1)?);
+        let (w0, w1) = (rows(0)?, rows(1)?);
         // Write a layer's new keys and values into their slots. One decoded
         // token's key rotates where it is written: the rotation of the key
         // broadcast over the slots is the cache write's own work (one
@@ -575,7 +575,7 @@ impl Llama {
             let new = new.permute(&[1, 0, 2])?;
             let spread = match &src {
                 Some(src) => new.index_select(1, src)?,
-                None if rotate => self.rope(&new.broadcast_to(&[kvh, cap, hd])?, &cos, &sin)?,
+                None if rotate => self.rope(&new.broadcast_to(&[kvh, cap, hd])?, &w0, &w1)?,
                 None => new.broadcast_to(&[kvh, cap, hd])?,
             };
             keep.where_cond(&spread.reshape_dims(&shape)?, &cache_t.reshape_dims(&shape)?)?.reshape_dims(&[kvh, cap, hd])
@@ -588,8 +588,8 @@ impl Llama {
             // kernel that reads it).
             {
                 let hn = rms_norm(&x, &b.attn_norm, c.rms_eps)?;
-                let (q, kn, vn) = self.qkv(b, &hn, &cos, &sin)?;
-                let kn = if t > 1 { self.rope(&kn, &cos, &sin)? } else { kn };
+                let (q, kn, vn) = self.qkv(b, &hn, &w0, &w1)?;
+                let kn = if t > 1 { self.rope(&kn, &w0, &w1)? } else { kn };
                 k[l] = put(&k[l], &kn, t == 1)?;
                 v[l] = put(&v[l], &vn, false)?;
                 let a = attention(&q, &k[l], &v[l], &mask, c)?;
@@ -646,7 +646,7 @@ impl Llama {
     /// `b` for the normed input `hn` `[t, hidden]`. The queries rotate
     /// apart from the keys, so that on a GPU their rotation, read by the
     /// attention kernel only, becomes that kernel's prologue.
-    fn qkv(&self, b: &Block, hn: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn qkv(&self, b: &Block, hn: &Tensor, w0: &Tensor, w1: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
         let (t, d) = (hn.dims()[0], c.head_dim);
         let (h, kvd) = (c.hidden, c.kv_heads * d);
@@ -654,14 +654,14 @@ impl Llama {
             Stacked::One { w, .. } => {
                 // Columns: queries, keys, values (the order `from_gguf` stacks them in).
                 let y = w.forward(hn)?;
-                let q = self.rope(&y.narrow(1, 0, h)?.reshape_dims(&[t, c.heads, d])?, cos, sin)?;
+                let q = self.rope(&y.narrow(1, 0, h)?.reshape_dims(&[t, c.heads, d])?, w0, w1)?;
                 let k = y.narrow(1, h, kvd)?.reshape_dims(&[t, c.kv_heads, d])?;
                 let v = y.narrow(1, h + kvd, kvd)?.reshape_dims(&[t, c.kv_heads, d])?;
                 Ok((q, k, v))
             }
             Stacked::Apart(_) => {
                 let p = b.qkv.forward(hn)?;
-                let q = self.rope(&p[0].reshape_dims(&[t, c.heads, d])?, cos, sin)?;
+                let q = self.rope(&p[0].reshape_dims(&[t, c.heads, d])?, w0, w1)?;
                 Ok((q, p[1].reshape_dims(&[t, c.kv_heads, d])?, p[2].reshape_dims(&[t, c.kv_heads, d])?))
             }
         }
@@ -669,10 +669,10 @@ impl Llama {
 
     /// Rotate adjacent pairs `(x[2i], x[2i + 1])` of the first `rope_dims`
     /// of each head of `x` `[t, heads, head_dim]` by each position's angles
-    /// (`cos`, `sin`: the two rows of [`rope_table`] of the positions,
+    /// (`w0`, `w1`: the two rows of [`rope_table`] of the positions,
     /// `[t, 1, head_dim]`), one fused kernel (see [`Partner`]).
-    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        self.partner.rotate(x, cos, sin)
+    fn rope(&self, x: &Tensor, w0: &Tensor, w1: &Tensor) -> Result<Tensor> {
+        self.partner.rotate(x, w0, w1)
     }
 }
 
