@@ -177,6 +177,11 @@ impl Factored {
 }
 
 impl Prologue {
+    /// Its stages, then the operand's stage.
+    pub fn all_stages(&self) -> impl Iterator<Item = &RowStage> {
+        self.stages.iter().chain([&self.out])
+    }
+
     /// The prologue's factored form (see [`Factored`]), if it has one.
     pub fn factored(&self) -> Option<Factored> {
         Factored::of(&self.stages, &self.out)
@@ -286,11 +291,11 @@ impl KernelKind {
         match self {
             KernelKind::Elementwise { expr, .. } | KernelKind::Reduce { expr, .. } | KernelKind::Multi { expr, .. } => vec![expr],
             KernelKind::Matmul { epilogue, prologue, .. } => {
-                let pro = prologue.iter().flat_map(|p| p.stages.iter().chain([&p.out])).map(|s| &s.expr);
+                let pro = prologue.iter().flat_map(Prologue::all_stages).map(|s| &s.expr);
                 epilogue.iter().map(|e| &e.expr).chain(pro).collect()
             }
             KernelKind::Rows { stages, out, .. } => stages.iter().chain([out]).map(|s| &s.expr).collect(),
-            KernelKind::Index { prologues, .. } => prologues.iter().flatten().flat_map(|p| p.stages.iter().chain([&p.out])).map(|s| &s.expr).collect(),
+            KernelKind::Index { prologues, .. } => prologues.iter().flatten().flat_map(Prologue::all_stages).map(|s| &s.expr).collect(),
         }
     }
 

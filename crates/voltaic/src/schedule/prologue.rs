@@ -80,10 +80,10 @@ fn fuse_attention(plan: &mut Plan, mut ai: usize, kept: &HashSet<Slot>, max_inpu
 fn attention_producer(plan: &Plan, ai: usize, arg: usize, kept: &HashSet<Slot>, max_inputs: usize) -> Option<(usize, bool)> {
     let ak = &plan.kernels[ai];
     let KernelKind::Index { op: IndexOp::Attention { .. }, args, prologues } = &ak.kind else { return None };
-    if prologues.get(arg).is_some_and(Option::is_some) {
+    let with_prologue = |j: usize| prologues.get(j).is_some_and(Option::is_some);
+    if with_prologue(arg) {
         return None;
     }
-    let with_prologue = |j: usize| prologues.get(j).is_some_and(Option::is_some);
     let slot = ak.inputs[args[arg].input];
     // Read by another operand, or by an earlier prologue's loads (queries
     // computed from the keys), the buffer stays.

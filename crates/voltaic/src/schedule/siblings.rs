@@ -43,10 +43,12 @@ pub(crate) fn fuse_siblings(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: u
     let mut writer: HashMap<Slot, usize> = HashMap::with_capacity(kernels.len() * 2);
     for k in kernels {
         let target = match &k.kind {
-            KernelKind::Elementwise { .. } => best_sibling(plan, &out, &writer, &k, max_inputs).or_else(|| {
-                let a = later_sibling(plan, &out, &writer, &read, &k, max_inputs)?;
+            KernelKind::Elementwise { .. } => best_sibling(plan, &out, &writer, &read, &k, max_inputs).map(|(a, moves)| {
+                if !moves {
+                    return a;
+                }
                 move_to_end(&mut out, &mut writer, a);
-                Some(out.len() - 1)
+                out.len() - 1
             }),
             _ => None,
         };
@@ -67,43 +69,36 @@ pub(crate) fn fuse_siblings(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: u
     plan.kernels = out;
 }
 
-/// The kernel of `out` that `k` can join with the most shared buffers.
-fn best_sibling(plan: &Plan, out: &[Kernel], writer: &HashMap<Slot, usize>, k: &Kernel, max_inputs: usize) -> Option<usize> {
+/// The kernel of `out` that `k` can join with the most shared buffers, and
+/// whether that kernel must first move down to `k`'s place. A kernel joins
+/// an earlier one where everything it reads exists; failing that, an
+/// earlier kernel whose results nothing reads (`read` holds the slots some
+/// kernel reads) may run later and join it there (a KV cache's writes,
+/// which the attention kernels compute in their own loads: each layer's
+/// write joins the earlier layers', one dispatch instead of one a layer).
+fn best_sibling(plan: &Plan, out: &[Kernel], writer: &HashMap<Slot, usize>, read: &HashSet<Slot>, k: &Kernel, max_inputs: usize) -> Option<(usize, bool)> {
     let KernelKind::Elementwise { expr, shape } = &k.kind else { return None };
     if expr.dtype() != k.dtype || plan.slots[k.out].dtype != k.dtype {
         return None;
     }
+    let most_shared = |candidates: &mut dyn Iterator<Item = usize>| {
+        let mut best: Option<(usize, usize)> = None;
+        for a in candidates {
+            let Some(shared) = joinable(plan, &out[a], a, writer, k, expr, shape, max_inputs) else { continue };
+            if (shared > 0 || k.numel < SMALL) && best.is_none_or(|(s, _)| shared > s) {
+                best = Some((shared, a));
+            }
+        }
+        best.map(|(_, a)| a)
+    };
     // Everything `k` reads exists from kernel `first` on.
     let first = k.inputs.iter().filter_map(|s| writer.get(s)).max().map_or(0, |&w| w);
     let lo = first.max(out.len().saturating_sub(WINDOW));
-    let mut best: Option<(usize, usize)> = None;
-    for a in (lo..out.len()).rev() {
-        let Some(shared) = joinable(plan, &out[a], a, writer, k, expr, shape, max_inputs) else { continue };
-        if (shared > 0 || k.numel < SMALL) && best.is_none_or(|(s, _)| shared > s) {
-            best = Some((shared, a));
-        }
+    if let Some(a) = most_shared(&mut (lo..out.len()).rev()) {
+        return Some((a, false));
     }
-    best.map(|(_, a)| a)
-}
-
-/// An earlier kernel of `out` that `k` could join if it ran at `k`'s place:
-/// one whose results nothing reads, so it may run later (a KV cache's
-/// writes, which the attention kernels compute in their own loads; each
-/// layer's write joins the earlier layers', one dispatch instead of one a
-/// layer). The one sharing the most buffers with `k`.
-fn later_sibling(plan: &Plan, out: &[Kernel], writer: &HashMap<Slot, usize>, read: &HashSet<Slot>, k: &Kernel, max_inputs: usize) -> Option<usize> {
-    let KernelKind::Elementwise { expr, shape } = &k.kind else { return None };
-    let mut best: Option<(usize, usize)> = None;
-    for (ai, a) in out.iter().enumerate() {
-        if a.outputs().any(|s| read.contains(&s)) {
-            continue;
-        }
-        let Some(shared) = joinable(plan, a, ai, writer, k, expr, shape, max_inputs) else { continue };
-        if (shared > 0 || k.numel < SMALL) && best.is_none_or(|(s, _)| shared > s) {
-            best = Some((shared, ai));
-        }
-    }
-    best.map(|(_, a)| a)
+    let unread = |a: &usize| !out[*a].outputs().any(|s| read.contains(&s));
+    most_shared(&mut (0..out.len()).filter(unread)).map(|a| (a, true))
 }
 
 /// Move kernel `a` of `out` to the end, renumbering the writers.

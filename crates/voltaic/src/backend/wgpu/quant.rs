@@ -199,7 +199,7 @@ impl Gen<'_> {
     fn qshader(&self, a: &View, w: &View, q: GgmlType, epi: Option<&Epilogue>, pro: Option<&Prologue>) -> Result<Shader<'_>> {
         let mut sh = self.shader();
         let mut read = match pro {
-            Some(p) => p.stages.iter().chain([&p.out]).flat_map(|st| st.expr.loads.iter().enumerate().filter(|&(i, _)| !st.reads_stage(i)).map(|(_, l)| l.input)).collect(),
+            Some(p) => p.all_stages().flat_map(|st| st.expr.loads.iter().enumerate().filter(|&(i, _)| !st.reads_stage(i)).map(|(_, l)| l.input)).collect(),
             None => vec![a.input],
         };
         read.push(w.input);
@@ -473,7 +473,7 @@ fn stage_args(stages: usize, i: usize) -> String {
 pub(crate) fn prologue_fns(sh: &mut Shader, p: &Prologue, base: usize, name: &str) -> Result<()> {
     let params = |n: usize| -> String { p.stages[..n].iter().enumerate().map(|(s, st)| format!(", st{s}: {}", compute_ty(st.dtype))).collect() };
     let mut base = base;
-    for (s, st) in p.stages.iter().chain([&p.out]).enumerate() {
+    for (s, st) in p.all_stages().enumerate() {
         sh.set_const_base(base);
         base += st.expr.consts.len();
         // A reduced stage's elements and the operand are f32; a per-row value is in its stage's type.

@@ -13,6 +13,10 @@ use crate::layout::Layout;
 use crate::primitive::{IndexOp, ReduceOp, UnfoldParams};
 use std::fmt::Write;
 
+/// The WGSL functions that compute an attention kernel's queries, keys and
+/// values where it has prologues for them.
+const ATTENTION_PROLOGUES: [&str; 3] = ["pro_q", "pro_k", "pro_v"];
+
 impl Gen<'_> {
     /// The dispatches of an index-like kernel.
     pub(crate) fn index(&self, p: &mut WgslProgram, op: &IndexOp, args: &[View], prologues: &[Option<Prologue>]) -> Result<()> {
@@ -82,7 +86,7 @@ impl Gen<'_> {
         let mut read = vec![];
         for (i, a) in args.iter().enumerate() {
             match pro(i) {
-                Some(p) => read.extend(p.stages.iter().chain([&p.out]).flat_map(|s| s.expr.loads.iter().map(|l| l.input))),
+                Some(p) => read.extend(p.all_stages().flat_map(|s| s.expr.loads.iter().map(|l| l.input))),
                 None => read.push(a.input),
             }
         }
@@ -92,10 +96,10 @@ impl Gen<'_> {
         self.bind_out(&mut sh);
         // Each prologue's constants follow the earlier ones' (`KernelKind::exprs` order).
         let mut base = 0;
-        for (i, name) in ["pro_q", "pro_k", "pro_v"].into_iter().enumerate() {
+        for (i, name) in ATTENTION_PROLOGUES.into_iter().enumerate() {
             if let Some(p) = pro(i) {
                 crate::backend::wgpu::quant::prologue_fns(&mut sh, p, base, name)?;
-                base += p.stages.iter().chain([&p.out]).map(|s| s.expr.consts.len()).sum::<usize>();
+                base += p.all_stages().map(|s| s.expr.consts.len()).sum::<usize>();
             }
         }
         if pro(3).is_some() {
@@ -103,7 +107,7 @@ impl Gen<'_> {
         }
         // Element `at` of arg `i`: computed by its prologue, or loaded.
         let value = |i: usize, input: usize, at: String| match pro(i) {
-            Some(_) => format!("{}({at})", ["pro_q", "pro_k", "pro_v"][i]),
+            Some(_) => format!("{}({at})", ATTENTION_PROLOGUES[i]),
             None => format!("ld_in{input}({at})"),
         };
         let (qd, kd, vd) = (q.layout.dims(), k.layout.dims(), v.layout.dims());
