@@ -394,7 +394,10 @@ fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) ->
     let st = l.strides().to_vec();
     fn go<T: StorageElem + AddElem + Default>(s: &[T], l: &Layout, st: &[usize], d: [usize; 8], p: &UnfoldParams) -> CpuStorage {
         let [nb, c, kh, kw, oh, ow, h, w] = d;
-        let mut out = vec![T::default(); nb * c * h * w];
+        // From the pool, as unfold's patches: a training step folds an input
+        // gradient of the same size every step, and a fresh allocation costs
+        // page faults and, when freed, TLB shootdowns across the workers.
+        let mut out = T::unwrap(super::pool::take_zeroed(T::DTYPE, nb * c * h * w)).expect("the pool returns the dtype asked for");
         if h * w == 0 {
             return T::wrap(out);
         }
