@@ -59,6 +59,10 @@ pub(crate) struct Interpreter<'a> {
     reg_dtype: Vec<DType>,
     /// Constant instructions, filled once per register file.
     consts: Vec<(usize, f64, DType)>,
+    /// The expression's loads, each with the dims it walks with one stride
+    /// merged: a contiguous operand of a pooling window's iteration shape
+    /// `[.., 2, 14, 2]` is then one run per block, not a run of 2 at a time.
+    loads: Vec<Load>,
 }
 
 impl<'a> Interpreter<'a> {
@@ -97,7 +101,17 @@ impl<'a> Interpreter<'a> {
                 }
             }
         }
-        Interpreter { expr, reg_of, reg_dtype, consts }
+        let loads = expr
+            .loads
+            .iter()
+            .map(|l| {
+                let mut l = l.clone();
+                let (_, merged) = Layout::coalesce(&[&l.path[0]], l.path[0].dims());
+                l.path[0] = merged.into_iter().next().expect("one layout in, one out");
+                l
+            })
+            .collect();
+        Interpreter { expr, reg_of, reg_dtype, consts, loads }
     }
 
     /// A register file for one thread.
@@ -117,7 +131,7 @@ impl<'a> Interpreter<'a> {
             match ins {
                 Instr::Const(_) => {}
                 Instr::Load(l) => {
-                    let load = &self.expr.loads[*l];
+                    let load = &self.loads[*l];
                     load_block(load, inputs[load.input], dims, start, n, &mut regs[r], scratch);
                 }
                 Instr::Map(op, args) => {
@@ -402,7 +416,7 @@ fn load_block(load: &Load, src: &CpuStorage, _dims: &[usize], start: usize, n: u
 
 /// `unary(op, ..)`: the op's kernel type, from the unary table.
 macro_rules! unary_dispatch {
-    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$gx:ident, $gy:ident, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
+    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$gx:tt, $gy:tt, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
         fn unary(op: UnaryOp, x: &Reg, o: &mut Reg, n: usize) {
             match op { $( UnaryOp::$T => unary_k::<crate::primitive::$T>(x, o, n), )* }
         }
@@ -439,7 +453,7 @@ fn map2<T: Copy, U>(a: &[T], b: &[T], o: &mut [U], n: usize, f: impl Fn(T, T) ->
 
 /// `binary(op, ..)` and `fold_f64(op, ..)`: the op's kernel type, from the binary table.
 macro_rules! binary_dispatch {
-    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$ga:ident, $gb:ident, $gy:ident, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
+    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$ga:tt, $gb:tt, $gy:tt, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
         fn binary(op: BinaryOp, a: &Reg, b: &Reg, o: &mut Reg, n: usize) {
             match op { $( BinaryOp::$T => binary_k::<crate::primitive::$T>(a, b, o, n), )* }
         }
