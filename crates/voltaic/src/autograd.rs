@@ -18,11 +18,28 @@ use std::sync::{Arc, Mutex};
 /// tells whether input `i` wants one; the result has one entry per input.
 pub(crate) type BackwardFn = Box<dyn Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
 
+/// What backpropagation needs of an op's input: its place in the graph of
+/// differentiation, its dtype and its shape. Not its value: holding that
+/// would keep every intermediate of a forward pass alive, and a value that
+/// is kept is stored, so it could not fuse into the kernel that reads it.
+/// Backward functions hold the values they read themselves.
+struct GradInput {
+    grad: Option<Arc<GradNode>>,
+    dtype: crate::DType,
+    dims: Vec<usize>,
+}
+
+impl GradInput {
+    fn of(t: &Tensor) -> GradInput {
+        GradInput { grad: t.grad.clone(), dtype: t.dtype(), dims: t.dims().to_vec() }
+    }
+}
+
 /// A tensor's place in the graph of differentiation.
 pub(crate) struct GradNode {
     id: u64,
     /// The op's inputs (empty for a leaf).
-    inputs: Vec<Tensor>,
+    inputs: Vec<GradInput>,
     /// `None` for a leaf.
     backward: Option<BackwardFn>,
     /// A leaf's accumulated gradient.
@@ -39,7 +56,7 @@ impl Drop for GradNode {
     /// Unlink long chains iteratively: the default recursive drop of a deep
     /// chain of nodes would overflow the stack.
     fn drop(&mut self) {
-        let mut stack: Vec<Tensor> = std::mem::take(&mut self.inputs);
+        let mut stack: Vec<GradInput> = std::mem::take(&mut self.inputs);
         while let Some(mut t) = stack.pop() {
             if let Some(g) = t.grad.take() {
                 if let Ok(mut node) = Arc::try_unwrap(g) {
@@ -166,7 +183,7 @@ impl Tensor {
         }
         self.grad = Some(Arc::new(GradNode {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
-            inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+            inputs: inputs.iter().map(|t| GradInput::of(t)).collect(),
             backward: Some(Box::new(backward)),
             grad: Mutex::new(None),
         }));
@@ -212,9 +229,9 @@ impl Tensor {
                     let in_grads = f(&g, &needs)?;
                     for ((input, ig), need) in node.inputs.iter().zip(in_grads).zip(needs) {
                         let (Some(n), Some(ig), true) = (&input.grad, ig, need) else { continue };
-                        let ig = if ig.dtype() != input.dtype() { ig.to_dtype(input.dtype())? } else { ig };
-                        if ig.dims() != input.dims() {
-                            bail!(Shape, "backward", "internal: a gradient of shape {:?} for an input of shape {:?}", ig.dims(), input.dims());
+                        let ig = if ig.dtype() != input.dtype { ig.to_dtype(input.dtype)? } else { ig };
+                        if ig.dims() != input.dims {
+                            bail!(Shape, "backward", "internal: a gradient of shape {:?} for an input of shape {:?}", ig.dims(), input.dims);
                         }
                         let sum = match grads.remove(&n.id) {
                             Some(prev) => prev.add(&ig)?,

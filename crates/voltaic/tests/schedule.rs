@@ -135,6 +135,43 @@ fn bias_and_activation_run_in_the_matmul_kernel() -> voltaic::Result<()> {
     Ok(())
 }
 
+#[test]
+fn in_training_relu_keeps_its_output_not_its_input() -> voltaic::Result<()> {
+    // relu's gradient reads its output (as PyTorch's threshold_backward
+    // does): the pre-activation is not kept for the backward pass, so the
+    // bias add and the relu still run in the product's kernel.
+    voltaic::manual_seed(5);
+    let x = Tensor::randn(&[6, 5], DType::F32, Device::Cpu)?;
+    let w = Tensor::randn(&[4, 5], DType::F32, Device::Cpu)?.requires_grad()?;
+    let b = Tensor::randn(&[4], DType::F32, Device::Cpu)?.requires_grad()?;
+    let y = x.matmul(&w.t()?)?.add(&b)?.relu()?;
+    let plan = inspect(&[&y]);
+    assert_eq!(plan.len(), 1, "{plan:?}");
+    assert_eq!(plan[0].ops, ["matmul", "relu", "add"], "{plan:?}");
+    // The gradients against a naive loop: d(sum y)/dw[j][k] = sum_i [s_ij > 0] x_ik.
+    y.sum(&[0, 1], false)?.backward()?;
+    let (xv, wv, bv) = (x.to_vec::<f32>()?, w.to_vec::<f32>()?, b.to_vec::<f32>()?);
+    let (gw, gb) = (w.grad().expect("w has a gradient").to_vec::<f32>()?, b.grad().expect("b has a gradient").to_vec::<f32>()?);
+    for j in 0..4 {
+        let mut want_b = 0.0f64;
+        let mut want_w = [0.0f64; 5];
+        for i in 0..6 {
+            let s: f64 = (0..5).map(|k| xv[i * 5 + k] as f64 * wv[j * 5 + k] as f64).sum::<f64>() + bv[j] as f64;
+            if s > 0.0 {
+                want_b += 1.0;
+                for k in 0..5 {
+                    want_w[k] += xv[i * 5 + k] as f64;
+                }
+            }
+        }
+        assert!((gb[j] as f64 - want_b).abs() < 1e-5, "b[{j}]: {} vs {want_b}", gb[j]);
+        for k in 0..5 {
+            assert!((gw[j * 5 + k] as f64 - want_w[k]).abs() < 1e-4, "w[{j}][{k}]: {} vs {}", gw[j * 5 + k], want_w[k]);
+        }
+    }
+    Ok(())
+}
+
 /// erf by its series (|x| small) or continued fraction, independent of the library.
 fn common_erf(x: f64) -> f64 {
     let t = 1.0 / (1.0 + 0.5 * x.abs());

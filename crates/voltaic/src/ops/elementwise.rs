@@ -130,8 +130,13 @@ impl Tensor {
         if !dt.is_float() {
             return Ok(out);
         }
-        let (xd, yd) = (x.detach(), out.detach());
-        Ok(out.track(&[&x], move |g, _| Ok(vec![Some(op.grad(&xd, &yd, g)?)])))
+        // Only what the gradient reads is kept for the backward pass: a
+        // bias add and relu then fuse into the kernel that makes their
+        // input, which is no longer stored for later. What is not read is
+        // given as `g`.
+        let [rx, ry] = op.grad_reads();
+        let (xd, yd) = (rx.then(|| x.detach()), ry.then(|| out.detach()));
+        Ok(out.track(&[&x], move |g, _| Ok(vec![Some(op.grad(xd.as_ref().unwrap_or(g), yd.as_ref().unwrap_or(g), g)?)])))
     }
 
     /// Apply a binary primitive with broadcasting and dtype promotion.
@@ -161,9 +166,11 @@ impl Tensor {
         if !dt.is_float() {
             return Ok(out);
         }
-        let (ad, bd, yd) = (a.detach(), b.detach(), out.detach());
+        // As for unary ops, only what the gradient reads is kept.
+        let [ra, rb, ry] = op.grad_reads();
+        let (ad, bd, yd) = (ra.then(|| a.detach()), rb.then(|| b.detach()), ry.then(|| out.detach()));
         Ok(out.track(&[&a, &b], move |g, _| {
-            let (ga, gb) = op.grad(&ad, &bd, &yd, g)?;
+            let (ga, gb) = op.grad(ad.as_ref().unwrap_or(g), bd.as_ref().unwrap_or(g), yd.as_ref().unwrap_or(g), g)?;
             Ok(vec![Some(ga), Some(gb)])
         }))
     }
@@ -211,9 +218,19 @@ impl Tensor {
     }
 }
 
+/// Whether a gradient reads one of its tensor parameters: `_` is not read.
+macro_rules! reads {
+    (_) => {
+        false
+    };
+    ($x:ident) => {
+        true
+    };
+}
+
 /// The unary primitives' methods and gradients, from the op table.
 macro_rules! unary_ops {
-    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$gx:ident, $gy:ident, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
+    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$gx:tt, $gy:tt, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
         impl Tensor {
             $(
                 $(#[$m])*
@@ -231,6 +248,14 @@ macro_rules! unary_ops {
                     $( UnaryOp::$T => { let ($gx, $gy, $gg) = (x, y, g); $grad } )*
                 }
             }
+
+            /// Whether the gradient reads the input and the output (an
+            /// entry names a parameter it does not read `_`).
+            pub(crate) fn grad_reads(self) -> [bool; 2] {
+                match self {
+                    $( UnaryOp::$T => [reads!($gx), reads!($gy)], )*
+                }
+            }
         }
     };
 }
@@ -238,7 +263,7 @@ unary_table!(unary_ops);
 
 /// The binary primitives' methods and gradients, from the op table.
 macro_rules! binary_ops {
-    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$ga:ident, $gb:ident, $gy:ident, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
+    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$ga:tt, $gb:tt, $gy:tt, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
         impl Tensor {
             $(
                 $(#[$m])*
@@ -254,6 +279,14 @@ macro_rules! binary_ops {
             pub(crate) fn grad(self, a: &Tensor, b: &Tensor, y: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
                 match self {
                     $( BinaryOp::$T => { let ($ga, $gb, $gy, $gg) = (a, b, y, g); $grad } )*
+                }
+            }
+
+            /// Whether the gradients read each operand and the output (an
+            /// entry names a parameter it does not read `_`).
+            pub(crate) fn grad_reads(self) -> [bool; 3] {
+                match self {
+                    $( BinaryOp::$T => [reads!($ga), reads!($gb), reads!($gy)], )*
                 }
             }
         }

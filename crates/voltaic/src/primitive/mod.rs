@@ -83,7 +83,7 @@ pub trait BinaryKernel {
 /// Generates, from the unary table, a zero-sized kernel type per op and the
 /// `UnaryOp` enum over them.
 macro_rules! define_unary {
-    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$gx:ident, $gy:ident, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
+    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$gx:tt, $gy:tt, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
         $( unary_kernel!($(#[$m])* $T $name $dom { $($kernel)* }); )*
         op_enum!(
             /// The unary primitives.
@@ -126,7 +126,7 @@ macro_rules! unary_kernel {
 
 /// Generates a kernel type per binary op and the `BinaryOp` enum.
 macro_rules! define_binary {
-    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$ga:ident, $gb:ident, $gy:ident, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
+    ($( $(#[$m:meta])* $T:ident $method:ident $name:literal $dom:ident |$ga:tt, $gb:tt, $gy:tt, $gg:ident| $grad:expr; { $($kernel:tt)* } )*) => {
         $( binary_kernel!($(#[$m])* $T $name $dom { $($kernel)* }); )*
         op_enum!(
             /// The binary primitives.
