@@ -123,16 +123,16 @@ impl<'a> Interpreter<'a> {
         regs
     }
 
-    /// Evaluate elements `start..start + n` (n <= BLOCK) of the iteration
-    /// space `dims`; returns the register holding the result.
-    pub(crate) fn eval(&self, regs: &mut [Reg], inputs: &[&CpuStorage], dims: &[usize], start: usize, n: usize, scratch: &mut Vec<usize>) -> usize {
+    /// Evaluate elements `start..start + n` (n <= BLOCK) of the kernel's
+    /// iteration space; returns the register holding the result.
+    pub(crate) fn eval(&self, regs: &mut [Reg], inputs: &[&CpuStorage], start: usize, n: usize, scratch: &mut Vec<usize>) -> usize {
         for (i, (ins, dt)) in self.expr.instrs.iter().enumerate() {
             let r = self.reg_of[i];
             match ins {
                 Instr::Const(_) => {}
                 Instr::Load(l) => {
                     let load = &self.loads[*l];
-                    load_block(load, inputs[load.input], dims, start, n, &mut regs[r], scratch);
+                    load_block(load, inputs[load.input], start, n, &mut regs[r], scratch);
                 }
                 Instr::Map(op, args) => {
                     let mut o = std::mem::take(&mut regs[r]);
@@ -187,7 +187,7 @@ pub(crate) fn run(expr: &Expr, dims: &[usize], inputs: &[&CpuStorage], dtype: DT
             let base = ci * chunk;
             for (bi, d) in dst.chunks_mut(BLOCK).enumerate() {
                 let start = base + bi * BLOCK;
-                let r = prog.eval(&mut regs, inputs, dims, start, d.len(), &mut scratch);
+                let r = prog.eval(&mut regs, inputs, start, d.len(), &mut scratch);
                 StoreElem::store(&regs[r], d);
             }
         })
@@ -340,6 +340,7 @@ fn table_dims(l: &Layout) -> Option<usize> {
 
 /// [`gather_into`] for one layout through a table of the offsets of its
 /// last `t` dims (a plane): per element one table read, not one run.
+#[inline]
 fn gather_tabled<S: Copy, D: Copy>(src: &[S], l: &Layout, t: usize, start: usize, n: usize, dst: &mut [D], table: &mut Vec<usize>, conv: impl Fn(S) -> D) {
     let dims = l.dims();
     let r = dims.len();
@@ -400,17 +401,19 @@ fn gather_into<S: Copy, D: Copy>(src: &[S], path: &[Layout], start: usize, n: us
     }
 }
 
-fn load_block(load: &Load, src: &CpuStorage, _dims: &[usize], start: usize, n: usize, reg: &mut Reg, scratch: &mut Vec<usize>) {
-    let p = &load.path;
-    match (src, reg) {
-        (CpuStorage::F32(s), Reg::F32(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
-        (CpuStorage::F16(s), Reg::F32(d)) => gather_into(s, p, start, n, d, scratch, |x| x.to_f32()),
-        (CpuStorage::BF16(s), Reg::F32(d)) => gather_into(s, p, start, n, d, scratch, |x| x.to_f32()),
-        (CpuStorage::F64(s), Reg::F64(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
-        (CpuStorage::I32(s), Reg::I32(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
-        (CpuStorage::U32(s), Reg::U32(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
-        (CpuStorage::Bool(s), Reg::Bool(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
-        _ => unreachable!("load register matches the buffer's compute type"),
+simd_fn! {
+    fn load_block(load: &Load, src: &CpuStorage, start: usize, n: usize, reg: &mut Reg, scratch: &mut Vec<usize>) {
+        let p = &load.path;
+        match (src, reg) {
+            (CpuStorage::F32(s), Reg::F32(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
+            (CpuStorage::F16(s), Reg::F32(d)) => gather_into(s, p, start, n, d, scratch, |x| x.to_f32()),
+            (CpuStorage::BF16(s), Reg::F32(d)) => gather_into(s, p, start, n, d, scratch, |x| x.to_f32()),
+            (CpuStorage::F64(s), Reg::F64(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
+            (CpuStorage::I32(s), Reg::I32(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
+            (CpuStorage::U32(s), Reg::U32(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
+            (CpuStorage::Bool(s), Reg::Bool(d)) => gather_into(s, p, start, n, d, scratch, |x| x),
+            _ => unreachable!("load register matches the buffer's compute type"),
+        }
     }
 }
 

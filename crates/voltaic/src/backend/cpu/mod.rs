@@ -147,7 +147,7 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
     let inputs: Vec<&CpuStorage> = k.inputs.iter().map(|&s| live(s)).collect();
     let out = match &k.kind {
         KernelKind::Elementwise { expr, shape } => elementwise::run(expr, shape, &inputs, k.dtype),
-        KernelKind::Reduce { op, expr, shape, outer, inner } => reduce::run(*op, expr, shape, *outer, *inner, &inputs, k.dtype),
+        KernelKind::Reduce { op, expr, outer, inner, .. } => reduce::run(*op, expr, *outer, *inner, &inputs, k.dtype),
         // The CPU does not ask for them (`Capabilities::prologue_rows`).
         KernelKind::Matmul { prologue: Some(_), .. } => bail!(Device, "realize", "a product with a fused prologue reached the CPU executor"),
         KernelKind::Matmul { a, b, batch: _, m, k: kk, n, epilogue, quant, prologue: None } => {

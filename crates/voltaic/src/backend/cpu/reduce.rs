@@ -171,7 +171,7 @@ fn direct_source<'a>(expr: &Expr, inputs: &[&'a CpuStorage]) -> Option<(&'a CpuS
 }
 
 /// Run a reduction kernel.
-pub(crate) fn run(op: ReduceOp, expr: &Expr, dims: &[usize], outer: usize, inner: usize, inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
+pub(crate) fn run(op: ReduceOp, expr: &Expr, outer: usize, inner: usize, inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let f = Fold::new(op, expr.dtype().compute());
     let mut accs = vec![Acc::empty(); outer];
     if outer > 0 && inner > 0 {
@@ -193,7 +193,7 @@ pub(crate) fn run(op: ReduceOp, expr: &Expr, dims: &[usize], outer: usize, inner
                     let n = if direct.is_some() { 8 * BLOCK } else { BLOCK }.min(e - pos);
                     let r = match direct {
                         Some(_) => 0,
-                        None => prog.eval(&mut regs, inputs, dims, pos, n, &mut scratch),
+                        None => prog.eval(&mut regs, inputs, pos, n, &mut scratch),
                     };
                     let mut a = 0;
                     while a < n {
