@@ -347,6 +347,7 @@ fn gather_tabled<S: Copy, D: Copy>(src: &[S], l: &Layout, t: usize, start: usize
     let inner = Layout { shape: crate::shape::Shape::new(&dims[r - t..]), strides: crate::shape::Dims::from_slice(&l.strides()[r - t..]), offset: 0 };
     let plane = inner.numel();
     offsets_into(&inner, 0, plane, table);
+    let reach = table.iter().copied().max().unwrap_or(0);
     // The plane's own dims stay 0: `offset_of` then gives the plane's base.
     let mut idx = [0usize; 16];
     let mut i = 0;
@@ -356,8 +357,12 @@ fn gather_tabled<S: Copy, D: Copy>(src: &[S], l: &Layout, t: usize, start: usize
         let len = (plane - within).min(n - i);
         unravel(pl, &dims[..r - t], &mut idx[..r - t]);
         let base = l.offset_of(&idx[..r]);
+        // One bounds check per plane rather than per element, so the loop
+        // below can run as vector gathers.
+        let src = &src[base..=base + reach];
         for (d, &o) in dst[i..i + len].iter_mut().zip(&table[within..within + len]) {
-            *d = conv(src[base + o]);
+            // SAFETY: every table entry is at most `reach`, and `src` holds `reach + 1` elements.
+            *d = conv(unsafe { *src.get_unchecked(o) });
         }
         i += len;
     }
@@ -379,8 +384,11 @@ fn gather_into<S: Copy, D: Copy>(src: &[S], path: &[Layout], start: usize, n: us
                 let v = conv(src[off]);
                 dst.fill(v);
             } else {
+                // One bounds check per run, so the loop can run as vector gathers.
+                let src = &src[off..=off + (len - 1) * st];
                 for (j, d) in dst.iter_mut().enumerate() {
-                    *d = conv(src[off + j * st]);
+                    // SAFETY: j < len, so j * st is within the slice just taken.
+                    *d = conv(unsafe { *src.get_unchecked(j * st) });
                 }
             }
         });
