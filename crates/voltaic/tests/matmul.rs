@@ -356,3 +356,31 @@ fn errors_name_the_op_and_shapes() -> voltaic::Result<()> {
     assert_err_mentions(bl.matmul(&bl), &["matmul", "bool"]);
     Ok(())
 }
+
+#[test]
+fn bias_and_activation_fused_after_batched_products() -> voltaic::Result<()> {
+    // The CPU applies a product's epilogue to each batch's block as gemm
+    // writes it (batches over tasks), or over the whole product after gemm's
+    // own threads (one large product), or to zeros (empty inner dim): each
+    // against `relu(a @ b + bias) * 2` in f64, the bias broadcast per row.
+    let mut rng = Rng::new(21);
+    for (ad, bd) in [
+        (vec![6, 5, 7], vec![6, 7, 9]),
+        (vec![3, 33, 17], vec![17, 65]),
+        (vec![1, 70, 60], vec![60, 80]),
+        (vec![4, 3, 0], vec![4, 0, 5]),
+    ] {
+        let (a, av) = rand_tensor(&mut rng, &ad, DType::F32);
+        let (b, bv) = rand_tensor(&mut rng, &bd, DType::F32);
+        let m = ad[ad.len() - 2];
+        let (bias, biasv) = rand_tensor(&mut rng, &[m, 1], DType::F32);
+        let got = a.matmul(&b)?.add(&bias)?.relu()?.mul(2.0)?;
+        let (prod, scale, dims) = ref_matmul(&av, &ad, &bv, &bd);
+        let n = dims[dims.len() - 1];
+        let want: Vec<f64> = prod.iter().enumerate().map(|(i, p)| 2.0 * (p + biasv[(i / n) % m]).max(0.0)).collect();
+        let scale: Vec<f64> = scale.iter().map(|s| 2.0 * (s + 1.0)).collect();
+        assert_eq!(got.dims(), dims.as_slice(), "{ad:?} @ {bd:?}");
+        assert_close_scaled(&got.to_f64_vec()?, &want, &scale, tol(DType::F32), &format!("relu({ad:?} @ {bd:?} + bias) * 2"));
+    }
+    Ok(())
+}

@@ -126,10 +126,20 @@ impl<'a> Interpreter<'a> {
     /// Evaluate elements `start..start + n` (n <= BLOCK) of the kernel's
     /// iteration space; returns the register holding the result.
     pub(crate) fn eval(&self, regs: &mut [Reg], inputs: &[&CpuStorage], start: usize, n: usize, scratch: &mut Vec<usize>) -> usize {
+        self.eval_with(regs, inputs, start, n, scratch, None)
+    }
+
+    /// [`Interpreter::eval`], with load `given.0` taking its `n` values
+    /// from `given.1` instead of from an input.
+    fn eval_with(&self, regs: &mut [Reg], inputs: &[&CpuStorage], start: usize, n: usize, scratch: &mut Vec<usize>, given: Option<(usize, &[f32])>) -> usize {
         for (i, (ins, dt)) in self.expr.instrs.iter().enumerate() {
             let r = self.reg_of[i];
             match ins {
                 Instr::Const(_) => {}
+                Instr::Load(l) if given.is_some_and(|(g, _)| g == *l) => match (&mut regs[r], given) {
+                    (Reg::F32(d), Some((_, v))) => d[..n].copy_from_slice(&v[..n]),
+                    _ => unreachable!("a given load is an f32 register"),
+                },
                 Instr::Load(l) => {
                     let load = &self.loads[*l];
                     load_block(load, inputs[load.input], start, n, &mut regs[r], scratch);
@@ -193,6 +203,19 @@ pub(crate) fn run(expr: &Expr, dims: &[usize], inputs: &[&CpuStorage], dtype: DT
         })
     });
     out
+}
+
+/// Run `prog` over elements `start..start + block.len()` of its iteration
+/// space in place: load `acc` reads `block` itself, and the results replace
+/// it. A product's epilogue runs so on each batch's block while gemm's
+/// output is still in cache, rather than as a pass over the whole product.
+pub(crate) fn run_in_place(prog: &Interpreter, inputs: &[&CpuStorage], acc: usize, start: usize, block: &mut [f32]) {
+    let mut regs = prog.regs();
+    let mut scratch = Vec::new();
+    for (bi, d) in block.chunks_mut(BLOCK).enumerate() {
+        let r = prog.eval_with(&mut regs, inputs, start + bi * BLOCK, d.len(), &mut scratch, Some((acc, &*d)));
+        StoreElem::store(&regs[r], d);
+    }
 }
 
 /// Element types a reduction folds slices of.

@@ -3,6 +3,7 @@
 
 use super::input;
 use crate::dtype::DType;
+use crate::ir::Epilogue;
 use crate::ir::Strided as View;
 use crate::layout::unravel;
 use crate::storage::CpuStorage;
@@ -44,13 +45,22 @@ impl<T> SendPtr<T> {
     }
 }
 
-fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], sb: &[T], out: &mut [T], m: usize, k: usize, n: usize, zero: T, one: T) {
+/// Work applied in place to each batch's block of products right after gemm
+/// writes it (the block's first element, the block).
+type Finish<'a, T> = Option<&'a (dyn Fn(usize, &mut [T]) + Sync)>;
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], sb: &[T], out: &mut [T], m: usize, k: usize, n: usize, zero: T, one: T, finish: Finish<T>) {
     let (oa, ob) = (batch_offsets(a), batch_offsets(b));
     let (a_rs, a_cs) = strides(a);
     let (b_rs, b_cs) = strides(b);
     let nb = oa.len();
     if m == 0 || n == 0 || k == 0 {
-        return; // output is already zeros
+        // The output is already zeros.
+        if let Some(f) = finish {
+            f(0, out);
+        }
+        return;
     }
     let threads = super::threads();
     let work = m * n * k;
@@ -92,11 +102,20 @@ fn gemm_batched<T: 'static + Copy + Send + Sync>(a: &View, b: &View, sa: &[T], s
                 inner_par,
             )
         }
+        if let (Some(f), true) = (finish, par_batches) {
+            // SAFETY: this task alone writes batch `bi`'s block, just written by gemm.
+            f(bi * m * n, unsafe { std::slice::from_raw_parts_mut(dst.get().add(bi * m * n), m * n) });
+        }
     };
     if par_batches {
         (0..nb).into_par_iter().for_each(run);
     } else {
         (0..nb).for_each(run);
+        // gemm's own threads made the products: the finish splits the same way.
+        if let Some(f) = finish {
+            let chunk = (out.len() / (threads * 4)).max(super::elementwise::BLOCK * 16);
+            out.par_chunks_mut(chunk).enumerate().for_each(|(c, block)| f(c * chunk, block));
+        }
     }
 }
 
@@ -123,6 +142,26 @@ fn naive<T: Copy>(a: &View, b: &View, sa: &[T], sb: &[T], m: usize, k: usize, n:
     out
 }
 
+/// An f32 product with its epilogue applied in place, batch by batch while
+/// each block of products is in cache; `None` where the epilogue does not
+/// read the product element for element into an f32 result of its own shape
+/// (the caller then runs it as a pass of its own).
+pub(crate) fn run_with_epilogue(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&CpuStorage], e: &Epilogue, dtype: DType) -> Option<CpuStorage> {
+    let (CpuStorage::F32(sa), CpuStorage::F32(sb)) = (input(a, inputs), input(b, inputs)) else { return None };
+    let nb = batch_offsets(a).len();
+    let acc = &e.expr.loads[e.acc].path;
+    let in_order = acc.len() == 1 && acc[0].offset() == 0 && acc[0].is_contiguous() && acc[0].numel() == nb * m * n;
+    if !in_order || e.acc_dtype != DType::F32 || dtype != DType::F32 || e.shape.iter().product::<usize>() != nb * m * n {
+        return None;
+    }
+    let prog = super::elementwise::Interpreter::new(&e.expr);
+    let finish = |start: usize, block: &mut [f32]| super::elementwise::run_in_place(&prog, inputs, e.acc, start, block);
+    let mut out = if k > 0 { super::pool::take(dtype, nb * m * n) } else { super::pool::take_zeroed(dtype, nb * m * n) };
+    let CpuStorage::F32(o) = &mut out else { unreachable!("the pool returns the dtype asked for") };
+    gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0, Some(&finish));
+    Some(out)
+}
+
 /// Run a matmul kernel.
 pub(crate) fn run(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let (x, y) = (input(a, inputs), input(b, inputs));
@@ -130,17 +169,17 @@ pub(crate) fn run(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&C
     // gemm overwrites every element unless the inner dim is empty.
     let mut out = if k > 0 { super::pool::take(dtype, nb * m * n) } else { super::pool::take_zeroed(dtype, nb * m * n) };
     match (x, y, &mut out) {
-        (CpuStorage::F32(sa), CpuStorage::F32(sb), CpuStorage::F32(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0),
-        (CpuStorage::F64(sa), CpuStorage::F64(sb), CpuStorage::F64(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0),
+        (CpuStorage::F32(sa), CpuStorage::F32(sb), CpuStorage::F32(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0, None),
+        (CpuStorage::F64(sa), CpuStorage::F64(sb), CpuStorage::F64(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0, None),
         (CpuStorage::F16(sa), CpuStorage::F16(sb), CpuStorage::F16(o)) => {
-            gemm_batched(a, b, sa, sb, o, m, k, n, f16::ZERO, f16::ONE)
+            gemm_batched(a, b, sa, sb, o, m, k, n, f16::ZERO, f16::ONE, None)
         }
         (CpuStorage::BF16(sa), CpuStorage::BF16(sb), CpuStorage::BF16(o)) => {
             // No bf16 gemm: compute in f32 from converted copies of the viewed elements.
             let fa: Vec<f32> = sa.iter().map(|v| v.to_f32()).collect();
             let fb: Vec<f32> = sb.iter().map(|v| v.to_f32()).collect();
             let mut fo = vec![0f32; o.len()];
-            gemm_batched(a, b, &fa, &fb, &mut fo, m, k, n, 0.0, 1.0);
+            gemm_batched(a, b, &fa, &fb, &mut fo, m, k, n, 0.0, 1.0, None);
             for (d, s) in o.iter_mut().zip(fo) {
                 *d = bf16::from_f32(s);
             }

@@ -157,16 +157,19 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
             };
             match epilogue {
                 None => product(k.dtype),
-                Some(e) => {
-                    // The product first, then the epilogue with it as one more input.
-                    // Wrapped so that the temporary goes back to the pool when dropped.
-                    let product = pool::HostBuf::pooled(product(e.acc_dtype));
-                    let mut expr = e.expr.clone();
-                    expr.loads[e.acc].input = inputs.len();
-                    let mut all = inputs.clone();
-                    all.push(&product);
-                    elementwise::run(&expr, &e.shape, &all, k.dtype)
-                }
+                Some(e) => match quant.is_none().then(|| matmul::run_with_epilogue(a, b, *m, *kk, *n, &inputs, e, k.dtype)).flatten() {
+                    Some(out) => out,
+                    None => {
+                        // The product first, then the epilogue with it as one more input.
+                        // Wrapped so that the temporary goes back to the pool when dropped.
+                        let product = pool::HostBuf::pooled(product(e.acc_dtype));
+                        let mut expr = e.expr.clone();
+                        expr.loads[e.acc].input = inputs.len();
+                        let mut all = inputs.clone();
+                        all.push(&product);
+                        elementwise::run(&expr, &e.shape, &all, k.dtype)
+                    }
+                },
             }
         }
         KernelKind::Index { prologues, .. } if prologues.iter().any(Option::is_some) => bail!(Device, "realize", "an index kernel with a fused prologue reached the CPU executor"),
