@@ -68,9 +68,19 @@ const PHASES: [(Phase, &str); 8] = [
 static TOTAL_NS: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
 static REALIZATIONS: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    /// The time phases took on this thread so far, ns: what a gap between
+    /// two realizations of this thread spent on other phases (a read's
+    /// wait and the submission of its copy), not recording. Per thread, as
+    /// background threads (compiling ahead, submitting) time phases too.
+    static TIMED_HERE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Add `d` to `phase`.
 pub(crate) fn add(phase: Phase, d: Duration) {
-    TOTAL_NS[phase as usize].fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    let ns = d.as_nanos() as u64;
+    TOTAL_NS[phase as usize].fetch_add(ns, Ordering::Relaxed);
+    TIMED_HERE.with(|t| t.set(t.get() + ns));
 }
 
 /// Time `f` as `phase`.
@@ -95,13 +105,16 @@ fn totals() -> [u64; 8] {
     std::array::from_fn(|i| TOTAL_NS[i].load(Ordering::Relaxed))
 }
 
-/// What the last realization left behind: when it ended, and the totals then.
+/// What the last realization left behind: when it ended, and the totals
+/// then, and the thread that ran it with the time its phases had taken.
 struct Mark {
     end: Option<Instant>,
     totals: [u64; 8],
+    thread: Option<std::thread::ThreadId>,
+    timed_here: u64,
 }
 
-static MARK: Mutex<Mark> = Mutex::new(Mark { end: None, totals: [0; 8] });
+static MARK: Mutex<Mark> = Mutex::new(Mark { end: None, totals: [0; 8], thread: None, timed_here: 0 });
 
 /// Graph nodes recorded so far.
 static NODES: AtomicU64 = AtomicU64::new(0);
@@ -111,15 +124,21 @@ pub(crate) fn node_recorded() {
     NODES.fetch_add(1, Ordering::Relaxed);
 }
 
-/// A realization starts: the host time since the last one ended, less the
-/// waits in between (reads), was spent recording the graph.
+/// A realization starts: the host time since the last one ended, less what
+/// other phases took in between (a read's wait and its copy's submission),
+/// was spent recording the graph. After a realization of another thread,
+/// only the waits are known to be this one's.
 pub(crate) fn realization_starts() {
     let now = Instant::now();
     let mark = MARK.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(end) = mark.end {
         let gap = now.duration_since(end).as_nanos() as u64;
-        let waited = totals()[Phase::Wait as usize] - mark.totals[Phase::Wait as usize];
-        TOTAL_NS[Phase::Record as usize].fetch_add(gap.saturating_sub(waited), Ordering::Relaxed);
+        let timed = if mark.thread == Some(std::thread::current().id()) {
+            TIMED_HERE.with(|t| t.get()) - mark.timed_here
+        } else {
+            totals()[Phase::Wait as usize] - mark.totals[Phase::Wait as usize]
+        };
+        TOTAL_NS[Phase::Record as usize].fetch_add(gap.saturating_sub(timed), Ordering::Relaxed);
     }
 }
 
@@ -140,6 +159,8 @@ pub(crate) fn realization_ends(device: crate::Device, plan: &str) {
         eprintln!("voltaic host ({device}, {plan}), us: {}", parts.join(", "));
     }
     mark.totals = now;
+    mark.thread = Some(std::thread::current().id());
+    mark.timed_here = TIMED_HERE.with(|t| t.get());
     mark.end = Some(Instant::now());
 }
 
