@@ -142,6 +142,16 @@ fn naive<T: Copy>(a: &View, b: &View, sa: &[T], sb: &[T], m: usize, k: usize, n:
     out
 }
 
+/// The buffer for `len` products over an inner dim of `k`: gemm overwrites
+/// every element unless the inner dim is empty, and then they are zeros.
+fn product_buffer(dtype: DType, len: usize, k: usize) -> CpuStorage {
+    if k > 0 {
+        super::pool::take(dtype, len)
+    } else {
+        super::pool::take_zeroed(dtype, len)
+    }
+}
+
 /// An f32 product with its epilogue applied in place, batch by batch while
 /// each block of products is in cache; `None` where the epilogue does not
 /// read the product element for element into an f32 result of its own shape
@@ -156,7 +166,7 @@ pub(crate) fn run_with_epilogue(a: &View, b: &View, m: usize, k: usize, n: usize
     }
     let prog = super::elementwise::Interpreter::new(&e.expr);
     let finish = |start: usize, block: &mut [f32]| super::elementwise::run_in_place(&prog, inputs, e.acc, start, block);
-    let mut out = if k > 0 { super::pool::take(dtype, nb * m * n) } else { super::pool::take_zeroed(dtype, nb * m * n) };
+    let mut out = product_buffer(dtype, nb * m * n, k);
     let CpuStorage::F32(o) = &mut out else { unreachable!("the pool returns the dtype asked for") };
     gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0, Some(&finish));
     Some(out)
@@ -166,8 +176,7 @@ pub(crate) fn run_with_epilogue(a: &View, b: &View, m: usize, k: usize, n: usize
 pub(crate) fn run(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&CpuStorage], dtype: DType) -> CpuStorage {
     let (x, y) = (input(a, inputs), input(b, inputs));
     let nb = batch_offsets(a).len();
-    // gemm overwrites every element unless the inner dim is empty.
-    let mut out = if k > 0 { super::pool::take(dtype, nb * m * n) } else { super::pool::take_zeroed(dtype, nb * m * n) };
+    let mut out = product_buffer(dtype, nb * m * n, k);
     match (x, y, &mut out) {
         (CpuStorage::F32(sa), CpuStorage::F32(sb), CpuStorage::F32(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0, None),
         (CpuStorage::F64(sa), CpuStorage::F64(sb), CpuStorage::F64(o)) => gemm_batched(a, b, sa, sb, o, m, k, n, 0.0, 1.0, None),
