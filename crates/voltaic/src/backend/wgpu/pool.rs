@@ -289,12 +289,16 @@ mod tests {
         assert!(!crate::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
         let ctx = crate::backend::wgpu::context(0).unwrap();
         let pool = Arc::new(Mutex::new(Pool::new(1 << 30)));
-        let buf = |number: u64| GpuBuf {
-            buffer: Some(ctx.device.create_buffer(&wgpu::BufferDescriptor { label: None, size: 256, usage: wgpu::BufferUsages::STORAGE, mapped_at_creation: false })),
-            number,
-            numel: 64,
-            dtype: DType::F32,
-            pool: pool.clone(),
+        let buf = |number: u64| {
+            // Counted in use, as the pool's own allocation would: dropping one moves its bytes to cached.
+            pool.lock().unwrap().stats.in_use += 256;
+            GpuBuf {
+                buffer: Some(ctx.device.create_buffer(&wgpu::BufferDescriptor { label: None, size: 256, usage: wgpu::BufferUsages::STORAGE, mapped_at_creation: false })),
+                number,
+                numel: 64,
+                dtype: DType::F32,
+                pool: pool.clone(),
+            }
         };
         let free = |p: &Pool| p.free.get(&256).map_or(0, |f| f.len());
         let (a, b, c) = (buf(0), buf(1), buf(2));
