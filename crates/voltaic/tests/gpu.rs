@@ -706,6 +706,41 @@ fn cumsum_and_scatter_add_along_long_dims_match_cpu() {
 }
 
 #[test]
+fn max_pooling_and_its_gradient_match_cpu_exactly() {
+    let mut rng = Rng::new(31);
+    // Values from a few levels, so windows hold ties; a NaN in some.
+    let levels = |rng: &mut Rng, n: usize| -> Vec<f32> {
+        (0..n).map(|i| if i % 37 == 5 { f32::NAN } else { (rng.normal() * 2.0).round() as f32 }).collect()
+    };
+    // (input, kernel, stride, padding): tiled, overlapping, padded, uneven.
+    type Case = ([usize; 4], [usize; 2], Option<[usize; 2]>, [usize; 2]);
+    let cases: [Case; 4] = [([2, 3, 8, 6], [2, 2], None, [0, 0]), ([1, 2, 9, 8], [3, 3], Some([1, 1]), [1, 1]), ([2, 1, 7, 9], [3, 2], Some([2, 1]), [1, 1]), ([1, 2, 5, 5], [1, 1], None, [0, 0])];
+    for (xd, k, s, p) in cases {
+        let n: usize = xd.iter().product();
+        let x = Tensor::from_vec(levels(&mut rng, n), &xd, Device::Cpu).unwrap();
+        // A transposed view as the input, as well as the contiguous one.
+        let xt = x.transpose(2, 3).unwrap().contiguous().unwrap().transpose(2, 3).unwrap();
+        for (name, x) in [("contiguous", &x), ("transposed", &xt)] {
+            let what = format!("max_pool2d {name} {xd:?} kernel {k:?} stride {s:?} padding {p:?}");
+            same(&what, std::slice::from_ref(x), 0.0, 0.0, |t| t[0].max_pool2d(k, s, p));
+            // The gradient of a weighted sum: each window's weight lands on its first maximum.
+            let grad_on = |dev: Device| {
+                let t = x.to_device(dev).unwrap().detach().requires_grad().unwrap();
+                let y = t.max_pool2d(k, s, p).unwrap();
+                let w = Tensor::arange(1.0, 1.0 + y.numel() as f64, 1.0, DType::F32, dev).unwrap().reshape_dims(y.dims()).unwrap();
+                y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+                t.grad().unwrap().to_f64_vec().unwrap()
+            };
+            assert_eq!(grad_on(gpu()), grad_on(Device::Cpu), "{what}: gradient");
+        }
+        for dt in [DType::I32, DType::F16, DType::BF16] {
+            let xi = x.isnan().unwrap().where_cond(0.0, &x).unwrap().to_dtype(dt).unwrap();
+            same(&format!("max_pool2d {dt} {xd:?}"), &[xi], 0.0, 0.0, |t| t[0].max_pool2d(k, s, p));
+        }
+    }
+}
+
+#[test]
 fn sin_and_cos_of_huge_arguments_match_cpu() {
     // Past 2^10 the GPU reduces with the bits of 2/pi (Payne-Hanek), as libm does.
     let mut xs: Vec<f32> = (0..4000).map(|i| (6.0f64 + i as f64 * 0.0195).exp() as f32).collect();

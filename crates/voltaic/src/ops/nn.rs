@@ -62,8 +62,18 @@ fn fold(g: &Tensor, p: &UnfoldParams, h: usize, w: usize) -> Result<Tensor> {
     Tensor::from_op(OpKind::Index(IndexOp::Fold { params: *p, hw: [h, w] }), &[g], g.dtype(), g.device(), vec![d[0], d[1], h, w])
 }
 
+/// The gradient of `max_pool2d` of `x`: `g` at each window's first maximum,
+/// summed where windows overlap.
+fn max_pool2d_grad(x: &Tensor, g: &Tensor, p: UnfoldParams, hw: [usize; 2]) -> Result<Tensor> {
+    let d = g.dims();
+    let at = Tensor::from_op(OpKind::Index(IndexOp::MaxPool { params: p, indices: true }), &[x], DType::I32, x.device(), d.to_vec())?;
+    Tensor::from_op(OpKind::Index(IndexOp::MaxPoolGrad { params: p, hw }), &[g, &at], g.dtype(), g.device(), vec![d[0], d[1], hw[0], hw[1]])
+}
+
 impl Tensor {
-    fn unfold(&self, op: &'static str, p: UnfoldParams, pad: f64) -> Result<Tensor> {
+    /// The windows `p` over this `[N, C, H, W]` tensor, checked: the
+    /// parameters as the kernels take them and the output's spatial size.
+    fn windows(&self, op: &'static str, p: UnfoldParams) -> Result<(UnfoldParams, [usize; 2])> {
         if self.rank() != 4 {
             bail!(Shape, op, "expected a 4-D input [N, C, H, W], got {:?}", self.dims());
         }
@@ -75,7 +85,7 @@ impl Tensor {
             bail!(Value, op, "padding {:?} and dilation {:?} must be at most {}", p.padding, p.dilation, u32::MAX);
         }
         let d = self.dims();
-        let Some([oh, ow]) = p.out_hw(d[2], d[3]) else {
+        let Some(out_hw) = p.out_hw(d[2], d[3]) else {
             bail!(
                 Shape,
                 op,
@@ -87,14 +97,20 @@ impl Tensor {
                 p.dilation
             );
         };
-        let dims = vec![d[0], d[1], p.kernel[0], p.kernel[1], oh, ow];
-        crate::shape::checked_numel(op, &dims)?;
+        crate::shape::checked_numel(op, &[d[0], d[1], p.kernel[0], p.kernel[1], out_hw[0], out_hw[1]])?;
         // A stride beyond the padded input gives one output either way; cap it
         // there so that it cannot overflow the kernels' signed arithmetic.
         let mut p = p;
         for i in 0..2 {
             p.stride[i] = p.stride[i].min(d[2 + i] + 2 * p.padding[i]);
         }
+        Ok((p, out_hw))
+    }
+
+    fn unfold(&self, op: &'static str, p: UnfoldParams, pad: f64) -> Result<Tensor> {
+        let (p, [oh, ow]) = self.windows(op, p)?;
+        let d = self.dims();
+        let dims = vec![d[0], d[1], p.kernel[0], p.kernel[1], oh, ow];
         let out = Tensor::from_op(OpKind::Index(IndexOp::Unfold { params: p, pad }), &[self], self.dtype(), self.device(), dims)?;
         if !self.dtype().is_float() {
             return Ok(out);
@@ -172,62 +188,36 @@ impl Tensor {
     }
 
     /// Max pooling over `[N, C, H, W]` (or unbatched `[C, H, W]`); `stride`
-    /// defaults to the kernel size. Padding is with -inf, and the gradient of
-    /// each window goes to its first maximum, as PyTorch.
+    /// defaults to the kernel size. Padding is never chosen (as -inf), a NaN
+    /// is the maximum of its window, and the gradient of each window goes to
+    /// its first maximum, as PyTorch.
+    ///
+    /// ```
+    /// # use voltaic::{Device, Tensor};
+    /// let x = Tensor::from_vec((0..16).map(|v| v as f32).collect(), &[1, 1, 4, 4], Device::Cpu)?;
+    /// assert_eq!(x.max_pool2d([2, 2], None, [0, 0])?.to_vec::<f32>()?, [5.0, 7.0, 13.0, 15.0]);
+    /// # Ok::<(), voltaic::Error>(())
+    /// ```
     pub fn max_pool2d(&self, kernel: [usize; 2], stride: Option<[usize; 2]>, padding: [usize; 2]) -> Result<Tensor> {
         if self.rank() == 3 {
             return self.unsqueeze(0)?.max_pool2d(kernel, stride, padding)?.squeeze(0);
         }
-        let p = Tensor::pool_params("max_pool2d", kernel, stride, padding)?;
+        let (p, [oh, ow]) = self.windows("max_pool2d", Tensor::pool_params("max_pool2d", kernel, stride, padding)?)?;
+        let d = self.dims();
+        let dims = vec![d[0], d[1], oh, ow];
         let x = self.detach();
-        let y = match x.tiled_windows(&p)? {
-            Some(w) => w.max(&[3, 5], false)?,
-            None => {
-                let u = x.unfold("max_pool2d", p, f64::NEG_INFINITY)?;
-                let d = u.dims().to_vec();
-                u.reshape_dims(&[d[0], d[1], d[2] * d[3], d[4], d[5]])?.max(&[2], false)?
-            }
-        };
+        let y = Tensor::from_op(OpKind::Index(IndexOp::MaxPool { params: p, indices: false }), &[&x], x.dtype(), x.device(), dims)?;
         if !y.dtype().is_float() {
             return Ok(y);
         }
-        let dims = self.dims().to_vec();
-        let top = y.clone();
-        Ok(y.track(&[self], move |g, _| Ok(vec![Some(x.max_pool2d_grad(g, &p, &dims, &top)?)])))
-    }
-
-    /// The gradient of `max_pool2d` of `self`: `g` at each window's first
-    /// maximum (`top`, the pooled values).
-    fn max_pool2d_grad(&self, g: &Tensor, p: &UnfoldParams, dims: &[usize], top: &Tensor) -> Result<Tensor> {
-        let k = p.kernel[0] * p.kernel[1];
-        // Where the first maximum of a window of `k` taps (last dim of `w`) sits, as a one-hot mask times g.
-        let route = |w: &Tensor, g: &Tensor| -> Result<Tensor> {
-            let first = w.argmax(Some(-1), true)?;
-            let mut taps = vec![1usize; w.rank()];
-            taps[w.rank() - 1] = k;
-            let pos = Tensor::arange(0.0, k as f64, 1.0, DType::I32, w.device())?.reshape_dims(&taps)?;
-            pos.eq(&first)?.where_cond(&g.unsqueeze(-1)?, 0.0)?.to_dtype(g.dtype())
-        };
-        if let Some(w) = self.tiled_windows(p)? {
-            // In the windows' own view [N, C, Ho, kh, Wo, kw], a free reshape
-            // of the input: the first maximum of each window is the least
-            // tap number (i * kw + j) where the window's maximum sits (NaN
-            // wins, as in the max). Moving the taps last instead would read
-            // them through a permuted reshape that no strided layout walks.
-            let d = w.dims().to_vec();
-            let taps = Tensor::arange(0.0, k as f64, 1.0, DType::I32, w.device())?.reshape_dims(&[1, 1, 1, d[3], 1, d[5]])?;
-            let top = top.reshape_dims(&[d[0], d[1], d[2], 1, d[4], 1])?;
-            let at_max = w.eq(&top)?.where_cond(&taps, k as f64)?;
-            let first = w.isnan()?.where_cond(&taps, &at_max)?.min(&[3, 5], true)?;
-            let g = g.reshape_dims(&[d[0], d[1], d[2], 1, d[4], 1])?;
-            return taps.eq(&first)?.where_cond(&g, 0.0)?.to_dtype(g.dtype())?.reshape_dims(dims);
+        // The backward finds each window's first maximum again (a kernel
+        // like the forward one) rather than the forward storing it for
+        // every step, inference included.
+        let hw = [d[2], d[3]];
+        if self.is_tracked() && hw[0].saturating_mul(hw[1]) > i32::MAX as usize {
+            bail!(Shape, "max_pool2d", "the gradient of an image of {}x{} positions: at most {} (i32 indices)", hw[0], hw[1], i32::MAX);
         }
-        let u = self.unfold("max_pool2d", *p, f64::NEG_INFINITY)?;
-        let d = u.dims().to_vec();
-        // [N, C, kh, kw, oh, ow] -> [N, C, oh, ow, k], routed, then back for col2im.
-        let windows = u.reshape_dims(&[d[0], d[1], k, d[4], d[5]])?.permute(&[0, 1, 3, 4, 2])?;
-        let r = route(&windows, g)?.permute(&[0, 1, 4, 2, 3])?.reshape_dims(&d)?;
-        fold(&r, p, dims[2], dims[3])
+        Ok(y.track(&[self], move |g, _| Ok(vec![Some(max_pool2d_grad(&x, g, p, hw)?)])))
     }
 
     /// Average pooling over `[N, C, H, W]` or `[C, H, W]` (zero padding counted, as PyTorch's default).

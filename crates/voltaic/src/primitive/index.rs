@@ -1,5 +1,6 @@
 //! Index-like primitives: ops whose output elements read inputs at computed
-//! positions (gather, index_select, scatter_add, cumsum, cat, unfold, fold).
+//! positions (gather, index_select, scatter_add, cumsum, cat, unfold, fold,
+//! max pooling and its gradient).
 //! They share one graph op and one kernel kind; each executor has one
 //! kernel per variant.
 
@@ -85,6 +86,15 @@ pub enum IndexOp {
     /// col2im, the adjoint of unfold: patches `[N, C, kh, kw, oh, ow]` added
     /// back into an `[N, C, H, W]` image of spatial size `hw`; input (patches).
     Fold { params: UnfoldParams, hw: [usize; 2] },
+    /// The maximum of each window of an `[N, C, H, W]` image (padding is
+    /// never chosen), `[N, C, oh, ow]`; with `indices`, instead the position
+    /// `iy * W + ix` (i32) of each window's first maximum in row-major tap
+    /// order, a NaN counting as the maximum (the first NaN); input (image).
+    MaxPool { params: UnfoldParams, indices: bool },
+    /// The gradient of max pooling: each window's entry of `g` added at the
+    /// position its index names, into an `[N, C, H, W]` image of spatial
+    /// size `hw` (windows in row-major order); inputs (g, indices).
+    MaxPoolGrad { params: UnfoldParams, hw: [usize; 2] },
     /// Rows of a block-quantized `[rows, cols]` matrix (its padded blocks as
     /// u32 words, see `QTensor`) at the positions of a 1-D index,
     /// dequantized to f32: `[index len, cols]`; inputs (blocks, index).
@@ -106,7 +116,8 @@ impl std::hash::Hash for IndexOp {
             IndexOp::Gather { dim, caller } | IndexOp::ScatterAdd { dim, caller } | IndexOp::IndexSelect { dim, caller } => (dim, caller).hash(h),
             IndexOp::Cumsum { dim } | IndexOp::Cat { dim } => dim.hash(h),
             IndexOp::Unfold { params, pad } => (params, pad.to_bits()).hash(h),
-            IndexOp::Fold { params, hw } => (params, hw).hash(h),
+            IndexOp::Fold { params, hw } | IndexOp::MaxPoolGrad { params, hw } => (params, hw).hash(h),
+            IndexOp::MaxPool { params, indices } => (params, indices).hash(h),
             IndexOp::Dequantize { qtype, cols, caller } => (qtype, cols, caller).hash(h),
             IndexOp::Attention { scale } => scale.to_bits().hash(h),
         }
@@ -124,6 +135,9 @@ impl IndexOp {
             IndexOp::Cat { .. } => "cat",
             IndexOp::Unfold { .. } => "unfold",
             IndexOp::Fold { .. } => "fold",
+            IndexOp::MaxPool { indices: false, .. } => "max_pool2d",
+            IndexOp::MaxPool { indices: true, .. } => "max_pool2d_indices",
+            IndexOp::MaxPoolGrad { .. } => "max_pool2d_grad",
             IndexOp::Dequantize { .. } => "dequantize",
             IndexOp::Attention { .. } => "attention",
         }

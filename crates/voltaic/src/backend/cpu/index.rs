@@ -1,5 +1,5 @@
 //! The index-like kernels: gather, scatter_add, index_select, cumsum, cat,
-//! unfold and fold.
+//! unfold, fold, and max pooling with its gradient.
 
 use super::input;
 use super::simd::simd_fn;
@@ -21,6 +21,8 @@ pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DT
         IndexOp::Cat { dim } => cat(dim, args, inputs, dtype, numel),
         IndexOp::Unfold { params, pad } => unfold(&args[0], &params, pad, inputs),
         IndexOp::Fold { params, hw } => fold(&args[0], &params, hw, inputs),
+        IndexOp::MaxPool { params, indices } => max_pool(&args[0], &params, indices, inputs),
+        IndexOp::MaxPoolGrad { hw, .. } => max_pool_grad(&args[0], &args[1], hw, inputs),
         IndexOp::Dequantize { qtype, cols, caller } => super::quant::dequantize_rows(caller.name(), qtype, cols, &args[0], &args[1], inputs)?,
         IndexOp::Attention { scale } => attention(scale, args, inputs, dtype),
     })
@@ -454,4 +456,264 @@ fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) ->
         CpuStorage::U32(v) => go(v, l, &st, dims, p),
         CpuStorage::Bool(v) => go(v, l, &st, dims, p),
     }
+}
+
+/// The order max pooling compares in, for every storage type: halves as
+/// f32, bool as 0 and 1. A key unequal to itself is a NaN.
+trait MaxKey: Copy {
+    type K: Copy + PartialOrd;
+    /// A key no value is below.
+    const LOWEST: Self::K;
+    fn key(self) -> Self::K;
+    /// The value of a key this type's `key` made (exact).
+    fn from_key(k: Self::K) -> Self;
+}
+macro_rules! max_key {
+    ($($t:ty => $k:ty, $lowest:expr, $to:expr, $from:expr;)*) => {$(
+        impl MaxKey for $t {
+            type K = $k;
+            const LOWEST: $k = $lowest;
+            #[inline(always)]
+            fn key(self) -> $k {
+                $to(self)
+            }
+            #[inline(always)]
+            fn from_key(k: $k) -> $t {
+                $from(k)
+            }
+        }
+    )*};
+}
+max_key! {
+    f32 => f32, f32::NEG_INFINITY, |x| x, |k| k;
+    f64 => f64, f64::NEG_INFINITY, |x| x, |k| k;
+    i32 => i32, i32::MIN, |x| x, |k| k;
+    u32 => u32, 0, |x| x, |k| k;
+    f16 => f32, f32::NEG_INFINITY, |x: f16| x.to_f32(), f16::from_f32;
+    bf16 => f32, f32::NEG_INFINITY, |x: bf16| x.to_f32(), bf16::from_f32;
+    bool => u8, 0, |x| x as u8, |k| k != 0;
+}
+
+/// One tap of a row of windows: window `i` reads `src[i * step]` (at
+/// position `at0 + i * sx` of its image), and takes it over its running
+/// maximum `best[i]` if it is greater, or the first NaN (nothing replaces
+/// a NaN); with `AT`, `pos` follows, starting at -1 (no tap yet). `STEP`
+/// is the step when known (1 or 2, so the loop vectorizes), else 0.
+#[inline(always)]
+fn pool_tap<T: MaxKey, const STEP: usize, const AT: bool>(src: &[T], step: usize, best: &mut [T::K], pos: &mut [i32], at0: i32, sx: i32) {
+    let step = if STEP == 0 { step } else { STEP };
+    let n = best.len();
+    assert!(n == 0 || src.len() > (n - 1) * step, "max_pool2d: a row of taps runs past its input");
+    for i in 0..n {
+        // SAFETY: i < n, and src holds (n - 1) * step + 1 elements (asserted).
+        let k = unsafe { src.get_unchecked(i * step) }.key();
+        let b = best[i];
+        #[allow(clippy::eq_op)]
+        let take = (AT && pos[i] < 0) | (k > b) | ((k != k) & (b == b));
+        best[i] = if take { k } else { b };
+        if AT {
+            pos[i] = if take { at0 + i as i32 * sx } else { pos[i] };
+        }
+    }
+}
+
+/// [`pool_tap`] over a whole plane of windows: window `j` reads
+/// `s[base + offs[j]]`, at position `at0[j] + q`. The `FIRST` tap of every
+/// window (all are inside the image) starts its maximum: no test of
+/// whether it has one, so the loop has no branch.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn pool_tap_tabled<T: MaxKey, const FIRST: bool, const AT: bool>(s: &[T], base: usize, offs: &[usize], best: &mut [T::K], pos: &mut [i32], at0: &[i32], q: i32) {
+    let reach = offs.iter().copied().max().unwrap_or(0);
+    let src = &s[base..=base + reach];
+    let n = offs.len();
+    let (best, pos, at0) = (&mut best[..n], &mut pos[..n], &at0[..n]);
+    for j in 0..n {
+        // SAFETY: every offset is at most `reach`, and `src` holds `reach + 1` elements.
+        let k = unsafe { src.get_unchecked(offs[j]) }.key();
+        let b = best[j];
+        #[allow(clippy::eq_op)]
+        let take = FIRST | (k > b) | ((k != k) & (b == b));
+        best[j] = if take { k } else { b };
+        if AT {
+            pos[j] = if take { at0[j] + q } else { pos[j] };
+        }
+    }
+}
+
+/// Where the windows of a max pooling sit over an image plane.
+struct PoolGeom {
+    p: UnfoldParams,
+    h: usize,
+    w: usize,
+    oh: usize,
+    ow: usize,
+    /// Strides of the image's rows and columns.
+    st: [usize; 2],
+    /// Per tap column kj: the output columns `x0..x1` whose tap is inside
+    /// the image, and the image column `ix0` that `x0`'s tap reads.
+    cols: Vec<(usize, usize, usize)>,
+    /// Without padding every tap is inside the image: then per output of
+    /// the plane, the offset of its first tap and that tap's position
+    /// `iy * w + ix`, so that each tap is one pass over the whole plane.
+    table: Option<(Vec<usize>, Vec<i32>)>,
+}
+
+impl PoolGeom {
+    fn new(p: &UnfoldParams, h: usize, w: usize, st: [usize; 2]) -> PoolGeom {
+        let [oh, ow] = p.out_hw(h, w).expect("checked when the op is recorded");
+        let (sx, px, dx) = (p.stride[1] as isize, p.padding[1] as isize, p.dilation[1] as isize);
+        let cols = (0..p.kernel[1])
+            .map(|kj| {
+                // Output columns x with 0 <= x * sx + o < w.
+                let o = kj as isize * dx - px;
+                let x0 = if o >= 0 { 0 } else { ((-o + sx - 1) / sx) as usize };
+                let x1 = if (w as isize) <= o { 0 } else { ((w as isize - o + sx - 1) / sx) as usize }.min(ow);
+                (x0, x1, (x0 as isize * sx + o).max(0) as usize)
+            })
+            .collect();
+        let table = (p.padding == [0, 0]).then(|| {
+            let firsts = (0..oh).flat_map(|y| (0..ow).map(move |x| (y * p.stride[0], x * p.stride[1])));
+            firsts.map(|(iy, ix)| (iy * st[0] + ix * st[1], (iy * w + ix) as i32)).unzip()
+        });
+        PoolGeom { p: *p, h, w, oh, ow, st, cols, table }
+    }
+}
+
+simd_fn! {
+    /// The running maxima of one image plane's windows (at `base` of `s`)
+    /// into `best`, and with `at` their positions into `pos` (both a
+    /// plane of outputs long).
+    fn pool_plane<T: MaxKey>(s: &[T], base: usize, g: &PoolGeom, at: bool, best: &mut [T::K], pos: &mut [i32]) {
+        best.fill(T::LOWEST);
+        pos.fill(-1);
+        let (p, ow) = (&g.p, g.ow);
+        if let Some((offs, at0)) = &g.table {
+            for ki in 0..p.kernel[0] {
+                for kj in 0..p.kernel[1] {
+                    let (dy, dx) = (ki * p.dilation[0], kj * p.dilation[1]);
+                    let first = base + dy * g.st[0] + dx * g.st[1];
+                    let (off, q) = (first, (dy * g.w + dx) as i32);
+                    match (ki + kj == 0, at) {
+                        (true, false) => pool_tap_tabled::<T, true, false>(s, off, offs, best, pos, at0, q),
+                        (true, true) => pool_tap_tabled::<T, true, true>(s, off, offs, best, pos, at0, q),
+                        (false, false) => pool_tap_tabled::<T, false, false>(s, off, offs, best, pos, at0, q),
+                        (false, true) => pool_tap_tabled::<T, false, true>(s, off, offs, best, pos, at0, q),
+                    }
+                }
+            }
+            return;
+        }
+        let (step, sx) = (p.stride[1] * g.st[1], p.stride[1] as i32);
+        for y in 0..g.oh {
+            let (brow, prow) = (&mut best[y * ow..(y + 1) * ow], &mut pos[y * ow..(y + 1) * ow]);
+            for ki in 0..p.kernel[0] {
+                let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                if iy < 0 || iy as usize >= g.h {
+                    continue;
+                }
+                let iy = iy as usize;
+                for &(x0, x1, ix0) in &g.cols {
+                    if x0 >= x1 {
+                        continue;
+                    }
+                    let first = base + iy * g.st[0] + ix0 * g.st[1];
+                    let src = &s[first..=first + (x1 - x0 - 1) * step];
+                    let (b, q, at0) = (&mut brow[x0..x1], &mut prow[x0..x1], (iy * g.w + ix0) as i32);
+                    match (step, at) {
+                        (1, false) => pool_tap::<T, 1, false>(src, step, b, q, at0, sx),
+                        (1, true) => pool_tap::<T, 1, true>(src, step, b, q, at0, sx),
+                        (2, false) => pool_tap::<T, 2, false>(src, step, b, q, at0, sx),
+                        (2, true) => pool_tap::<T, 2, true>(src, step, b, q, at0, sx),
+                        (_, false) => pool_tap::<T, 0, false>(src, step, b, q, at0, sx),
+                        (_, true) => pool_tap::<T, 0, true>(src, step, b, q, at0, sx),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Each window's maximum, or with `indices` the position of its first
+/// maximum (see `IndexOp::MaxPool`). Per output row, each tap in row-major
+/// order updates the row's running maxima: a loop over the row the
+/// compiler vectorizes, where a loop over each window's few taps would not.
+fn max_pool(inp: &View, p: &UnfoldParams, indices: bool, inputs: &[&CpuStorage]) -> CpuStorage {
+    fn go<T: StorageElem + MaxKey, O: StorageElem>(s: &[T], l: &Layout, p: &UnfoldParams, at: bool, pick: impl Fn(T::K, i32) -> O + Sync) -> CpuStorage {
+        use rayon::prelude::*;
+        let (d, st) = (l.dims(), l.strides());
+        let (nb, c) = (d[0], d[1]);
+        let g = PoolGeom::new(p, d[2], d[3], [st[2], st[3]]);
+        let plane = g.oh * g.ow;
+        let mut out = O::unwrap(super::pool::take(O::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
+        if plane == 0 {
+            return O::wrap(out);
+        }
+        // Tasks of whole planes, about 64k taps each: one plane of a
+        // 28x28 image is too little work to hand to another thread.
+        let per = (65536 / (plane * p.kernel[0] * p.kernel[1])).max(1);
+        out.par_chunks_mut(per * plane).enumerate().for_each_init(
+            || (vec![T::LOWEST; plane], vec![-1i32; plane]),
+            |(best, pos), (task, planes)| {
+                for (pi, dst) in planes.chunks_mut(plane).enumerate() {
+                    let nc = task * per + pi;
+                    pool_plane(s, l.offset + (nc / c) * st[0] + (nc % c) * st[1], &g, at, best, pos);
+                    for ((r, &k), &q) in dst.iter_mut().zip(best.iter()).zip(pos.iter()) {
+                        *r = pick(k, q);
+                    }
+                }
+            },
+        );
+        O::wrap(out)
+    }
+    let l = &inp.layout;
+    macro_rules! pool {
+        ($t:ty, $s:expr) => {
+            if indices {
+                go::<$t, i32>($s, l, p, true, |_, q| q)
+            } else {
+                go::<$t, $t>($s, l, p, false, |k, _| <$t>::from_key(k))
+            }
+        };
+    }
+    match input(inp, inputs) {
+        CpuStorage::F32(s) => pool!(f32, s),
+        CpuStorage::F64(s) => pool!(f64, s),
+        CpuStorage::F16(s) => pool!(f16, s),
+        CpuStorage::BF16(s) => pool!(bf16, s),
+        CpuStorage::I32(s) => pool!(i32, s),
+        CpuStorage::U32(s) => pool!(u32, s),
+        CpuStorage::Bool(s) => pool!(bool, s),
+    }
+}
+
+/// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): a task per
+/// image plane adds its windows' gradients at their maxima, in window order.
+fn max_pool_grad(g: &View, at: &View, hw: [usize; 2], inputs: &[&CpuStorage]) -> CpuStorage {
+    fn go<T: StorageElem + AddElem>(s: &[T], gl: &Layout, idx: &[i32], al: &Layout, hw: [usize; 2]) -> CpuStorage {
+        use rayon::prelude::*;
+        let (d, gs, is) = (gl.dims(), gl.strides(), al.strides());
+        let (nb, c, oh, ow) = (d[0], d[1], d[2], d[3]);
+        let plane = hw[0] * hw[1];
+        let mut out = T::unwrap(super::pool::take_zeroed(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
+        if plane == 0 {
+            return T::wrap(out);
+        }
+        out.par_chunks_mut(plane).enumerate().for_each(|(nc, dst)| {
+            let (n, ci) = (nc / c, nc % c);
+            let (gb, ib) = (gl.offset + n * gs[0] + ci * gs[1], al.offset + n * is[0] + ci * is[1]);
+            for y in 0..oh {
+                for x in 0..ow {
+                    let q = idx[ib + y * is[2] + x * is[3]];
+                    // Always in range (the forward kernel made it); a bad one is dropped, never a panic.
+                    if let Some(e) = usize::try_from(q).ok().and_then(|q| dst.get_mut(q)) {
+                        *e = e.add(s[gb + y * gs[2] + x * gs[3]]);
+                    }
+                }
+            }
+        });
+        T::wrap(out)
+    }
+    let CpuStorage::I32(idx) = input(at, inputs) else { unreachable!("max pooling's indices are i32") };
+    map_storage!(input(g, inputs), s => go(s, &g.layout, idx, &at.layout, hw))
 }

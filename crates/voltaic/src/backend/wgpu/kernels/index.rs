@@ -1,5 +1,5 @@
 //! The index-like kernels: gather, index_select, scatter_add, cumsum, cat,
-//! unfold and fold. Index tensors are checked in the kernel; an index out of
+//! unfold, fold, and max pooling with its gradient. Index tensors are checked in the kernel; an index out of
 //! range is flagged in the device's index-error buffer and reported by the
 //! next read.
 
@@ -45,6 +45,8 @@ impl Gen<'_> {
             }
             IndexOp::Unfold { params, pad } => p.dispatches.push(self.unfold(&args[0], &params, pad)),
             IndexOp::Fold { params, hw } => p.dispatches.push(self.fold(&args[0], &params, hw)),
+            IndexOp::MaxPool { params, indices } => p.dispatches.push(self.max_pool(&args[0], &params, indices)),
+            IndexOp::MaxPoolGrad { params, hw } => p.dispatches.push(self.max_pool_grad(&args[0], &args[1], &params, hw)),
             IndexOp::Dequantize { qtype, cols, .. } => p.dispatches.push(self.dequantize_rows(qtype, cols, &args[0], &args[1], op.error_code())),
             IndexOp::Attention { scale } => self.attention(p, scale, args, prologues)?,
         }
@@ -697,6 +699,134 @@ impl Gen<'_> {
         );
         sh.finish("fold".into(), WG, groups(n, WG), &b)
     }
+}
+
+impl Gen<'_> {
+    /// Max pooling (see `IndexOp::MaxPool`): a thread per window, walking
+    /// its taps in row-major order.
+    fn max_pool(&self, input: &View, p: &UnfoldParams, indices: bool) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input]);
+        self.bind_out(&mut sh);
+        let l = &input.layout;
+        let dd = l.dims();
+        let (h, w) = (dd[2], dd[3]);
+        let [oh, ow] = p.out_hw(h, w).unwrap_or([0, 0]);
+        let n = dd[0] * dd[1] * oh * ow;
+        let idt = self.inputs[input.input].0;
+        let st = l.strides();
+        // Whether tap `v` replaces the running maximum `best`: a greater
+        // value, or the first NaN (nothing replaces a NaN).
+        let greater = match compute_ty(idt) {
+            "f32" => "(!isnan_(best) && (v > best || isnan_(v)))",
+            "bool" => "(v && !best)",
+            _ => "(v > best)",
+        };
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", &[dd[0], dd[1], oh, ow]);
+        window_consts(&mut b, p);
+        let _ = writeln!(
+            b,
+            "    let base = {off}u + {n0} * {s0}u + {c0} * {s1}u;
+    var best = {zero};
+    var at = 0;
+    var seen = false;
+    for (var ki = 0u; ki < KH; ki = ki + 1u) {{
+        let iy = i32({y} * SY + ki * DY) - PY;
+        if (iy < 0 || iy >= {h}) {{ continue; }}
+        for (var kj = 0u; kj < KW; kj = kj + 1u) {{
+            let ix = i32({x} * SX + kj * DX) - PX;
+            if (ix < 0 || ix >= {w}) {{ continue; }}
+            let v = ld_in{inp}(base + u32(iy) * {s2}u + u32(ix) * {s3}u);
+            if (!seen || {greater}) {{
+                best = v;
+                at = iy * {w} + ix;
+                seen = true;
+            }}
+        }}
+    }}
+    st_out(i, {result});",
+            off = l.offset(),
+            n0 = d[0],
+            c0 = d[1],
+            y = d[2],
+            x = d[3],
+            s0 = st[0],
+            s1 = st[1],
+            s2 = st[2],
+            s3 = st[3],
+            zero = literal(0.0, idt),
+            inp = input.input,
+            result = if indices { "at" } else { "best" },
+        );
+        sh.finish(if indices { "max_pool_indices" } else { "max_pool" }.into(), WG, groups(n, WG), &b)
+    }
+
+    /// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): a thread
+    /// per image element sums the windows over it whose maximum it is, in
+    /// window order as the CPU adds them (a deterministic gather, where a
+    /// scatter would need atomics).
+    fn max_pool_grad(&self, g: &View, at: &View, p: &UnfoldParams, hw: [usize; 2]) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[g.input, at.input]);
+        self.bind_out(&mut sh);
+        let gd = g.layout.dims();
+        let (oh, ow) = (gd[2], gd[3]);
+        let [h, w] = hw;
+        let n = gd[0] * gd[1] * h * w;
+        let dt = self.out.0;
+        let (gs, is) = (g.layout.strides(), at.layout.strides());
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", &[gd[0], gd[1], h, w]);
+        window_consts(&mut b, p);
+        // Windows oy over row iy have oy * sy + ki * dy - py == iy for a tap
+        // row ki; walking ki down walks oy up.
+        let _ = writeln!(
+            b,
+            "    let gbase = {goff}u + {n0} * {gs0}u + {c0} * {gs1}u;
+    let ibase = {ioff}u + {n0} * {is0}u + {c0} * {is1}u;
+    let here = i32({iy} * {w}u + {ix});
+    var acc = {zero};
+    for (var a = 0u; a < KH; a = a + 1u) {{
+        let ty = i32({iy}) + PY - i32((KH - 1u - a) * DY);
+        if (ty < 0 || ty % SY != 0 || ty / SY >= {oh}) {{ continue; }}
+        let oy = u32(ty / SY);
+        for (var c = 0u; c < KW; c = c + 1u) {{
+            let tx = i32({ix}) + PX - i32((KW - 1u - c) * DX);
+            if (tx < 0 || tx % SX != 0 || tx / SX >= {ow}) {{ continue; }}
+            let ox = u32(tx / SX);
+            if (ld_in{ai}(ibase + oy * {is2}u + ox * {is3}u) == here) {{
+                acc = {sum};
+            }}
+        }}
+    }}
+    st_out(i, acc);",
+            goff = g.layout.offset(),
+            ioff = at.layout.offset(),
+            n0 = d[0],
+            c0 = d[1],
+            iy = d[2],
+            ix = d[3],
+            gs0 = gs[0],
+            gs1 = gs[1],
+            is0 = is[0],
+            is1 = is[1],
+            is2 = is[2],
+            is3 = is[3],
+            zero = literal(0.0, dt),
+            ai = at.input,
+            sum = round_to(dt, &format!("acc + ld_in{}(gbase + oy * {}u + ox * {}u)", g.input, gs[2], gs[3])),
+        );
+        sh.finish("max_pool_grad".into(), WG, groups(n, WG), &b)
+    }
+}
+
+/// A pooling window's parameters as WGSL constants (`KH`, `KW`, `SY`, `SX`,
+/// `DY`, `DX`, `PY`, `PX`), untyped so that they read as `u32` or `i32`
+/// wherever they are used.
+fn window_consts(b: &mut String, p: &UnfoldParams) {
+    let ([kh, kw], [sy, sx], [dy, dx], [py, px]) = (p.kernel, p.stride, p.dilation, p.padding);
+    let _ = writeln!(b, "    const KH = {kh}; const KW = {kw}; const SY = {sy}; const SX = {sx}; const DY = {dy}; const DX = {dx}; const PY = {py}; const PX = {px};");
 }
 
 /// Elements each workgroup of the blocked scan covers.
