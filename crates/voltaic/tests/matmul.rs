@@ -384,3 +384,27 @@ fn bias_and_activation_fused_after_batched_products() -> voltaic::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn long_inner_dims_split_over_threads_with_the_epilogue_after() -> voltaic::Result<()> {
+    // A small output over a long inner dim (a weight gradient with its batch
+    // folded into k) is multiplied as partial products over slices of k,
+    // then added: against f64, with a transposed operand, an inner dim that
+    // does not divide by the thread count, f16, and an epilogue.
+    let mut rng = Rng::new(22);
+    for (m, k, n, dt) in [(16, 16411, 24, DType::F32), (9, 20000, 32, DType::F32), (16, 16400, 16, DType::F16)] {
+        let (a, av) = rand_tensor(&mut rng, &[m, k], dt);
+        let (bt, btv) = rand_tensor(&mut rng, &[n, k], dt);
+        let bv: Vec<f64> = (0..k * n).map(|i| btv[(i % n) * k + i / n]).collect();
+        let (prod, scale, dims) = ref_matmul(&av, &[m, k], &bv, &[k, n]);
+        let got = a.matmul(&bt.t()?)?;
+        assert_eq!(got.dims(), dims.as_slice());
+        assert_close_scaled(&got.to_f64_vec()?, &prod, &scale, tol(dt), &format!("[{m}, {k}] @ [{k}, {n}] {dt}"));
+        if dt == DType::F32 {
+            let got = a.matmul(&bt.t()?)?.relu()?;
+            let want: Vec<f64> = prod.iter().map(|p| p.max(0.0)).collect();
+            assert_close_scaled(&got.to_f64_vec()?, &want, &scale, tol(dt), &format!("relu([{m}, {k}] @ [{k}, {n}])"));
+        }
+    }
+    Ok(())
+}
