@@ -518,13 +518,13 @@ fn pool_tap<T: MaxKey, const STEP: usize, const AT: bool>(src: &[T], step: usize
 }
 
 /// [`pool_tap`] over a whole plane of windows: window `j` reads
-/// `s[base + offs[j]]`, at position `at0[j] + q`. The `FIRST` tap of every
+/// `s[base + offs[j]]` (`reach` the largest offset), at position
+/// `at0[j] + q`. The `FIRST` tap of every
 /// window (all are inside the image) starts its maximum: no test of
 /// whether it has one, so the loop has no branch.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn pool_tap_tabled<T: MaxKey, const FIRST: bool, const AT: bool>(s: &[T], base: usize, offs: &[usize], best: &mut [T::K], pos: &mut [i32], at0: &[i32], q: i32) {
-    let reach = offs.iter().copied().max().unwrap_or(0);
+fn pool_tap_tabled<T: MaxKey, const FIRST: bool, const AT: bool>(s: &[T], base: usize, (offs, reach): (&[usize], usize), best: &mut [T::K], pos: &mut [i32], at0: &[i32], q: i32) {
     let src = &s[base..=base + reach];
     let n = offs.len();
     let (best, pos, at0) = (&mut best[..n], &mut pos[..n], &at0[..n]);
@@ -555,8 +555,9 @@ struct PoolGeom {
     cols: Vec<(usize, usize, usize)>,
     /// Without padding every tap is inside the image: then per output of
     /// the plane, the offset of its first tap and that tap's position
-    /// `iy * w + ix`, so that each tap is one pass over the whole plane.
-    table: Option<(Vec<usize>, Vec<i32>)>,
+    /// `iy * w + ix`, so that each tap is one pass over the whole plane;
+    /// and the largest offset.
+    table: Option<(Vec<usize>, Vec<i32>, usize)>,
 }
 
 impl PoolGeom {
@@ -574,7 +575,9 @@ impl PoolGeom {
             .collect();
         let table = (p.padding == [0, 0]).then(|| {
             let firsts = (0..oh).flat_map(|y| (0..ow).map(move |x| (y * p.stride[0], x * p.stride[1])));
-            firsts.map(|(iy, ix)| (iy * st[0] + ix * st[1], (iy * w + ix) as i32)).unzip()
+            let (offs, at0): (Vec<usize>, Vec<i32>) = firsts.map(|(iy, ix)| (iy * st[0] + ix * st[1], (iy * w + ix) as i32)).unzip();
+            let reach = offs.iter().copied().max().unwrap_or(0);
+            (offs, at0, reach)
         });
         PoolGeom { p: *p, h, w, oh, ow, st, cols, table }
     }
@@ -588,7 +591,8 @@ simd_fn! {
         best.fill(T::LOWEST);
         pos.fill(-1);
         let (p, ow) = (&g.p, g.ow);
-        if let Some((offs, at0)) = &g.table {
+        if let Some((offs, at0, reach)) = &g.table {
+            let offs = (offs.as_slice(), *reach);
             for ki in 0..p.kernel[0] {
                 for kj in 0..p.kernel[1] {
                     let (dy, dx) = (ki * p.dilation[0], kj * p.dilation[1]);
@@ -635,9 +639,10 @@ simd_fn! {
 }
 
 /// Each window's maximum, or with `indices` the position of its first
-/// maximum (see `IndexOp::MaxPool`). Per output row, each tap in row-major
-/// order updates the row's running maxima: a loop over the row the
-/// compiler vectorizes, where a loop over each window's few taps would not.
+/// maximum (see `IndexOp::MaxPool`). Each tap in row-major order updates
+/// the running maxima of a whole plane of windows (row by row where
+/// padding leaves some taps outside): loops the compiler vectorizes, where
+/// a loop over each window's few taps would not.
 fn max_pool(inp: &View, p: &UnfoldParams, indices: bool, inputs: &[&CpuStorage]) -> CpuStorage {
     fn go<T: StorageElem + MaxKey, O: StorageElem>(s: &[T], l: &Layout, p: &UnfoldParams, at: bool, pick: impl Fn(T::K, i32) -> O + Sync) -> CpuStorage {
         use rayon::prelude::*;
