@@ -494,10 +494,18 @@ max_key! {
     bool => u8, 0, |x| x as u8, |k| k != 0;
 }
 
+/// Whether tap `k` replaces the running maximum `best`: it is greater, or
+/// the first NaN (a key unequal to itself; nothing replaces a NaN).
+#[inline(always)]
+#[allow(clippy::eq_op)]
+fn replaces<K: PartialOrd>(k: K, best: K) -> bool {
+    (k > best) | ((k != k) & (best == best))
+}
+
 /// One tap of a row of windows: window `i` reads `src[i * step]` (at
 /// position `at0 + i * sx` of its image), and takes it over its running
-/// maximum `best[i]` if it is greater, or the first NaN (nothing replaces
-/// a NaN); with `AT`, `pos` follows, starting at -1 (no tap yet). `STEP`
+/// maximum `best[i]` where it [`replaces`] it; with `AT`, `pos` follows,
+/// starting at -1 (no tap yet). `STEP`
 /// is the step when known (1 or 2, so the loop vectorizes), else 0.
 #[inline(always)]
 fn pool_tap<T: MaxKey, const STEP: usize, const AT: bool>(src: &[T], step: usize, best: &mut [T::K], pos: &mut [i32], at0: i32, sx: i32) {
@@ -508,8 +516,7 @@ fn pool_tap<T: MaxKey, const STEP: usize, const AT: bool>(src: &[T], step: usize
         // SAFETY: i < n, and src holds (n - 1) * step + 1 elements (asserted).
         let k = unsafe { src.get_unchecked(i * step) }.key();
         let b = best[i];
-        #[allow(clippy::eq_op)]
-        let take = (AT && pos[i] < 0) | (k > b) | ((k != k) & (b == b));
+        let take = (AT && pos[i] < 0) | replaces(k, b);
         best[i] = if take { k } else { b };
         if AT {
             pos[i] = if take { at0 + i as i32 * sx } else { pos[i] };
@@ -532,8 +539,7 @@ fn pool_tap_tabled<T: MaxKey, const FIRST: bool, const AT: bool>(s: &[T], base: 
         // SAFETY: every offset is at most `reach`, and `src` holds `reach + 1` elements.
         let k = unsafe { src.get_unchecked(offs[j]) }.key();
         let b = best[j];
-        #[allow(clippy::eq_op)]
-        let take = FIRST | (k > b) | ((k != k) & (b == b));
+        let take = FIRST | replaces(k, b);
         best[j] = if take { k } else { b };
         if AT {
             pos[j] = if take { at0[j] + q } else { pos[j] };

@@ -47,6 +47,20 @@ impl<T> SendPtr<T> {
 
 /// Work applied in place to each batch's block of products right after gemm
 /// writes it (the block's first element, the block).
+/// `dst = lhs @ rhs` through gemm: `m x n` products over an inner dim of
+/// `k`, written (not added) to `dst` with the given row stride; each
+/// operand given by its first element and (row, column) strides. `zero`
+/// and `one` are the element type's.
+///
+/// # Safety
+/// Every element the strides reach from each pointer must be in bounds,
+/// and `dst`'s elements written by no one else meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product<T: 'static>(m: usize, n: usize, k: usize, dst: (*mut T, usize), lhs: (*const T, isize, isize), rhs: (*const T, isize, isize), zero: T, one: T, par: Parallelism) {
+    // SAFETY: the caller's promise, above.
+    unsafe { gemm::gemm(m, n, k, dst.0, 1, dst.1 as isize, false, lhs.0, lhs.2, lhs.1, rhs.0, rhs.2, rhs.1, zero, one, false, false, false, par) }
+}
+
 type Finish<'a, T> = Option<&'a (dyn Fn(usize, &mut [T]) + Sync)>;
 
 #[allow(clippy::too_many_arguments)]
@@ -86,29 +100,7 @@ fn gemm_batched<T: 'static + Copy + Send + Sync + std::ops::Add<Output = T>>(a: 
     let run = |bi: usize| {
         // SAFETY: each batch writes its own m*n block of `out`; the input
         // offsets come from layouts whose span was checked against their buffers.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                dst.get().add(bi * m * n),
-                1,
-                n as isize,
-                false,
-                sa.as_ptr().add(oa[bi]),
-                a_cs,
-                a_rs,
-                sb.as_ptr().add(ob[bi]),
-                b_cs,
-                b_rs,
-                zero,
-                one,
-                false,
-                false,
-                false,
-                inner_par,
-            )
-        }
+        unsafe { product(m, n, k, (dst.get().add(bi * m * n), n), (sa.as_ptr().add(oa[bi]), a_rs, a_cs), (sb.as_ptr().add(ob[bi]), b_rs, b_cs), zero, one, inner_par) }
         if let (Some(f), true) = (finish, par_batches) {
             // SAFETY: this task alone writes batch `bi`'s block, just written by gemm.
             f(bi * m * n, unsafe { std::slice::from_raw_parts_mut(dst.get().add(bi * m * n), m * n) });
@@ -146,27 +138,8 @@ fn split_k<T: 'static + Copy + Send + Sync + std::ops::Add<Output = T>>(a: &View
             if k1 > k0 {
                 // SAFETY: rows and columns k0..k1 of a view whose span was checked against its buffer.
                 unsafe {
-                    gemm::gemm(
-                        m,
-                        n,
-                        k1 - k0,
-                        part.as_mut_ptr(),
-                        1,
-                        n as isize,
-                        false,
-                        sa.as_ptr().add(oa).offset(k0 as isize * a_cs),
-                        a_cs,
-                        a_rs,
-                        sb.as_ptr().add(ob).offset(k0 as isize * b_rs),
-                        b_cs,
-                        b_rs,
-                        zero,
-                        one,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
-                    )
+                    let (pa, pb) = (sa.as_ptr().add(oa).offset(k0 as isize * a_cs), sb.as_ptr().add(ob).offset(k0 as isize * b_rs));
+                    product(m, n, k1 - k0, (part.as_mut_ptr(), n), (pa, a_rs, a_cs), (pb, b_rs, b_cs), zero, one, Parallelism::None)
                 }
             }
             part
