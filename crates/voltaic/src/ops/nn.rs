@@ -107,16 +107,27 @@ impl Tensor {
         Ok((p, out_hw))
     }
 
-    fn unfold(&self, op: &'static str, p: UnfoldParams, pad: f64) -> Result<Tensor> {
+    /// The patches `[N, C, kh, kw, oh, ow]` of windows `p`, padded with
+    /// `pad`; with `by_tap`, a view of them stored as `[C, kh, kw, N, oh, ow]`
+    /// (see `IndexOp::Unfold`).
+    fn unfold(&self, op: &'static str, p: UnfoldParams, pad: f64, by_tap: bool) -> Result<Tensor> {
         let (p, [oh, ow]) = self.windows(op, p)?;
         let d = self.dims();
-        let dims = vec![d[0], d[1], p.kernel[0], p.kernel[1], oh, ow];
-        let out = Tensor::from_op(OpKind::Index(IndexOp::Unfold { params: p, pad }), &[self], self.dtype(), self.device(), dims)?;
-        if !self.dtype().is_float() {
-            return Ok(out);
+        let [kh, kw] = p.kernel;
+        let (dims, to_image): (_, &[isize]) =
+            if by_tap { (vec![d[1], kh, kw, d[0], oh, ow], &[3, 0, 1, 2, 4, 5]) } else { (vec![d[0], d[1], kh, kw, oh, ow], &[0, 1, 2, 3, 4, 5]) };
+        let out = Tensor::from_op(OpKind::Index(IndexOp::Unfold { params: p, pad, by_tap }), &[self], self.dtype(), self.device(), dims)?;
+        let out = if self.dtype().is_float() {
+            let [h, w] = [d[2], d[3]];
+            let to_image = to_image.to_vec();
+            out.track(&[self], move |g, _| Ok(vec![Some(fold(&g.permute(&to_image)?, &p, h, w)?)]))
+        } else {
+            out
+        };
+        if by_tap {
+            return out.permute(to_image);
         }
-        let [h, w] = [d[2], d[3]];
-        Ok(out.track(&[self], move |g, _| Ok(vec![Some(fold(g, &p, h, w)?)])))
+        Ok(out)
     }
 
     /// 2-D convolution (really cross-correlation, as PyTorch) of `[N, Cin, H, W]` (or unbatched `[Cin, H, W]`)
@@ -151,7 +162,8 @@ impl Tensor {
         let (x, weight) = (super::autocast::low(self)?, super::autocast::low(weight)?);
         let bias = bias.map(super::autocast::low).transpose()?;
         let p = UnfoldParams { kernel: [kh, kw], stride: opts.stride, padding: opts.padding, dilation: opts.dilation };
-        let u = x.unfold("conv2d", p, 0.0)?;
+        // Patches by tap: the weight gradient reads them as `[k, N * oh * ow]`.
+        let u = x.unfold("conv2d", p, 0.0, true)?;
         let (oh, ow) = (u.dims()[4], u.dims()[5]);
         let k = cpg * kh * kw;
         let u = u.reshape_dims(&[n, g, k, oh * ow])?;
@@ -229,7 +241,7 @@ impl Tensor {
         if let Some(w) = self.tiled_windows(&p)? {
             return w.to_dtype(w.dtype().to_float())?.mean(&[3, 5], false);
         }
-        let u = self.to_dtype(self.dtype().to_float())?.unfold("avg_pool2d", p, 0.0)?;
+        let u = self.to_dtype(self.dtype().to_float())?.unfold("avg_pool2d", p, 0.0, false)?;
         let d = u.dims().to_vec();
         u.reshape_dims(&[d[0], d[1], d[2] * d[3], d[4], d[5]])?.mean(&[2], false)
     }

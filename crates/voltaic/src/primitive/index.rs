@@ -81,8 +81,12 @@ pub enum IndexOp {
     Cumsum { dim: usize },
     /// Concatenation along `dim`; inputs (parts...).
     Cat { dim: usize },
-    /// im2col of `[N, C, H, W]` into `[N, C, kh, kw, oh, ow]`, padding with `pad`; input (image).
-    Unfold { params: UnfoldParams, pad: f64 },
+    /// im2col of `[N, C, H, W]` into `[N, C, kh, kw, oh, ow]`, padding
+    /// with `pad`; with `by_tap`, into `[C, kh, kw, N, oh, ow]`: each tap's
+    /// patches for the whole batch are then one row of a convolution's
+    /// product, and its weight gradient reads them as one matrix, with no
+    /// copy that gathers the batch; input (image).
+    Unfold { params: UnfoldParams, pad: f64, by_tap: bool },
     /// col2im, the adjoint of unfold: patches `[N, C, kh, kw, oh, ow]` added
     /// back into an `[N, C, H, W]` image of spatial size `hw`; input (patches).
     Fold { params: UnfoldParams, hw: [usize; 2] },
@@ -115,7 +119,7 @@ impl std::hash::Hash for IndexOp {
         match self {
             IndexOp::Gather { dim, caller } | IndexOp::ScatterAdd { dim, caller } | IndexOp::IndexSelect { dim, caller } => (dim, caller).hash(h),
             IndexOp::Cumsum { dim } | IndexOp::Cat { dim } => dim.hash(h),
-            IndexOp::Unfold { params, pad } => (params, pad.to_bits()).hash(h),
+            IndexOp::Unfold { params, pad, by_tap } => (params, pad.to_bits(), by_tap).hash(h),
             IndexOp::Fold { params, hw } | IndexOp::MaxPoolGrad { params, hw } => (params, hw).hash(h),
             IndexOp::MaxPool { params, indices } => (params, indices).hash(h),
             IndexOp::Dequantize { qtype, cols, caller } => (qtype, cols, caller).hash(h),

@@ -19,7 +19,7 @@ pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DT
         IndexOp::IndexSelect { dim, caller } => index_select(caller.name(), dim, &args[0], &args[1], inputs)?,
         IndexOp::Cumsum { dim } => cumsum(dim, &args[0], inputs),
         IndexOp::Cat { dim } => cat(dim, args, inputs, dtype, numel),
-        IndexOp::Unfold { params, pad } => unfold(&args[0], &params, pad, inputs),
+        IndexOp::Unfold { params, pad, by_tap } => unfold(&args[0], &params, pad, by_tap, inputs),
         IndexOp::Fold { params, hw } => fold(&args[0], &params, hw, inputs),
         IndexOp::MaxPool { params, indices } => max_pool(&args[0], &params, indices, inputs),
         IndexOp::MaxPoolGrad { hw, .. } => max_pool_grad(&args[0], &args[1], hw, inputs),
@@ -323,65 +323,64 @@ fn cat(dim: usize, parts: &[View], inputs: &[&CpuStorage], dtype: DType, numel: 
     out
 }
 
-/// im2col: `[N, C, H, W]` to `[N, C, kh, kw, oh, ow]`, out-of-range reads give `pad`.
-/// Each (n, c) plane is one parallel task; rows are copied as runs.
-fn unfold(inp: &View, p: &UnfoldParams, pad: f64, inputs: &[&CpuStorage]) -> CpuStorage {
-    use rayon::prelude::*;
+/// im2col: `[N, C, H, W]` to `[N, C, kh, kw, oh, ow]` (with `by_tap`,
+/// `[C, kh, kw, N, oh, ow]`), out-of-range reads give `pad`. Each tap of
+/// each image plane (an `oh x ow` block of the output) is one parallel
+/// task; rows are copied as runs.
+fn unfold(inp: &View, p: &UnfoldParams, pad: f64, by_tap: bool, inputs: &[&CpuStorage]) -> CpuStorage {
     let l = &inp.layout;
     let d = l.dims();
-    let (nb, c, h, w) = (d[0], d[1], d[2], d[3]);
-    let [oh, ow] = p.out_hw(h, w).expect("checked when the op is recorded");
-    let [kh, kw] = p.kernel;
-    let st = l.strides().to_vec();
-    let plane = kh * kw * oh * ow;
-    fn go<T: StorageElem>(s: &[T], l: &Layout, st: &[usize], dims: [usize; 8], p: &UnfoldParams, pad: f64) -> CpuStorage {
+    let [oh, ow] = p.out_hw(d[2], d[3]).expect("checked when the op is recorded");
+    let dims = [d[0], d[1], d[2], d[3], p.kernel[0], p.kernel[1], oh, ow];
+    fn go<T: StorageElem>(s: &[T], l: &Layout, dims: [usize; 8], p: &UnfoldParams, pad: f64, by_tap: bool) -> CpuStorage {
+        use rayon::prelude::*;
         let pad = T::from_f64(pad);
         let [nb, c, h, w, kh, kw, oh, ow] = dims;
-        let plane = kh * kw * oh * ow;
+        let st = l.strides();
         // From the pool, so a training loop reuses the (large) patch buffer
         // rather than faulting in fresh pages every step.
-        let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
+        let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * kh * kw * oh * ow)).expect("the pool returns the dtype asked for");
         out.fill(pad);
-        if plane == 0 {
+        if oh * ow == 0 {
             return T::wrap(out);
         }
-        out.par_chunks_mut(plane).enumerate().for_each(|(nc, dst)| {
-            let (n, ci) = (nc / c, nc % c);
+        out.par_chunks_mut(oh * ow).with_min_len(16).enumerate().for_each(|(i, tap)| {
+            // Which image plane and tap this block holds, in either order.
+            let (n, ci, ki, kj) = if by_tap {
+                let t = i / nb;
+                (i % nb, t / (kh * kw), t / kw % kh, t % kw)
+            } else {
+                let t = i % (kh * kw);
+                (i / (c * kh * kw), i / (kh * kw) % c, t / kw, t % kw)
+            };
             let base = l.offset + n * st[0] + ci * st[1];
-            for ki in 0..kh {
-                for kj in 0..kw {
-                    let tap = &mut dst[(ki * kw + kj) * oh * ow..(ki * kw + kj + 1) * oh * ow];
-                    // Output columns whose input column is inside the image.
-                    let off_x = (kj * p.dilation[1]) as isize - p.padding[1] as isize;
-                    let sx = p.stride[1] as isize;
-                    let x0 = if off_x >= 0 { 0 } else { ((-off_x) + sx - 1) / sx } as usize;
-                    let x1 = if (w as isize) <= off_x { 0 } else { ((w as isize - off_x + sx - 1) / sx) as usize }.min(ow);
-                    for y in 0..oh {
-                        let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
-                        if iy < 0 || iy as usize >= h || x0 >= x1 {
-                            continue;
-                        }
-                        let row = base + iy as usize * st[2];
-                        let dst_row = &mut tap[y * ow..(y + 1) * ow];
-                        if sx == 1 && st[3] == 1 {
-                            // The common case (stride 1, contiguous rows): one copy per row.
-                            let ix0 = (x0 as isize + off_x) as usize;
-                            dst_row[x0..x1].copy_from_slice(&s[row + ix0..row + ix0 + (x1 - x0)]);
-                            continue;
-                        }
-                        for (x, d) in (x0..x1).zip(&mut dst_row[x0..x1]) {
-                            let ix = (x as isize * sx + off_x) as usize;
-                            *d = s[row + ix * st[3]];
-                        }
-                    }
+            // Output columns whose input column is inside the image.
+            let off_x = (kj * p.dilation[1]) as isize - p.padding[1] as isize;
+            let sx = p.stride[1] as isize;
+            let x0 = if off_x >= 0 { 0 } else { ((-off_x) + sx - 1) / sx } as usize;
+            let x1 = if (w as isize) <= off_x { 0 } else { ((w as isize - off_x + sx - 1) / sx) as usize }.min(ow);
+            for y in 0..oh {
+                let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
+                if iy < 0 || iy as usize >= h || x0 >= x1 {
+                    continue;
+                }
+                let row = base + iy as usize * st[2];
+                let dst_row = &mut tap[y * ow..(y + 1) * ow];
+                if sx == 1 && st[3] == 1 {
+                    // The common case (stride 1, contiguous rows): one copy per row.
+                    let ix0 = (x0 as isize + off_x) as usize;
+                    dst_row[x0..x1].copy_from_slice(&s[row + ix0..row + ix0 + (x1 - x0)]);
+                    continue;
+                }
+                for (x, d) in (x0..x1).zip(&mut dst_row[x0..x1]) {
+                    let ix = (x as isize * sx + off_x) as usize;
+                    *d = s[row + ix * st[3]];
                 }
             }
         });
         T::wrap(out)
     }
-    let _ = plane;
-    let dims = [nb, c, h, w, kh, kw, oh, ow];
-    map_storage!(input(inp, inputs), s => go(s, l, &st, dims, p, pad))
+    map_storage!(input(inp, inputs), s => go(s, l, dims, p, pad, by_tap))
 }
 
 /// col2im: add each patch entry `[N, C, kh, kw, oh, ow]` back at the input

@@ -43,7 +43,7 @@ impl Gen<'_> {
                     at += part.layout.dims()[dim];
                 }
             }
-            IndexOp::Unfold { params, pad } => p.dispatches.push(self.unfold(&args[0], &params, pad)),
+            IndexOp::Unfold { params, pad, by_tap } => p.dispatches.push(self.unfold(&args[0], &params, pad, by_tap)),
             IndexOp::Fold { params, hw } => p.dispatches.push(self.fold(&args[0], &params, hw)),
             IndexOp::MaxPool { params, indices } => p.dispatches.push(self.max_pool(&args[0], &params, indices)),
             IndexOp::MaxPoolGrad { params, hw } => p.dispatches.push(self.max_pool_grad(&args[0], &args[1], &params, hw)),
@@ -600,7 +600,8 @@ impl Gen<'_> {
         sh.finish("cat".into(), WG, groups(n, WG), &b)
     }
 
-    fn unfold(&self, input: &View, p: &UnfoldParams, pad: f64) -> Dispatch {
+    /// im2col (see `IndexOp::Unfold`): a thread per patch entry.
+    fn unfold(&self, input: &View, p: &UnfoldParams, pad: f64, by_tap: bool) -> Dispatch {
         let mut sh = self.shader();
         self.bind_inputs(&mut sh, &[input.input]);
         self.bind_out(&mut sh);
@@ -608,12 +609,18 @@ impl Gen<'_> {
         let dd = l.dims();
         let (h, w) = (dd[2], dd[3]);
         let [oh, ow] = p.out_hw(h, w).unwrap_or([0, 0]);
-        let dims = [dd[0], dd[1], p.kernel[0], p.kernel[1], oh, ow];
-        let n: usize = dims.iter().product();
+        let [kh, kw] = p.kernel;
+        let n = dd[0] * dd[1] * kh * kw * oh * ow;
         let dt = self.out.0;
         let st = l.strides();
         let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
-        let d = unravel(&mut b, &mut sh, "i", &dims);
+        // Digits in the output's order, named as in `[N, C, kh, kw, oh, ow]`.
+        let d = if by_tap {
+            let t = unravel(&mut b, &mut sh, "i", &[dd[1], kh, kw, dd[0], oh, ow]);
+            vec![t[3].clone(), t[0].clone(), t[1].clone(), t[2].clone(), t[4].clone(), t[5].clone()]
+        } else {
+            unravel(&mut b, &mut sh, "i", &[dd[0], dd[1], kh, kw, oh, ow])
+        };
         let _ = writeln!(
             b,
             "    let iy = i32({y} * {sy}u + {ki} * {dy}u) - {py};
