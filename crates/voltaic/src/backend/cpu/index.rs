@@ -338,9 +338,10 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, by_tap: bool, inputs: &[&CpuSt
         let [nb, c, h, w, kh, kw, oh, ow] = dims;
         let st = l.strides();
         // From the pool, so a training loop reuses the (large) patch buffer
-        // rather than faulting in fresh pages every step.
+        // rather than faulting in fresh pages every step. Each element is
+        // written once below: filling the buffer with `pad` first was a
+        // second pass over it (the CNN's 14 MB of patches at batch 64).
         let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * kh * kw * oh * ow)).expect("the pool returns the dtype asked for");
-        out.fill(pad);
         if oh * ow == 0 {
             return T::wrap(out);
         }
@@ -359,13 +360,15 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, by_tap: bool, inputs: &[&CpuSt
             let sx = p.stride[1] as isize;
             let x0 = if off_x >= 0 { 0 } else { ((-off_x) + sx - 1) / sx } as usize;
             let x1 = if (w as isize) <= off_x { 0 } else { ((w as isize - off_x + sx - 1) / sx) as usize }.min(ow);
-            for y in 0..oh {
+            for (y, dst_row) in tap.chunks_exact_mut(ow).enumerate() {
                 let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
                 if iy < 0 || iy as usize >= h || x0 >= x1 {
+                    dst_row.fill(pad);
                     continue;
                 }
+                dst_row[..x0].fill(pad);
+                dst_row[x1..].fill(pad);
                 let row = base + iy as usize * st[2];
-                let dst_row = &mut tap[y * ow..(y + 1) * ow];
                 if sx == 1 && st[3] == 1 {
                     // The common case (stride 1, contiguous rows): one copy per row.
                     let ix0 = (x0 as isize + off_x) as usize;
