@@ -390,18 +390,26 @@ fn long_inner_dims_split_over_threads_with_the_epilogue_after() -> voltaic::Resu
     // A small output over a long inner dim (a weight gradient with its batch
     // folded into k) is multiplied as partial products over slices of k,
     // then added: against f64, with a transposed operand, an inner dim that
-    // does not divide by the thread count, f16, and an epilogue.
+    // does not divide by the thread count, f16, and an epilogue. The
+    // partials are column-major where that is cheaper (both operands
+    // contiguous along k and fewer rows than columns), else row-major.
     let mut rng = Rng::new(22);
-    for (m, k, n, dt) in [(16, 16411, 24, DType::F32), (9, 20000, 32, DType::F32), (16, 16400, 16, DType::F16)] {
+    for (m, k, n, dt, b_transposed) in
+        [(16, 16411, 24, DType::F32, true), (9, 20000, 32, DType::F32, true), (16, 16400, 16, DType::F16, true), (30, 16411, 7, DType::F32, true), (7, 16411, 30, DType::F32, false)]
+    {
         let (a, av) = rand_tensor(&mut rng, &[m, k], dt);
-        let (bt, btv) = rand_tensor(&mut rng, &[n, k], dt);
-        let bv: Vec<f64> = (0..k * n).map(|i| btv[(i % n) * k + i / n]).collect();
+        let (b, bv) = if b_transposed {
+            let (bt, btv) = rand_tensor(&mut rng, &[n, k], dt);
+            (bt.t()?, (0..k * n).map(|i| btv[(i % n) * k + i / n]).collect())
+        } else {
+            rand_tensor(&mut rng, &[k, n], dt)
+        };
         let (prod, scale, dims) = ref_matmul(&av, &[m, k], &bv, &[k, n]);
-        let got = a.matmul(&bt.t()?)?;
+        let got = a.matmul(&b)?;
         assert_eq!(got.dims(), dims.as_slice());
         assert_close_scaled(&got.to_f64_vec()?, &prod, &scale, tol(dt), &format!("[{m}, {k}] @ [{k}, {n}] {dt}"));
         if dt == DType::F32 {
-            let got = a.matmul(&bt.t()?)?.relu()?;
+            let got = a.matmul(&b)?.relu()?;
             let want: Vec<f64> = prod.iter().map(|p| p.max(0.0)).collect();
             assert_close_scaled(&got.to_f64_vec()?, &want, &scale, tol(dt), &format!("relu([{m}, {k}] @ [{k}, {n}])"));
         }

@@ -187,7 +187,7 @@ pub(crate) fn matmul(a: &View, w: &View, q: GgmlType, m: usize, k: usize, n: usi
             // ([m, n], row stride n), which no other tile writes; `xs` is
             // [m, k] and `buf` [r1 - r0, k], both contiguous.
             unsafe {
-                super::matmul::product(m, r1 - r0, k, (dst.get().add(r0), n), (xs.as_ptr(), k as isize, 1), (buf.as_ptr(), 1, k as isize), 0.0, 1.0, gemm::Parallelism::None)
+                super::matmul::product(m, r1 - r0, k, (dst.get().add(r0), n as isize, 1), (xs.as_ptr(), k as isize, 1), (buf.as_ptr(), 1, k as isize), 0.0, 1.0, gemm::Parallelism::None)
             }
         }
     });
