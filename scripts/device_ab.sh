@@ -36,7 +36,7 @@ if [[ "$what" == *peer* ]]; then
     .bin/voltaic bench --suite train "${filter[@]}" --json 2> "$OUT/peer.err" | tee "$OUT/peer.jsonl"
 fi
 if [[ "$what" == *tests* ]]; then
-    for t in lib gpu grad train mixed_precision; do
+    for t in lib gpu opinfo nn grad train mixed_precision; do
         [ -x ".bin/$t" ] && ".bin/$t" --test-threads=4 >> "$OUT/tests.txt" 2>&1
     done
     grep -E "test result|panicked|FAILED" "$OUT/tests.txt"
