@@ -87,9 +87,10 @@ impl Expr {
     }
 }
 
-/// Elementwise work fused after a matmul: `expr` over `shape` (the product's
-/// elements in order), where load `acc` stands for the product itself and
-/// the other loads read the kernel's inputs.
+/// Elementwise work fused after a matmul (or an index kernel whose
+/// executor runs it, see `Capabilities::index_epilogues`): `expr` over
+/// `shape` (the result's elements in order), where load `acc` stands for
+/// the result itself and the other loads read the kernel's inputs.
 #[derive(Clone, Debug, PartialEq, Hash)]
 pub(crate) struct Epilogue {
     pub expr: Expr,
@@ -254,8 +255,9 @@ pub(crate) enum KernelKind {
     /// attention kernel may compute its queries, keys or values in their
     /// loads: `prologues` is empty or holds one entry per arg, and an arg
     /// with a prologue (elementwise work over that arg's elements, in the
-    /// order of its buffer) is not read from its input.
-    Index { op: IndexOp, args: Vec<Strided>, prologues: Vec<Option<Prologue>> },
+    /// order of its buffer) is not read from its input. An `epilogue`
+    /// (see [`Epilogue`]) runs on the result as it is made.
+    Index { op: IndexOp, args: Vec<Strided>, prologues: Vec<Option<Prologue>>, epilogue: Option<Epilogue> },
     /// Elementwise work with several outputs over one `shape`: output `j`
     /// (the kernel's `out` first, then its `also`) stores the value of
     /// instruction `stores[j]`, in that instruction's dtype. Made from
@@ -295,7 +297,10 @@ impl KernelKind {
                 epilogue.iter().map(|e| &e.expr).chain(pro).collect()
             }
             KernelKind::Rows { stages, out, .. } => stages.iter().chain([out]).map(|s| &s.expr).collect(),
-            KernelKind::Index { prologues, .. } => prologues.iter().flatten().flat_map(Prologue::all_stages).map(|s| &s.expr).collect(),
+            KernelKind::Index { prologues, epilogue, .. } => {
+                let pro = prologues.iter().flatten().flat_map(Prologue::all_stages).map(|s| &s.expr);
+                epilogue.iter().map(|e| &e.expr).chain(pro).collect()
+            }
         }
     }
 
@@ -308,7 +313,10 @@ impl KernelKind {
                 epilogue.iter_mut().map(|e| &mut e.expr).chain(pro).collect()
             }
             KernelKind::Rows { stages, out, .. } => stages.iter_mut().chain([out]).map(|s| &mut s.expr).collect(),
-            KernelKind::Index { prologues, .. } => prologues.iter_mut().flatten().flat_map(|p| p.stages.iter_mut().chain([&mut p.out])).map(|s| &mut s.expr).collect(),
+            KernelKind::Index { prologues, epilogue, .. } => {
+                let pro = prologues.iter_mut().flatten().flat_map(|p| p.stages.iter_mut().chain([&mut p.out])).map(|s| &mut s.expr);
+                epilogue.iter_mut().map(|e| &mut e.expr).chain(pro).collect()
+            }
         }
     }
 

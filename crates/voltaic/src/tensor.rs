@@ -476,7 +476,7 @@ pub(crate) fn cast_scalar(v: f64, dtype: DType) -> f64 {
 pub fn inspect(tensors: &[&Tensor]) -> Vec<crate::schedule::KernelSummary> {
     let caps = match tensors.first().map(|t| executor(t.device())) {
         Some(Ok(e)) => e.capabilities(),
-        _ => crate::backend::Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0 },
+        _ => crate::backend::Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0, index_epilogues: true },
     };
     let values: Vec<&Value> = tensors.iter().map(|t| &t.value).collect();
     crate::schedule::summarize(&values, caps)

@@ -576,3 +576,31 @@ fn pytorch_semantics_for_losses_and_unbatched_inputs() {
     let e = p.mse_loss(&Tensor::zeros(&[3], DType::F32, cpu).unwrap(), Reduction::Mean).unwrap_err().to_string();
     assert!(e.starts_with("mse_loss:") && e.contains("[2, 2]") && e.contains("[3]"), "{e}");
 }
+
+#[test]
+fn relu_masks_after_pooling_and_fold_gradients_match_f64() -> voltaic::Result<()> {
+    // On the CPU a ReLU's backward after max pooling's gradient or after
+    // fold (a convolution's input gradient) runs on each block of their
+    // result as it is made, in f32; f64 runs it as a pass of its own. The
+    // f32 gradients must agree with the f64 ones.
+    let mut rng = Rng::new(31);
+    let dims: [&[usize]; 5] = [&[3, 3, 10, 9], &[5, 3, 3, 3], &[4, 5, 3, 3], &[2, 4, 3, 3], &[3, 2, 5, 4]];
+    let vals: Vec<Vec<f64>> = dims.iter().map(|d| rng.normals(numel(d))).collect();
+    let grads = |dt: DType| -> voltaic::Result<Vec<Vec<f64>>> {
+        let ts: Vec<Tensor> = vals.iter().zip(dims).map(|(v, d)| tensor(v, d, dt).0).collect();
+        let x = ts[0].requires_grad()?;
+        let w: Vec<Tensor> = ts[1..4].iter().map(|t| t.requires_grad()).collect::<voltaic::Result<_>>()?;
+        let o = Conv2dOpts { padding: [1, 1], ..Default::default() };
+        // Pooling's gradient then a mask; fold then a mask.
+        let h = x.conv2d(&w[0], None, o)?.relu()?.max_pool2d([2, 2], None, [0, 0])?;
+        let y = h.conv2d(&w[1], None, o)?.relu()?.conv2d(&w[2], None, o)?;
+        y.mul(&ts[4])?.sum_all()?.backward()?;
+        [&x, &w[0], &w[1], &w[2]].iter().map(|t| t.grad().expect("a gradient").to_f64_vec()).collect()
+    };
+    let (want, got) = (grads(DType::F64)?, grads(DType::F32)?);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(w.iter().any(|v| *v != 0.0), "gradient {i} is all zeros: the test would not see a wrong mask");
+        assert_close(g, w, 1e-4, 1e-4, &format!("gradient {i}"));
+    }
+    Ok(())
+}

@@ -72,6 +72,11 @@ pub(crate) struct Capabilities {
     /// a GPU, where the dispatch it saves costs more than recomputing a
     /// row in each workgroup. 0: never.
     pub prologue_rows: usize,
+    /// Elementwise work after an index kernel that makes its result in
+    /// blocks (max pooling's gradient, fold) runs on each block as it is
+    /// made, while it is in cache (a CPU: the ReLU's mask after pooling's
+    /// gradient was a pass of its own over three image-sized tensors).
+    pub index_epilogues: bool,
 }
 
 /// Bytes a device holds through Voltaic.

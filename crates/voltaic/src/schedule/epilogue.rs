@@ -1,7 +1,9 @@
 //! Pass 5, epilogue fusion: elementwise work after a matmul runs in the
-//! matmul's stores.
+//! matmul's stores, and after an index kernel that makes its result in
+//! blocks, on each block, where the executor asks for it.
 
 use crate::ir::{Epilogue, KernelKind, Plan, Slot};
+use crate::primitive::IndexOp;
 use foldhash::HashSet;
 
 /// Fold an elementwise kernel into the matmul whose product it reads, when
@@ -11,7 +13,9 @@ use foldhash::HashSet;
 ///
 /// Not when the matmul would then read more than `max_inputs` buffers, nor
 /// when the epilogue reads more than one other tensor of the product's size.
-pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: usize) {
+/// With `index_epilogues`, the same for max pooling's gradient and fold
+/// (a ReLU's mask after them).
+pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: usize, index_epilogues: bool) {
     let kept_slot = |s: Slot| kept.contains(&s);
     let mut k = 0;
     while k < plan.kernels.len() {
@@ -28,7 +32,12 @@ pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: 
             let identity = l.path.len() == 1 && l.path[0].is_contiguous() && l.path[0].offset == 0 && m.numel == numel;
             let only_load = expr.loads.iter().filter(|o| o.input == l.input).count() == 1;
             let readers = plan.kernels.iter().filter(|o| o.inputs.contains(&slot)).count();
-            let plain = matches!(m.kind, KernelKind::Matmul { epilogue: None, .. }) && m.dtype.is_float();
+            let plain = m.dtype.is_float()
+                && match &m.kind {
+                    KernelKind::Matmul { epilogue: None, .. } => true,
+                    KernelKind::Index { op: IndexOp::MaxPoolGrad { .. } | IndexOp::Fold { .. }, epilogue: None, .. } => index_epilogues,
+                    _ => false,
+                };
             let extra = plan.kernels[k].inputs.iter().filter(|&&s| s != slot && !m.inputs.contains(&s)).count();
             let fits = m.inputs.len() + extra <= max_inputs;
             // Tensors as large as the product, besides it: one (a residual)
@@ -61,7 +70,7 @@ pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: 
                 }
             };
         }
-        if let KernelKind::Matmul { epilogue, .. } = &mut m.kind {
+        if let KernelKind::Matmul { epilogue, .. } | KernelKind::Index { epilogue, .. } = &mut m.kind {
             *epilogue = Some(Epilogue { expr, shape, acc, acc_dtype: m.dtype });
         }
         m.ops.extend(e.ops);
@@ -74,6 +83,7 @@ pub(crate) fn fuse_epilogues(plan: &mut Plan, kept: &HashSet<Slot>, max_inputs: 
 
 #[cfg(test)]
 mod tests {
+    use crate::graph::Value;
     use crate::primitive::{BinaryOp, UnaryOp};
     use crate::schedule::testing::*;
 
@@ -83,6 +93,22 @@ mod tests {
         let y = unary(&binary(&matmul(&x, &w), &broadcast(&b, &[4, 3]), BinaryOp::Add), UnaryOp::Relu);
         let ks = kinds(&[&y], false);
         assert_eq!(ks, vec!["matmul"]);
+    }
+
+    #[test]
+    fn a_mask_after_fold_is_its_epilogue_where_the_executor_asks() {
+        // A ReLU's backward after the input gradient of a convolution.
+        let (patches, y) = (input(&[2, 3, 3, 3, 5, 4]), input(&[2, 3, 5, 4]));
+        let g = binary(&fold(&patches), &unary(&y, UnaryOp::Relu), BinaryOp::Mul);
+        assert_eq!(kinds(&[&g], false), vec!["fold"]);
+        let caps = crate::backend::Capabilities { index_epilogues: false, ..cpu_caps() };
+        let ks: Vec<_> = crate::schedule::summarize(&[&g], caps).into_iter().map(|k| k.kind).collect();
+        assert_eq!(ks, vec!["fold", "elementwise"]);
+        // Read through a view (not element for element): apart.
+        let f = fold(&patches);
+        let t = Value { node: f.node.clone(), layout: f.layout.permute(&[0, 1, 3, 2]) };
+        let g = binary(&t, &input(&[2, 3, 4, 5]), BinaryOp::Mul);
+        assert_eq!(kinds(&[&g], false), vec!["fold", "elementwise"]);
     }
 
     #[test]

@@ -228,7 +228,7 @@ fn build_kernel(g: &Dag, inline: &[bool], l: &mut Lowered, i: usize) -> Kernel {
         OpKind::Index(iop) => {
             b.ops.push(iop.name());
             let args = op.inputs.iter().map(|v| b.strided(v)).collect();
-            KernelKind::Index { op: *iop, args, prologues: vec![] }
+            KernelKind::Index { op: *iop, args, prologues: vec![], epilogue: None }
         }
         OpKind::Const(_) | OpKind::Map(_) | OpKind::Copy => unreachable!("elementwise ops are matched first"),
     };

@@ -5,7 +5,9 @@
 //! 2. [`fuse`]: which elementwise nodes are computed inside their consumers' kernels.
 //! 3. [`lower`]: one kernel per remaining node; fused work becomes expressions.
 //! 4. [`refine`]: loads walk as few, as simple layouts as possible.
-//! 5. [`epilogue`]: elementwise work after a matmul runs in its stores.
+//! 5. [`epilogue`]: elementwise work after a matmul runs in its stores (and
+//!    after max pooling's gradient or fold, on each block it makes, where
+//!    the executor asks for it: `Capabilities::index_epilogues`).
 //! 6. [`rows`]: row-wise work becomes one-pass kernels, where the executor
 //!    asks for them (`Capabilities::row_kernels`).
 //! 7. [`prologue`]: row-wise or elementwise work before a quantized GEMV
@@ -72,7 +74,7 @@ pub(crate) fn schedule_dag(dag: &collect::Dag, caps: Capabilities) -> (Scheduled
     let lower::Lowered { mut plan, slot_of, inputs, input_nodes } = lower::lower(dag, &inline);
     refine::refine(&mut plan);
     let (kept, store) = lifetimes::kept_slots(dag, &slot_of, &survives);
-    epilogue::fuse_epilogues(&mut plan, &kept, caps.max_inputs);
+    epilogue::fuse_epilogues(&mut plan, &kept, caps.max_inputs, caps.index_epilogues);
     if caps.row_kernels {
         rows::fuse_rows(&mut plan, &kept, caps.max_inputs);
     }

@@ -79,7 +79,7 @@ fn fuse_attention(plan: &mut Plan, mut ai: usize, kept: &HashSet<Slot>, max_inpu
 /// query rows, each of which would compute every key again.
 fn attention_producer(plan: &Plan, ai: usize, arg: usize, kept: &HashSet<Slot>, max_inputs: usize) -> Option<(usize, bool)> {
     let ak = &plan.kernels[ai];
-    let KernelKind::Index { op: IndexOp::Attention { .. }, args, prologues } = &ak.kind else { return None };
+    let KernelKind::Index { op: IndexOp::Attention { .. }, args, prologues, .. } = &ak.kind else { return None };
     let with_prologue = |j: usize| prologues.get(j).is_some_and(Option::is_some);
     if with_prologue(arg) {
         return None;

@@ -10,7 +10,7 @@ use crate::storage::CpuStorage;
 
 /// Capabilities of an executor without row kernels.
 pub(crate) fn cpu_caps() -> Capabilities {
-    Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0 }
+    Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0, index_epilogues: true }
 }
 
 /// A realized f32 input of zeros on the CPU.
@@ -89,8 +89,15 @@ pub(crate) fn attention(q: &Value, k: &Value, v: &Value, mask: &Value) -> Value 
     pending(OpKind::Index(crate::primitive::IndexOp::Attention { scale: 0.5 }), &[q, k, v, &mask], d)
 }
 
+/// col2im of 3x3 patches `[n, c, 3, 3, h, w]` (stride 1, padding 1) into `[n, c, h, w]`.
+pub(crate) fn fold(patches: &Value) -> Value {
+    let d = patches.layout.dims();
+    let params = crate::primitive::UnfoldParams { kernel: [3, 3], stride: [1, 1], padding: [1, 1], dilation: [1, 1] };
+    pending(OpKind::Index(crate::primitive::IndexOp::Fold { params, hw: [d[4], d[5]] }), &[patches], &[d[0], d[1], d[4], d[5]])
+}
+
 /// Kind names of the kernels that would realize `targets`.
 pub(crate) fn kinds(targets: &[&Value], row_kernels: bool) -> Vec<&'static str> {
-    let caps = Capabilities { row_kernels, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0 };
+    let caps = Capabilities { row_kernels, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0, index_epilogues: true };
     super::summarize(targets, caps).into_iter().map(|k| k.kind).collect()
 }

@@ -386,32 +386,65 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, by_tap: bool, inputs: &[&CpuSt
     map_storage!(input(inp, inputs), s => go(s, l, dims, p, pad, by_tap))
 }
 
+/// Work applied in place to each block of an index kernel's result right
+/// after it is made (the block's first element, the block): a fused
+/// epilogue (see `Capabilities::index_epilogues`).
+type Finish<'a, T> = Option<&'a (dyn Fn(usize, &mut [T]) + Sync)>;
+
+/// An index kernel with its epilogue applied to each block of the result
+/// as it is made (max pooling's gradient and fold, f32, each image plane a
+/// block); `None` where the epilogue does not read the result element for
+/// element into an f32 result of its own shape (the caller then runs it as
+/// a pass of its own).
+pub(crate) fn run_with_epilogue(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], e: &crate::ir::Epilogue, dtype: DType, numel: usize) -> Option<CpuStorage> {
+    let acc = &e.expr.loads[e.acc].path;
+    let in_order = acc.len() == 1 && acc[0].offset() == 0 && acc[0].is_contiguous() && acc[0].numel() == numel;
+    if !in_order || e.acc_dtype != DType::F32 || dtype != DType::F32 || e.shape.iter().product::<usize>() != numel {
+        return None;
+    }
+    let prog = super::elementwise::Interpreter::new(&e.expr);
+    let finish = |start: usize, block: &mut [f32]| super::elementwise::run_in_place(&prog, inputs, e.acc, start, block);
+    match (*op, input(&args[0], inputs)) {
+        (IndexOp::MaxPoolGrad { hw, .. }, CpuStorage::F32(s)) => {
+            let CpuStorage::I32(idx) = input(&args[1], inputs) else { return None };
+            Some(max_pool_grad_of(s, &args[0].layout, idx, &args[1].layout, hw, Some(&finish)))
+        }
+        (IndexOp::Fold { params, hw }, CpuStorage::F32(s)) => Some(fold_of(s, &args[0].layout, &params, hw, Some(&finish))),
+        _ => None,
+    }
+}
+
 /// col2im: add each patch entry `[N, C, kh, kw, oh, ow]` back at the input
 /// position it was read from, into `[N, C, H, W]` (padding reads are dropped).
-/// Each (n, c) plane is one parallel task, so no two tasks write one element.
 fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) -> CpuStorage {
-    use rayon::prelude::*;
     let l = &inp.layout;
-    let d = l.dims().to_vec();
+    map_storage!(input(inp, inputs), s => fold_of(s, l, p, hw, None))
+}
+
+/// [`fold`] of one storage type, `finish` applied to each task's planes.
+/// Each task adds into planes of its own, so no two write one element.
+fn fold_of<T: StorageElem + AddElem>(s: &[T], l: &Layout, p: &UnfoldParams, [h, w]: [usize; 2], finish: Finish<T>) -> CpuStorage {
+    use rayon::prelude::*;
+    let d = l.dims();
     let (nb, c, kh, kw, oh, ow) = (d[0], d[1], d[2], d[3], d[4], d[5]);
-    let [h, w] = hw;
-    let st = l.strides().to_vec();
-    fn go<T: StorageElem + AddElem + Default>(s: &[T], l: &Layout, st: &[usize], d: [usize; 8], p: &UnfoldParams) -> CpuStorage {
-        let [nb, c, kh, kw, oh, ow, h, w] = d;
-        // From the pool, as unfold's patches: a training step folds an input
-        // gradient of the same size every step, and a fresh allocation costs
-        // page faults and, when freed, TLB shootdowns across the workers.
-        let mut out = T::unwrap(super::pool::take_zeroed(T::DTYPE, nb * c * h * w)).expect("the pool returns the dtype asked for");
-        if h * w == 0 {
-            return T::wrap(out);
-        }
-        // Each plane adds its patches' rows in place: the columns that land
-        // inside the image are worked out once per row, not tested per
-        // element, so a stride-1 row with contiguous patches is a slice
-        // added to a slice, which the compiler vectorizes (the CNN's 64x32
-        // 14x14 input gradient: 9.0 -> 4.8 ms on 2 cores, profiled).
-        let (s1, off) = (p.stride[1] as isize, |kj: usize| (kj * p.dilation[1]) as isize - p.padding[1] as isize);
-        out.par_chunks_mut(h * w).enumerate().for_each(|(nc, plane)| {
+    let st = l.strides();
+    // From the pool, as unfold's patches: a training step folds an input
+    // gradient of the same size every step, and a fresh allocation costs
+    // page faults and, when freed, TLB shootdowns across the workers.
+    let mut out = T::unwrap(super::pool::take_zeroed(T::DTYPE, nb * c * h * w)).expect("the pool returns the dtype asked for");
+    if h * w == 0 {
+        return T::wrap(out);
+    }
+    // Each plane adds its patches' rows in place: the columns that land
+    // inside the image are worked out once per row, not tested per
+    // element, so a stride-1 row with contiguous patches is a slice
+    // added to a slice, which the compiler vectorizes (the CNN's 64x32
+    // 14x14 input gradient: 9.0 -> 4.8 ms on 2 cores, profiled).
+    let (s1, off) = (p.stride[1] as isize, |kj: usize| (kj * p.dilation[1]) as isize - p.padding[1] as isize);
+    let per = planes_per_task(h * w);
+    out.par_chunks_mut(per * h * w).enumerate().for_each(|(task, planes)| {
+        for (pi, plane) in planes.chunks_mut(h * w).enumerate() {
+            let nc = task * per + pi;
             let (n, ci) = (nc / c, nc % c);
             let base = l.offset + n * st[0] + ci * st[1];
             for ki in 0..kh {
@@ -445,19 +478,12 @@ fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) ->
                     }
                 }
             }
-        });
-        T::wrap(out)
-    }
-    let dims = [nb, c, kh, kw, oh, ow, h, w];
-    match input(inp, inputs) {
-        CpuStorage::F32(v) => go(v, l, &st, dims, p),
-        CpuStorage::F64(v) => go(v, l, &st, dims, p),
-        CpuStorage::F16(v) => go(v, l, &st, dims, p),
-        CpuStorage::BF16(v) => go(v, l, &st, dims, p),
-        CpuStorage::I32(v) => go(v, l, &st, dims, p),
-        CpuStorage::U32(v) => go(v, l, &st, dims, p),
-        CpuStorage::Bool(v) => go(v, l, &st, dims, p),
-    }
+        }
+        if let Some(f) = finish {
+            f(task * per * h * w, planes);
+        }
+    });
+    T::wrap(out)
 }
 
 /// The order max pooling compares in, for every storage type: halves as
@@ -703,16 +729,32 @@ fn max_pool(inp: &View, p: &UnfoldParams, indices: bool, inputs: &[&CpuStorage])
 /// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): a task per
 /// image plane adds its windows' gradients at their maxima, in window order.
 fn max_pool_grad(g: &View, at: &View, hw: [usize; 2], inputs: &[&CpuStorage]) -> CpuStorage {
-    fn go<T: StorageElem + AddElem>(s: &[T], gl: &Layout, idx: &[i32], al: &Layout, hw: [usize; 2]) -> CpuStorage {
-        use rayon::prelude::*;
-        let (d, gs, is) = (gl.dims(), gl.strides(), al.strides());
-        let (nb, c, oh, ow) = (d[0], d[1], d[2], d[3]);
-        let plane = hw[0] * hw[1];
-        let mut out = T::unwrap(super::pool::take_zeroed(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
-        if plane == 0 {
-            return T::wrap(out);
-        }
-        out.par_chunks_mut(plane).enumerate().for_each(|(nc, dst)| {
+    let CpuStorage::I32(idx) = input(at, inputs) else { unreachable!("max pooling's indices are i32") };
+    map_storage!(input(g, inputs), s => max_pool_grad_of(s, &g.layout, idx, &at.layout, hw, None))
+}
+
+/// Image planes of `plane` elements per task of an index kernel that
+/// makes its result plane by plane: about 16k elements, so that an
+/// epilogue runs on blocks large enough to pay for its setup (a plane of a
+/// 14x14 image is 196 elements).
+fn planes_per_task(plane: usize) -> usize {
+    (16384 / plane.max(1)).max(1)
+}
+
+/// [`max_pool_grad`] of one storage type, `finish` applied to each task's planes.
+fn max_pool_grad_of<T: StorageElem + AddElem>(s: &[T], gl: &Layout, idx: &[i32], al: &Layout, hw: [usize; 2], finish: Finish<T>) -> CpuStorage {
+    use rayon::prelude::*;
+    let (d, gs, is) = (gl.dims(), gl.strides(), al.strides());
+    let (nb, c, oh, ow) = (d[0], d[1], d[2], d[3]);
+    let plane = hw[0] * hw[1];
+    let mut out = T::unwrap(super::pool::take_zeroed(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
+    if plane == 0 {
+        return T::wrap(out);
+    }
+    let per = planes_per_task(plane);
+    out.par_chunks_mut(per * plane).enumerate().for_each(|(task, planes)| {
+        for (pi, dst) in planes.chunks_mut(plane).enumerate() {
+            let nc = task * per + pi;
             let (n, ci) = (nc / c, nc % c);
             let (gb, ib) = (gl.offset + n * gs[0] + ci * gs[1], al.offset + n * is[0] + ci * is[1]);
             for y in 0..oh {
@@ -724,9 +766,10 @@ fn max_pool_grad(g: &View, at: &View, hw: [usize; 2], inputs: &[&CpuStorage]) ->
                     }
                 }
             }
-        });
-        T::wrap(out)
-    }
-    let CpuStorage::I32(idx) = input(at, inputs) else { unreachable!("max pooling's indices are i32") };
-    map_storage!(input(g, inputs), s => go(s, &g.layout, idx, &at.layout, hw))
+        }
+        if let Some(f) = finish {
+            f(task * per * plane, planes);
+        }
+    });
+    T::wrap(out)
 }

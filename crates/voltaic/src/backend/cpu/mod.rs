@@ -91,7 +91,7 @@ impl CpuExecutor {
 
 impl Executor for CpuExecutor {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0 }
+        Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0, index_epilogues: true }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {
@@ -159,21 +159,16 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
                 None => product(k.dtype),
                 Some(e) => match quant.is_none().then(|| matmul::run_with_epilogue(a, b, *m, *kk, *n, &inputs, e, k.dtype)).flatten() {
                     Some(out) => out,
-                    None => {
-                        // The product first, then the epilogue with it as one more input.
-                        // Wrapped so that the temporary goes back to the pool when dropped.
-                        let product = pool::HostBuf::pooled(product(e.acc_dtype));
-                        let mut expr = e.expr.clone();
-                        expr.loads[e.acc].input = inputs.len();
-                        let mut all = inputs.clone();
-                        all.push(&product);
-                        elementwise::run(&expr, &e.shape, &all, k.dtype)
-                    }
+                    None => epilogue_after(product(e.acc_dtype), e, &inputs, k.dtype),
                 },
             }
         }
         KernelKind::Index { prologues, .. } if prologues.iter().any(Option::is_some) => bail!(Device, "realize", "an index kernel with a fused prologue reached the CPU executor"),
-        KernelKind::Index { op, args, .. } => index::run(op, args, &inputs, k.dtype, k.numel)?,
+        KernelKind::Index { op, args, epilogue: None, .. } => index::run(op, args, &inputs, k.dtype, k.numel)?,
+        KernelKind::Index { op, args, epilogue: Some(e), .. } => match index::run_with_epilogue(op, args, &inputs, e, k.dtype, k.numel) {
+            Some(out) => out,
+            None => epilogue_after(index::run(op, args, &inputs, e.acc_dtype, k.numel)?, e, &inputs, k.dtype),
+        },
         // The CPU keeps reductions as their own kernels (rows are in cache anyway).
         KernelKind::Rows { .. } => bail!(Device, "realize", "a row-fused kernel reached the CPU executor"),
         // The CPU does not ask for them (`Capabilities::multi_output`).
@@ -181,6 +176,18 @@ fn run_kernel(k: &Kernel, bufs: &[Option<Arc<pool::HostBuf>>]) -> Result<CpuStor
     };
     debug_assert_eq!(out.len(), k.numel, "{} kernel wrote the wrong number of elements", k.kind.name());
     Ok(out)
+}
+
+/// A kernel's `result`, then its epilogue as a pass of its own, with the
+/// result as one more input.
+fn epilogue_after(result: CpuStorage, e: &crate::ir::Epilogue, inputs: &[&CpuStorage], dtype: crate::dtype::DType) -> CpuStorage {
+    // Wrapped so that the temporary goes back to the pool when dropped.
+    let result = pool::HostBuf::pooled(result);
+    let mut expr = e.expr.clone();
+    expr.loads[e.acc].input = inputs.len();
+    let mut all = inputs.to_vec();
+    all.push(&result);
+    elementwise::run(&expr, &e.shape, &all, dtype)
 }
 
 /// The storage a strided operand reads.

@@ -417,7 +417,7 @@ impl GpuContext {
 
 impl Executor for GpuContext {
     fn capabilities(&self) -> Capabilities {
-        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: multi_output(), max_inputs: self.caps.max_inputs(), prologue_rows: prologue_rows(self.caps.software) }
+        Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: multi_output(), max_inputs: self.caps.max_inputs(), prologue_rows: prologue_rows(self.caps.software), index_epilogues: false }
     }
 
     fn run(&self, plan: &Plan, inputs: &[Buffer]) -> Result<Vec<Buffer>> {

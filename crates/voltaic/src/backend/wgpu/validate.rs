@@ -70,7 +70,7 @@ fn validate(label: &str, source: &str, caps: &Caps) {
 
 /// The kernels of the plan that would realize `t` on a GPU.
 fn kernels(t: &Tensor) -> Vec<(Kernel, Vec<(DType, usize)>)> {
-    let s = crate::schedule::schedule(&[&t.value], Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: true, max_inputs: lavapipe().max_inputs(), prologue_rows: super::quant::GEMV_ROWS });
+    let s = crate::schedule::schedule(&[&t.value], Capabilities { row_kernels: true, strided_reads: false, dense_wide_qmatmul: true, multi_output: true, max_inputs: lavapipe().max_inputs(), prologue_rows: super::quant::GEMV_ROWS, index_epilogues: false });
     s.plan
         .kernels
         .iter()

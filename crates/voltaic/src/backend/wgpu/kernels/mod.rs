@@ -46,7 +46,9 @@ pub(crate) fn program(caps: &Caps, k: &Kernel, inputs: &[(DType, usize)], varian
             let variant = variant.unwrap_or_else(|| super::matmul::default_variant(*batch, *m, *kk, *n, sbn == 1 || sbk != 1));
             g.matmul(&mut p, a, b, *m, *kk, *n, variant, epilogue.as_ref())?
         }
-        KernelKind::Index { op, args, prologues } => g.index(&mut p, op, args, prologues)?,
+        // The GPU does not ask for them (`Capabilities::index_epilogues`).
+        KernelKind::Index { epilogue: Some(_), .. } => bail!(Device, "realize", "an index kernel with a fused epilogue reached the GPU executor"),
+        KernelKind::Index { op, args, prologues, epilogue: None } => g.index(&mut p, op, args, prologues)?,
         KernelKind::Rows { outer, inner, stages, out } => p.dispatches.push(g.rows(*outer, *inner, stages, out)?),
     }
     Ok(p)
