@@ -44,7 +44,7 @@ impl Key {
     /// The key of `g` for an executor that does (`rows`) or does not lower row kernels.
     pub(crate) fn of(g: &Dag, caps: crate::backend::Capabilities) -> Key {
         let mut t = Vec::with_capacity(g.nodes.len() * 16);
-        t.push(Tok::N(caps.row_kernels as u64 | (caps.multi_output as u64) << 1));
+        t.push(Tok::N(caps.row_kernels as u64 | (caps.multi_output as u64) << 1 | (caps.index_epilogues as u64) << 2));
         t.push(Tok::N(caps.max_inputs as u64));
         t.push(Tok::N(caps.prologue_rows as u64));
         for (i, node) in g.nodes.iter().enumerate() {

@@ -740,8 +740,9 @@ fn max_pool(inp: &View, p: &UnfoldParams, indices: bool, inputs: &[&CpuStorage])
     }
 }
 
-/// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): a task per
-/// image plane adds its windows' gradients at their maxima, in window order.
+/// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): each task adds
+/// the windows' gradients of its image planes at their maxima, in window
+/// order.
 fn max_pool_grad(g: &View, at: &View, hw: [usize; 2], inputs: &[&CpuStorage]) -> CpuStorage {
     let CpuStorage::I32(idx) = input(at, inputs) else { unreachable!("max pooling's indices are i32") };
     map_storage!(input(g, inputs), s => max_pool_grad_of(s, &g.layout, idx, &at.layout, hw, None))
