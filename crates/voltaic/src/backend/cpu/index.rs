@@ -438,12 +438,15 @@ fn fold_of<T: StorageElem + AddElem>(s: &[T], l: &Layout, p: &UnfoldParams, [h, 
     // From the pool, as unfold's patches: a training step folds an input
     // gradient of the same size every step, and a fresh allocation costs
     // page faults and, when freed, TLB shootdowns across the workers.
-    let mut out = T::unwrap(super::pool::take_zeroed(T::DTYPE, nb * c * h * w)).expect("the pool returns the dtype asked for");
+    // Each task zeroes its own planes (in cache, on every thread), not the
+    // caller the whole buffer first.
+    let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * h * w)).expect("the pool returns the dtype asked for");
     if h * w == 0 {
         return T::wrap(out);
     }
     let per = planes_per_task(h * w);
     out.par_chunks_mut(per * h * w).enumerate().for_each(|(task, planes)| {
+        planes.fill(T::from_f64(0.0));
         for (pi, plane) in planes.chunks_mut(h * w).enumerate() {
             let nc = task * per + pi;
             fold_plane(s, l.offset + nc / c * st[0] + nc % c * st[1], st, p, [kh, kw, oh, ow, h, w], plane);
@@ -762,12 +765,14 @@ fn max_pool_grad_of<T: StorageElem + AddElem>(s: &[T], gl: &Layout, idx: &[i32],
     let (d, gs, is) = (gl.dims(), gl.strides(), al.strides());
     let (nb, c, oh, ow) = (d[0], d[1], d[2], d[3]);
     let plane = hw[0] * hw[1];
-    let mut out = T::unwrap(super::pool::take_zeroed(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
+    // Each task zeroes its own planes, as in `fold_of`.
+    let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
     if plane == 0 {
         return T::wrap(out);
     }
     let per = planes_per_task(plane);
     out.par_chunks_mut(per * plane).enumerate().for_each(|(task, planes)| {
+        planes.fill(T::from_f64(0.0));
         for (pi, dst) in planes.chunks_mut(plane).enumerate() {
             let nc = task * per + pi;
             let (n, ci) = (nc / c, nc % c);
