@@ -5,7 +5,9 @@
 # PyTorch as the peer, then the tests carried in .bin. Pack here first:
 #   strip -o .bin/voltaic target/release/voltaic (the change), the build
 #   before it as .bin/voltaic-prev, test binaries (cargo test --release
-#   --no-run) as .bin/NAME, all gzipped, Fashion-MNIST in .bin/data
+#   --no-run) as .bin/NAME, all gzipped or xz-compressed (xz -9 keeps the
+#   binaries and four test binaries under the 64 MiB carry), Fashion-MNIST
+#   in .bin/data
 # then call with carry [".gl", ".bin"]:
 #   ROUNDS=2 bash scripts/device_ab.sh ab        (then: peer,tests)
 # FILTER narrows the rows (a substring of their names; all but cold_ rows
@@ -14,6 +16,7 @@ set -uo pipefail
 source .gl/env.sh
 export RUST_BACKTRACE=1 VOLTAIC_FASHION_MNIST=$PWD/.bin/data
 for f in .bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+for f in .bin/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
 chmod +x .bin/* 2>/dev/null
 what="${1:-ab,peer,tests}"
 filter=()
