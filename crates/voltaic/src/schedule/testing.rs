@@ -8,9 +8,9 @@ use crate::layout::Layout;
 use crate::primitive::{BinaryOp, MapOp, ReduceOp, UnaryOp};
 use crate::storage::CpuStorage;
 
-/// Capabilities of an executor without row kernels.
+/// Capabilities of the CPU executor (no row kernels).
 pub(crate) fn cpu_caps() -> Capabilities {
-    Capabilities { row_kernels: false, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0, index_epilogues: true }
+    executor(Device::Cpu).unwrap().capabilities()
 }
 
 /// A realized f32 input of zeros on the CPU.
@@ -98,6 +98,6 @@ pub(crate) fn fold(patches: &Value) -> Value {
 
 /// Kind names of the kernels that would realize `targets`.
 pub(crate) fn kinds(targets: &[&Value], row_kernels: bool) -> Vec<&'static str> {
-    let caps = Capabilities { row_kernels, strided_reads: true, dense_wide_qmatmul: false, multi_output: false, max_inputs: usize::MAX, prologue_rows: 0, index_epilogues: true };
+    let caps = Capabilities { row_kernels, ..cpu_caps() };
     super::summarize(targets, caps).into_iter().map(|k| k.kind).collect()
 }

@@ -205,6 +205,17 @@ pub(crate) fn run(expr: &Expr, dims: &[usize], inputs: &[&CpuStorage], dtype: DT
     out
 }
 
+/// The program of an epilogue that can run in place on an f32 result of
+/// `numel` elements made block by block (see [`run_in_place`]): it reads
+/// the result element for element and makes an f32 result of that shape.
+/// `None` otherwise: the caller then runs it as a pass of its own.
+pub(crate) fn in_place_program(e: &crate::ir::Epilogue, numel: usize, dtype: DType) -> Option<Interpreter<'_>> {
+    let acc = &e.expr.loads[e.acc].path;
+    let in_order = acc.len() == 1 && acc[0].offset() == 0 && acc[0].is_contiguous() && acc[0].numel() == numel;
+    let fits = e.acc_dtype == DType::F32 && dtype == DType::F32 && e.shape.iter().product::<usize>() == numel;
+    (in_order && fits).then(|| Interpreter::new(&e.expr))
+}
+
 /// Run `prog` over elements `start..start + block.len()` of its iteration
 /// space in place: load `acc` reads `block` itself, and the results replace
 /// it. A product's epilogue runs so on each batch's block while gemm's

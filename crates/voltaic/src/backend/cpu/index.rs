@@ -362,11 +362,8 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, by_tap: bool, inputs: &[&CpuSt
                 (i / (c * kh * kw), i / (kh * kw) % c, t / kw, t % kw)
             };
             let base = l.offset + n * st[0] + ci * st[1];
-            // Output columns whose input column is inside the image.
-            let off_x = (kj * p.dilation[1]) as isize - p.padding[1] as isize;
+            let (x0, x1, off_x) = inside_cols(p, kj, w, ow);
             let sx = p.stride[1] as isize;
-            let x0 = if off_x >= 0 { 0 } else { ((-off_x) + sx - 1) / sx } as usize;
-            let x1 = if (w as isize) <= off_x { 0 } else { ((w as isize - off_x + sx - 1) / sx) as usize }.min(ow);
             for (y, dst_row) in tap.chunks_exact_mut(ow).enumerate() {
                 let iy = (y * p.stride[0] + ki * p.dilation[0]) as isize - p.padding[0] as isize;
                 if iy < 0 || iy as usize >= h || x0 >= x1 {
@@ -393,6 +390,17 @@ fn unfold(inp: &View, p: &UnfoldParams, pad: f64, by_tap: bool, inputs: &[&CpuSt
     map_storage!(input(inp, inputs), s => go(s, l, dims, p, pad, by_tap))
 }
 
+/// The output columns `x0..x1` (of `ow`) whose tap column `kj` reads inside
+/// an image `w` wide, `0 <= x * stride + o < w`, and that tap's offset
+/// `o = kj * dilation - padding`: unfold, fold and pooling work out once
+/// per row which columns to copy, add or compare, not per element.
+fn inside_cols(p: &UnfoldParams, kj: usize, w: usize, ow: usize) -> (usize, usize, isize) {
+    let (s, o) = (p.stride[1] as isize, (kj * p.dilation[1]) as isize - p.padding[1] as isize);
+    let x0 = if o >= 0 { 0 } else { ((-o + s - 1) / s) as usize };
+    let x1 = if (w as isize) <= o { 0 } else { ((w as isize - o + s - 1) / s) as usize }.min(ow);
+    (x0, x1, o)
+}
+
 /// Work applied in place to each block of an index kernel's result right
 /// after it is made (the block's first element, the block): a fused
 /// epilogue (see `Capabilities::index_epilogues`).
@@ -404,12 +412,7 @@ type Finish<'a, T> = Option<&'a (dyn Fn(usize, &mut [T]) + Sync)>;
 /// element into an f32 result of its own shape (the caller then runs it as
 /// a pass of its own).
 pub(crate) fn run_with_epilogue(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], e: &crate::ir::Epilogue, dtype: DType, numel: usize) -> Option<CpuStorage> {
-    let acc = &e.expr.loads[e.acc].path;
-    let in_order = acc.len() == 1 && acc[0].offset() == 0 && acc[0].is_contiguous() && acc[0].numel() == numel;
-    if !in_order || e.acc_dtype != DType::F32 || dtype != DType::F32 || e.shape.iter().product::<usize>() != numel {
-        return None;
-    }
-    let prog = super::elementwise::Interpreter::new(&e.expr);
+    let prog = super::elementwise::in_place_program(e, numel, dtype)?;
     let finish = |start: usize, block: &mut [f32]| super::elementwise::run_in_place(&prog, inputs, e.acc, start, block);
     match (*op, input(&args[0], inputs)) {
         (IndexOp::MaxPoolGrad { hw, .. }, CpuStorage::F32(s)) => {
@@ -431,31 +434,9 @@ fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) ->
 /// [`fold`] of one storage type, `finish` applied to each task's planes.
 /// Each task adds into planes of its own, so no two write one element.
 fn fold_of<T: StorageElem + AddElem>(s: &[T], l: &Layout, p: &UnfoldParams, [h, w]: [usize; 2], finish: Finish<T>) -> CpuStorage {
-    use rayon::prelude::*;
-    let d = l.dims();
+    let (d, st) = (l.dims(), l.strides());
     let (nb, c, kh, kw, oh, ow) = (d[0], d[1], d[2], d[3], d[4], d[5]);
-    let st = l.strides();
-    // From the pool, as unfold's patches: a training step folds an input
-    // gradient of the same size every step, and a fresh allocation costs
-    // page faults and, when freed, TLB shootdowns across the workers.
-    // Each task zeroes its own planes (in cache, on every thread), not the
-    // caller the whole buffer first.
-    let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * h * w)).expect("the pool returns the dtype asked for");
-    if h * w == 0 {
-        return T::wrap(out);
-    }
-    let per = planes_per_task(h * w);
-    out.par_chunks_mut(per * h * w).enumerate().for_each(|(task, planes)| {
-        planes.fill(T::from_f64(0.0));
-        for (pi, plane) in planes.chunks_mut(h * w).enumerate() {
-            let nc = task * per + pi;
-            fold_plane(s, l.offset + nc / c * st[0] + nc % c * st[1], st, p, [kh, kw, oh, ow, h, w], plane);
-        }
-        if let Some(f) = finish {
-            f(task * per * h * w, planes);
-        }
-    });
-    T::wrap(out)
+    by_planes(nb * c, h * w, |nc, plane| fold_plane(s, l.offset + nc / c * st[0] + nc % c * st[1], st, p, [kh, kw, oh, ow, h, w], plane), finish)
 }
 
 simd_fn! {
@@ -468,13 +449,10 @@ simd_fn! {
     /// rows of 14 left most of each SSE loop to its scalar tail).
     fn fold_plane<T: AddElem>(s: &[T], base: usize, st: &[usize], p: &UnfoldParams, d: [usize; 6], plane: &mut [T]) {
         let [kh, kw, oh, ow, h, w] = d;
-        let (s1, off) = (p.stride[1] as isize, |kj: usize| (kj * p.dilation[1]) as isize - p.padding[1] as isize);
+        let s1 = p.stride[1] as isize;
         for ki in 0..kh {
             for kj in 0..kw {
-                // Columns x with 0 <= x * s1 + o < w.
-                let o = off(kj);
-                let x0 = if o >= 0 { 0 } else { ((-o + s1 - 1) / s1) as usize };
-                let x1 = if (w as isize) <= o { 0 } else { ((w as isize - o + s1 - 1) / s1) as usize }.min(ow);
+                let (x0, x1, o) = inside_cols(p, kj, w, ow);
                 if x0 >= x1 {
                     continue;
                 }
@@ -614,14 +592,10 @@ struct PoolGeom {
 impl PoolGeom {
     fn new(p: &UnfoldParams, h: usize, w: usize, st: [usize; 2]) -> PoolGeom {
         let [oh, ow] = p.out_hw(h, w).expect("checked when the op is recorded");
-        let (sx, px, dx) = (p.stride[1] as isize, p.padding[1] as isize, p.dilation[1] as isize);
         let cols = (0..p.kernel[1])
             .map(|kj| {
-                // Output columns x with 0 <= x * sx + o < w.
-                let o = kj as isize * dx - px;
-                let x0 = if o >= 0 { 0 } else { ((-o + sx - 1) / sx) as usize };
-                let x1 = if (w as isize) <= o { 0 } else { ((w as isize - o + sx - 1) / sx) as usize }.min(ow);
-                (x0, x1, (x0 as isize * sx + o).max(0) as usize)
+                let (x0, x1, o) = inside_cols(p, kj, w, ow);
+                (x0, x1, (x0 as isize * p.stride[1] as isize + o).max(0) as usize)
             })
             .collect();
         let table = (p.padding == [0, 0]).then(|| {
@@ -751,45 +725,50 @@ fn max_pool_grad(g: &View, at: &View, hw: [usize; 2], inputs: &[&CpuStorage]) ->
     map_storage!(input(g, inputs), s => max_pool_grad_of(s, &g.layout, idx, &at.layout, hw, None))
 }
 
-/// Image planes of `plane` elements per task of an index kernel that
-/// makes its result plane by plane: about 16k elements, so that an
-/// epilogue runs on blocks large enough to pay for its setup (a plane of a
-/// 14x14 image is 196 elements).
-fn planes_per_task(plane: usize) -> usize {
-    (16384 / plane.max(1)).max(1)
-}
-
-/// [`max_pool_grad`] of one storage type, `finish` applied to each task's planes.
-fn max_pool_grad_of<T: StorageElem + AddElem>(s: &[T], gl: &Layout, idx: &[i32], al: &Layout, hw: [usize; 2], finish: Finish<T>) -> CpuStorage {
+/// The result of an index kernel that adds into `count` image planes of
+/// `plane` elements each (fold, max pooling's gradient): `add(nc, dst)`
+/// adds plane `nc` into `dst`, zeroed. Tasks take about 16k elements of
+/// planes, so that `finish` (an epilogue) runs on blocks large enough to
+/// pay for its setup (a plane of a 14x14 image is 196 elements).
+fn by_planes<T: StorageElem>(count: usize, plane: usize, add: impl Fn(usize, &mut [T]) + Sync, finish: Finish<T>) -> CpuStorage {
     use rayon::prelude::*;
-    let (d, gs, is) = (gl.dims(), gl.strides(), al.strides());
-    let (nb, c, oh, ow) = (d[0], d[1], d[2], d[3]);
-    let plane = hw[0] * hw[1];
-    // Each task zeroes its own planes, as in `fold_of`.
-    let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
+    // From the pool: a training step makes a result of the same size every
+    // step, and a fresh allocation costs page faults and, when freed, TLB
+    // shootdowns across the workers. Each task zeroes its own planes (in
+    // cache, on every thread), not the caller the whole buffer first.
+    let mut out = T::unwrap(super::pool::take(T::DTYPE, count * plane)).expect("the pool returns the dtype asked for");
     if plane == 0 {
         return T::wrap(out);
     }
-    let per = planes_per_task(plane);
+    let per = (16384 / plane).max(1);
     out.par_chunks_mut(per * plane).enumerate().for_each(|(task, planes)| {
         planes.fill(T::from_f64(0.0));
         for (pi, dst) in planes.chunks_mut(plane).enumerate() {
-            let nc = task * per + pi;
-            let (n, ci) = (nc / c, nc % c);
-            let (gb, ib) = (gl.offset + n * gs[0] + ci * gs[1], al.offset + n * is[0] + ci * is[1]);
-            for y in 0..oh {
-                for x in 0..ow {
-                    let q = idx[ib + y * is[2] + x * is[3]];
-                    // Always in range (the forward kernel made it); a bad one is dropped, never a panic.
-                    if let Some(e) = usize::try_from(q).ok().and_then(|q| dst.get_mut(q)) {
-                        *e = e.add(s[gb + y * gs[2] + x * gs[3]]);
-                    }
-                }
-            }
+            add(task * per + pi, dst);
         }
         if let Some(f) = finish {
             f(task * per * plane, planes);
         }
     });
     T::wrap(out)
+}
+
+/// [`max_pool_grad`] of one storage type, `finish` applied to each task's planes.
+fn max_pool_grad_of<T: StorageElem + AddElem>(s: &[T], gl: &Layout, idx: &[i32], al: &Layout, hw: [usize; 2], finish: Finish<T>) -> CpuStorage {
+    let (d, gs, is) = (gl.dims(), gl.strides(), al.strides());
+    let (nb, c, oh, ow) = (d[0], d[1], d[2], d[3]);
+    let add_plane = |nc: usize, dst: &mut [T]| {
+        let (n, ci) = (nc / c, nc % c);
+        let (gb, ib) = (gl.offset + n * gs[0] + ci * gs[1], al.offset + n * is[0] + ci * is[1]);
+        for y in 0..oh {
+            for x in 0..ow {
+                let q = idx[ib + y * is[2] + x * is[3]];
+                // Always in range (the forward kernel made it); a bad one is dropped, never a panic.
+                if let Some(e) = usize::try_from(q).ok().and_then(|q| dst.get_mut(q)) {
+                    *e = e.add(s[gb + y * gs[2] + x * gs[3]]);
+                }
+            }
+        }
+    };
+    by_planes(nb * c, hw[0] * hw[1], add_plane, finish)
 }

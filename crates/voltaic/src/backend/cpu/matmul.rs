@@ -209,12 +209,7 @@ fn product_buffer(dtype: DType, len: usize, k: usize) -> CpuStorage {
 pub(crate) fn run_with_epilogue(a: &View, b: &View, m: usize, k: usize, n: usize, inputs: &[&CpuStorage], e: &Epilogue, dtype: DType) -> Option<CpuStorage> {
     let (CpuStorage::F32(sa), CpuStorage::F32(sb)) = (input(a, inputs), input(b, inputs)) else { return None };
     let nb = batch_offsets(a).len();
-    let acc = &e.expr.loads[e.acc].path;
-    let in_order = acc.len() == 1 && acc[0].offset() == 0 && acc[0].is_contiguous() && acc[0].numel() == nb * m * n;
-    if !in_order || e.acc_dtype != DType::F32 || dtype != DType::F32 || e.shape.iter().product::<usize>() != nb * m * n {
-        return None;
-    }
-    let prog = super::elementwise::Interpreter::new(&e.expr);
+    let prog = super::elementwise::in_place_program(e, nb * m * n, dtype)?;
     let finish = |start: usize, block: &mut [f32]| super::elementwise::run_in_place(&prog, inputs, e.acc, start, block);
     let mut out = product_buffer(dtype, nb * m * n, k);
     let CpuStorage::F32(o) = &mut out else { unreachable!("the pool returns the dtype asked for") };
