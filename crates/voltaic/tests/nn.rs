@@ -604,3 +604,41 @@ fn relu_masks_after_pooling_and_fold_gradients_match_f64() -> voltaic::Result<()
     }
     Ok(())
 }
+
+#[test]
+fn max_pooling_gradients_of_2x2_windows_match_a_reference() -> voltaic::Result<()> {
+    // 2x2 windows at stride 2 over contiguous f32 images of even size take
+    // a vector path on the CPU (4 or 8 windows at a time, a row's last group
+    // overlapping the one before, or one at a time below 4), with a ReLU's
+    // mask as its epilogue. Ties (many after a ReLU) and NaNs decide which
+    // tap gets each window's gradient: the first maximum in row-major
+    // order, the first NaN.
+    let mut rng = Rng::new(53);
+    for dims in [[2, 3, 6, 14], [1, 2, 4, 16], [2, 1, 8, 34], [1, 1, 2, 8], [3, 2, 4, 6]] {
+        let n = numel(&dims);
+        let gv: Vec<f64> = rng.normals(n / 4).iter().map(|&v| round_f32(v)).collect();
+        for relu in [false, true] {
+            // NaNs only without the ReLU, whose own gradient at a NaN is not the point here.
+            let xv: Vec<f64> = (0..n).map(|i| if i % 29 == 3 && !relu { f64::NAN } else { (rng.normal() * 1.5).round() }).collect();
+            let x = tensor(&xv, &dims, DType::F32).0.requires_grad()?;
+            let h = if relu { x.relu()? } else { x.clone() };
+            let y = h.max_pool2d([2, 2], None, [0, 0])?;
+            y.mul(&tensor(&gv, y.dims(), DType::F32).0)?.sum_all()?.backward()?;
+            let got = x.grad().expect("a gradient").to_f64_vec()?;
+            let (w, oh, ow) = (dims[3], dims[2] / 2, dims[3] / 2);
+            let mut want = vec![0.0; n];
+            for (k, &g) in gv.iter().enumerate() {
+                let (plane, oy, ox) = (k / (oh * ow), k / ow % oh, k % ow);
+                let taps = [(0, 0), (0, 1), (1, 0), (1, 1)].map(|(i, j)| plane * dims[2] * w + (2 * oy + i) * w + 2 * ox + j);
+                let val = |p: usize| if relu { xv[p].max(0.0) } else { xv[p] };
+                let first = taps.iter().copied().find(|&p| val(p).is_nan()).unwrap_or_else(|| {
+                    let m = taps.iter().map(|&p| val(p)).fold(f64::NEG_INFINITY, f64::max);
+                    taps.into_iter().find(|&p| val(p) == m).unwrap()
+                });
+                want[first] = if relu && xv[first] <= 0.0 { 0.0 } else { g };
+            }
+            assert_eq!(got, want, "{dims:?} relu {relu}");
+        }
+    }
+    Ok(())
+}

@@ -64,10 +64,10 @@ fn fold(g: &Tensor, p: &UnfoldParams, h: usize, w: usize) -> Result<Tensor> {
 
 /// The gradient of `max_pool2d` of `x`: `g` at each window's first maximum,
 /// summed where windows overlap.
-fn max_pool2d_grad(x: &Tensor, g: &Tensor, p: UnfoldParams, hw: [usize; 2]) -> Result<Tensor> {
-    let d = g.dims();
-    let at = Tensor::from_op(OpKind::Index(IndexOp::MaxPool { params: p, indices: true }), &[x], DType::I32, x.device(), d.to_vec())?;
-    Tensor::from_op(OpKind::Index(IndexOp::MaxPoolGrad { params: p, hw }), &[g, &at], g.dtype(), g.device(), vec![d[0], d[1], hw[0], hw[1]])
+fn max_pool2d_grad(x: &Tensor, g: &Tensor, p: UnfoldParams) -> Result<Tensor> {
+    // The kernel reads both in one type (a gradient has its output's).
+    let g = g.to_dtype(x.dtype())?;
+    Tensor::from_op(OpKind::Index(IndexOp::MaxPoolGrad { params: p }), &[&g, x], x.dtype(), x.device(), x.dims().to_vec())
 }
 
 impl Tensor {
@@ -218,18 +218,17 @@ impl Tensor {
         let d = self.dims();
         let dims = vec![d[0], d[1], oh, ow];
         let x = self.detach();
-        let y = Tensor::from_op(OpKind::Index(IndexOp::MaxPool { params: p, indices: false }), &[&x], x.dtype(), x.device(), dims)?;
+        let y = Tensor::from_op(OpKind::Index(IndexOp::MaxPool { params: p }), &[&x], x.dtype(), x.device(), dims)?;
         if !y.dtype().is_float() {
             return Ok(y);
         }
-        // The backward finds each window's first maximum again (a kernel
-        // like the forward one) rather than the forward storing it for
-        // every step, inference included.
+        // The backward finds each window's first maximum again, in the
+        // gradient's kernel (see `IndexOp::MaxPoolGrad`).
         let hw = [d[2], d[3]];
         if self.is_tracked() && hw[0].saturating_mul(hw[1]) > i32::MAX as usize {
-            bail!(Shape, "max_pool2d", "the gradient of an image of {}x{} positions: at most {} (i32 indices)", hw[0], hw[1], i32::MAX);
+            bail!(Shape, "max_pool2d", "the gradient of an image of {}x{} positions: at most {} (i32 positions)", hw[0], hw[1], i32::MAX);
         }
-        Ok(y.track(&[self], move |g, _| Ok(vec![Some(max_pool2d_grad(&x, g, p, hw)?)])))
+        Ok(y.track(&[self], move |g, _| Ok(vec![Some(max_pool2d_grad(&x, g, p)?)])))
     }
 
     /// Average pooling over `[N, C, H, W]` or `[C, H, W]` (zero padding counted, as PyTorch's default).

@@ -91,14 +91,15 @@ pub enum IndexOp {
     /// back into an `[N, C, H, W]` image of spatial size `hw`; input (patches).
     Fold { params: UnfoldParams, hw: [usize; 2] },
     /// The maximum of each window of an `[N, C, H, W]` image (padding is
-    /// never chosen), `[N, C, oh, ow]`; with `indices`, instead the position
-    /// `iy * W + ix` (i32) of each window's first maximum in row-major tap
-    /// order, a NaN counting as the maximum (the first NaN); input (image).
-    MaxPool { params: UnfoldParams, indices: bool },
+    /// never chosen, a NaN is the maximum), `[N, C, oh, ow]`; input (image).
+    MaxPool { params: UnfoldParams },
     /// The gradient of max pooling: each window's entry of `g` added at the
-    /// position its index names, into an `[N, C, H, W]` image of spatial
-    /// size `hw` (windows in row-major order); inputs (g, indices).
-    MaxPoolGrad { params: UnfoldParams, hw: [usize; 2] },
+    /// window's first maximum in the image (in row-major tap order, the
+    /// first NaN where there is one), into an `[N, C, H, W]` result of the
+    /// image's size (windows in row-major order); inputs (g, image), of one
+    /// dtype. The kernel finds the maxima again, rather than the forward
+    /// storing their positions for every step, inference included.
+    MaxPoolGrad { params: UnfoldParams },
     /// Rows of a block-quantized `[rows, cols]` matrix (its padded blocks as
     /// u32 words, see `QTensor`) at the positions of a 1-D index,
     /// dequantized to f32: `[index len, cols]`; inputs (blocks, index).
@@ -120,8 +121,8 @@ impl std::hash::Hash for IndexOp {
             IndexOp::Gather { dim, caller } | IndexOp::ScatterAdd { dim, caller } | IndexOp::IndexSelect { dim, caller } => (dim, caller).hash(h),
             IndexOp::Cumsum { dim } | IndexOp::Cat { dim } => dim.hash(h),
             IndexOp::Unfold { params, pad, by_tap } => (params, pad.to_bits(), by_tap).hash(h),
-            IndexOp::Fold { params, hw } | IndexOp::MaxPoolGrad { params, hw } => (params, hw).hash(h),
-            IndexOp::MaxPool { params, indices } => (params, indices).hash(h),
+            IndexOp::Fold { params, hw } => (params, hw).hash(h),
+            IndexOp::MaxPool { params } | IndexOp::MaxPoolGrad { params } => params.hash(h),
             IndexOp::Dequantize { qtype, cols, caller } => (qtype, cols, caller).hash(h),
             IndexOp::Attention { scale } => scale.to_bits().hash(h),
         }
@@ -139,8 +140,7 @@ impl IndexOp {
             IndexOp::Cat { .. } => "cat",
             IndexOp::Unfold { .. } => "unfold",
             IndexOp::Fold { .. } => "fold",
-            IndexOp::MaxPool { indices: false, .. } => "max_pool2d",
-            IndexOp::MaxPool { indices: true, .. } => "max_pool2d_indices",
+            IndexOp::MaxPool { .. } => "max_pool2d",
             IndexOp::MaxPoolGrad { .. } => "max_pool2d_grad",
             IndexOp::Dequantize { .. } => "dequantize",
             IndexOp::Attention { .. } => "attention",

@@ -1,7 +1,7 @@
 //! The index-like kernels: gather, scatter_add, index_select, cumsum, cat,
 //! unfold, fold, and max pooling with its gradient.
 
-use super::input;
+use super::{input, maxpool2x2};
 use super::simd::simd_fn;
 use crate::dtype::DType;
 use crate::error::{bail, Result};
@@ -21,8 +21,8 @@ pub(crate) fn run(op: &IndexOp, args: &[View], inputs: &[&CpuStorage], dtype: DT
         IndexOp::Cat { dim } => cat(dim, args, inputs, dtype, numel),
         IndexOp::Unfold { params, pad, by_tap } => unfold(&args[0], &params, pad, by_tap, inputs),
         IndexOp::Fold { params, hw } => fold(&args[0], &params, hw, inputs),
-        IndexOp::MaxPool { params, indices } => max_pool(&args[0], &params, indices, inputs),
-        IndexOp::MaxPoolGrad { hw, .. } => max_pool_grad(&args[0], &args[1], hw, inputs),
+        IndexOp::MaxPool { params } => max_pool(&args[0], &params, inputs),
+        IndexOp::MaxPoolGrad { params, .. } => max_pool_grad(&args[0], &args[1], &params, inputs),
         IndexOp::Dequantize { qtype, cols, caller } => super::quant::dequantize_rows(caller.name(), qtype, cols, &args[0], &args[1], inputs)?,
         IndexOp::Attention { scale } => attention(scale, args, inputs, dtype),
     })
@@ -415,9 +415,9 @@ pub(crate) fn run_with_epilogue(op: &IndexOp, args: &[View], inputs: &[&CpuStora
     let prog = super::elementwise::in_place_program(e, numel, dtype)?;
     let finish = |start: usize, block: &mut [f32]| super::elementwise::run_in_place(&prog, inputs, e.acc, start, block);
     match (*op, input(&args[0], inputs)) {
-        (IndexOp::MaxPoolGrad { hw, .. }, CpuStorage::F32(s)) => {
-            let CpuStorage::I32(idx) = input(&args[1], inputs) else { return None };
-            Some(max_pool_grad_of(s, &args[0].layout, idx, &args[1].layout, hw, Some(&finish)))
+        (IndexOp::MaxPoolGrad { params, .. }, CpuStorage::F32(s)) => {
+            let CpuStorage::F32(x) = input(&args[1], inputs) else { return None };
+            Some(max_pool_grad_f32(s, &args[0].layout, x, &args[1].layout, &params, Some(&finish)))
         }
         (IndexOp::Fold { params, hw }, CpuStorage::F32(s)) => Some(fold_of(s, &args[0].layout, &params, hw, Some(&finish))),
         _ => None,
@@ -436,7 +436,7 @@ fn fold(inp: &View, p: &UnfoldParams, hw: [usize; 2], inputs: &[&CpuStorage]) ->
 fn fold_of<T: StorageElem + AddElem>(s: &[T], l: &Layout, p: &UnfoldParams, [h, w]: [usize; 2], finish: Finish<T>) -> CpuStorage {
     let (d, st) = (l.dims(), l.strides());
     let (nb, c, kh, kw, oh, ow) = (d[0], d[1], d[2], d[3], d[4], d[5]);
-    by_planes(nb * c, h * w, |nc, plane| fold_plane(s, l.offset + nc / c * st[0] + nc % c * st[1], st, p, [kh, kw, oh, ow, h, w], plane), finish)
+    by_planes(nb * c, h * w, || (), |_, nc, plane| fold_plane(s, l.offset + nc / c * st[0] + nc % c * st[1], st, p, [kh, kw, oh, ow, h, w], plane), finish)
 }
 
 simd_fn! {
@@ -483,7 +483,7 @@ simd_fn! {
 
 /// The order max pooling compares in, for every storage type: halves as
 /// f32, bool as 0 and 1. A key unequal to itself is a NaN.
-trait MaxKey: Copy {
+pub(crate) trait MaxKey: Copy {
     type K: Copy + PartialOrd;
     /// A key no value is below.
     const LOWEST: Self::K;
@@ -521,7 +521,7 @@ max_key! {
 /// the first NaN (a key unequal to itself; nothing replaces a NaN).
 #[inline(always)]
 #[allow(clippy::eq_op)]
-fn replaces<K: PartialOrd>(k: K, best: K) -> bool {
+pub(crate) fn replaces<K: PartialOrd>(k: K, best: K) -> bool {
     (k > best) | ((k != k) & (best == best))
 }
 
@@ -663,21 +663,30 @@ simd_fn! {
     }
 }
 
-/// Each window's maximum, or with `indices` the position of its first
-/// maximum (see `IndexOp::MaxPool`). Each tap in row-major order updates
-/// the running maxima of a whole plane of windows (row by row where
-/// padding leaves some taps outside): loops the compiler vectorizes, where
-/// a loop over each window's few taps would not.
-fn max_pool(inp: &View, p: &UnfoldParams, indices: bool, inputs: &[&CpuStorage]) -> CpuStorage {
-    fn go<T: StorageElem + MaxKey, O: StorageElem>(s: &[T], l: &Layout, p: &UnfoldParams, at: bool, pick: impl Fn(T::K, i32) -> O + Sync) -> CpuStorage {
+/// Each window's maximum (see `IndexOp::MaxPool`). Each tap in row-major
+/// order updates the running maxima of a whole plane of windows (row by
+/// row where padding leaves some taps outside): loops the compiler
+/// vectorizes, where a loop over each window's few taps would not.
+fn max_pool(inp: &View, p: &UnfoldParams, inputs: &[&CpuStorage]) -> CpuStorage {
+    fn go<T: StorageElem + MaxKey>(s: &[T], l: &Layout, p: &UnfoldParams) -> CpuStorage {
         use rayon::prelude::*;
         let (d, st) = (l.dims(), l.strides());
         let (nb, c) = (d[0], d[1]);
         let g = PoolGeom::new(p, d[2], d[3], [st[2], st[3]]);
         let plane = g.oh * g.ow;
-        let mut out = O::unwrap(super::pool::take(O::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
+        let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
         if plane == 0 {
-            return O::wrap(out);
+            return T::wrap(out);
+        }
+        if let Some(x0) = maxpool2x2::pairs_of_rows(p, l) {
+            // Tasks of whole rows of windows, about 64k taps each.
+            let rows = (16384 / g.ow).max(1);
+            let (s, w) = (&s[x0..], d[3]);
+            out.par_chunks_mut(rows * g.ow).enumerate().for_each(|(t, dst)| {
+                let at = t * rows * 2 * w;
+                maxpool2x2::pool_rows(&s[at..at + dst.len() * 4], w, dst);
+            });
+            return T::wrap(out);
         }
         // Tasks of whole planes, about 64k taps each: one plane of a
         // 28x28 image is too little work to hand to another thread.
@@ -687,50 +696,49 @@ fn max_pool(inp: &View, p: &UnfoldParams, indices: bool, inputs: &[&CpuStorage])
             |(best, pos), (task, planes)| {
                 for (pi, dst) in planes.chunks_mut(plane).enumerate() {
                     let nc = task * per + pi;
-                    pool_plane(s, l.offset + (nc / c) * st[0] + (nc % c) * st[1], &g, at, best, pos);
-                    for ((r, &k), &q) in dst.iter_mut().zip(best.iter()).zip(pos.iter()) {
-                        *r = pick(k, q);
+                    pool_plane(s, l.offset + (nc / c) * st[0] + (nc % c) * st[1], &g, false, best, pos);
+                    for (r, &k) in dst.iter_mut().zip(best.iter()) {
+                        *r = T::from_key(k);
                     }
                 }
             },
         );
-        O::wrap(out)
+        T::wrap(out)
     }
-    let l = &inp.layout;
-    macro_rules! pool {
-        ($t:ty, $s:expr) => {
-            if indices {
-                go::<$t, i32>($s, l, p, true, |_, q| q)
-            } else {
-                go::<$t, $t>($s, l, p, false, |k, _| <$t>::from_key(k))
-            }
-        };
-    }
-    match input(inp, inputs) {
-        CpuStorage::F32(s) => pool!(f32, s),
-        CpuStorage::F64(s) => pool!(f64, s),
-        CpuStorage::F16(s) => pool!(f16, s),
-        CpuStorage::BF16(s) => pool!(bf16, s),
-        CpuStorage::I32(s) => pool!(i32, s),
-        CpuStorage::U32(s) => pool!(u32, s),
-        CpuStorage::Bool(s) => pool!(bool, s),
-    }
+    map_storage!(input(inp, inputs), s => go(s, &inp.layout, p))
 }
 
-/// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): each task adds
-/// the windows' gradients of its image planes at their maxima, in window
-/// order.
-fn max_pool_grad(g: &View, at: &View, hw: [usize; 2], inputs: &[&CpuStorage]) -> CpuStorage {
-    let CpuStorage::I32(idx) = input(at, inputs) else { unreachable!("max pooling's indices are i32") };
-    map_storage!(input(g, inputs), s => max_pool_grad_of(s, &g.layout, idx, &at.layout, hw, None))
+/// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): each task
+/// finds the first maximum of each window of its image planes, as the
+/// forward kernel does, and adds the window's gradient there, in window
+/// order. Finding them here, plane by plane in cache, saves a kernel that
+/// writes them all out and a pass that reads them back.
+fn max_pool_grad(g: &View, x: &View, p: &UnfoldParams, inputs: &[&CpuStorage]) -> CpuStorage {
+    let xs = input(x, inputs);
+    if let (CpuStorage::F32(s), CpuStorage::F32(xs)) = (input(g, inputs), xs) {
+        return max_pool_grad_f32(s, &g.layout, xs, &x.layout, p, None);
+    }
+    map_storage!(input(g, inputs), s => max_pool_grad_of(s, &g.layout, StorageElem::slice(xs).expect("max pooling's gradient has its image's dtype"), &x.layout, p, None))
 }
 
 /// The result of an index kernel that adds into `count` image planes of
-/// `plane` elements each (fold, max pooling's gradient): `add(nc, dst)`
-/// adds plane `nc` into `dst`, zeroed. Tasks take about 16k elements of
-/// planes, so that `finish` (an epilogue) runs on blocks large enough to
-/// pay for its setup (a plane of a 14x14 image is 196 elements).
-fn by_planes<T: StorageElem>(count: usize, plane: usize, add: impl Fn(usize, &mut [T]) + Sync, finish: Finish<T>) -> CpuStorage {
+/// `plane` elements each (fold, max pooling's gradient): `add(scratch, nc,
+/// dst)` adds plane `nc` into `dst`, zeroed, with each task's `scratch`
+/// from `init`. Tasks take about 16k elements of planes, so that `finish`
+/// (an epilogue) runs on blocks large enough to pay for its setup (a plane
+/// of a 14x14 image is 196 elements).
+fn by_planes<T: StorageElem, S>(count: usize, plane: usize, init: impl Fn() -> S + Sync + Send, add: impl Fn(&mut S, usize, &mut [T]) + Sync, finish: Finish<T>) -> CpuStorage {
+    by_plane_blocks(count, plane, true, init, |s, first, planes| {
+        for (pi, dst) in planes.chunks_mut(plane).enumerate() {
+            add(s, first + pi, dst);
+        }
+    }, finish)
+}
+
+/// [`by_planes`] with `add(scratch, first plane, block of planes)` making
+/// a whole block at once, into zeros where `zero`, else over whatever the
+/// buffer held (then `add` must write every element).
+fn by_plane_blocks<T: StorageElem, S>(count: usize, plane: usize, zero: bool, init: impl Fn() -> S + Sync + Send, add: impl Fn(&mut S, usize, &mut [T]) + Sync, finish: Finish<T>) -> CpuStorage {
     use rayon::prelude::*;
     // From the pool: a training step makes a result of the same size every
     // step, and a fresh allocation costs page faults and, when freed, TLB
@@ -741,11 +749,11 @@ fn by_planes<T: StorageElem>(count: usize, plane: usize, add: impl Fn(usize, &mu
         return T::wrap(out);
     }
     let per = (16384 / plane).max(1);
-    out.par_chunks_mut(per * plane).enumerate().for_each(|(task, planes)| {
-        planes.fill(T::from_f64(0.0));
-        for (pi, dst) in planes.chunks_mut(plane).enumerate() {
-            add(task * per + pi, dst);
+    out.par_chunks_mut(per * plane).enumerate().for_each_init(init, |scratch, (task, planes)| {
+        if zero {
+            planes.fill(T::from_f64(0.0));
         }
+        add(scratch, task * per, planes);
         if let Some(f) = finish {
             f(task * per * plane, planes);
         }
@@ -753,22 +761,39 @@ fn by_planes<T: StorageElem>(count: usize, plane: usize, add: impl Fn(usize, &mu
     T::wrap(out)
 }
 
+/// [`max_pool_grad`] in f32: 2x2 windows at stride 2 over contiguous
+/// images and gradients through [`maxpool2x2::grad_rows`], others as any type.
+fn max_pool_grad_f32(s: &[f32], gl: &Layout, x: &[f32], xl: &Layout, p: &UnfoldParams, finish: Finish<f32>) -> CpuStorage {
+    let (Some(x0), true) = (maxpool2x2::pairs_of_rows(p, xl), gl.is_contiguous()) else { return max_pool_grad_of(s, gl, x, xl, p, finish) };
+    let (count, [h, w]) = (gl.dims()[0] * gl.dims()[1], [xl.dims()[2], xl.dims()[3]]);
+    let (x, s) = (&x[x0..], &s[gl.offset..]);
+    // Each task's planes are whole pairs of image rows, and rows of g.
+    by_plane_blocks(count, h * w, false, || (), |_, first, planes| {
+        let at = first * h * w;
+        maxpool2x2::grad_rows(&x[at..at + planes.len()], &s[at / 4..(at + planes.len()) / 4], w, planes);
+    }, finish)
+}
+
 /// [`max_pool_grad`] of one storage type, `finish` applied to each task's planes.
-fn max_pool_grad_of<T: StorageElem + AddElem>(s: &[T], gl: &Layout, idx: &[i32], al: &Layout, hw: [usize; 2], finish: Finish<T>) -> CpuStorage {
-    let (d, gs, is) = (gl.dims(), gl.strides(), al.strides());
-    let (nb, c, oh, ow) = (d[0], d[1], d[2], d[3]);
-    let add_plane = |nc: usize, dst: &mut [T]| {
+fn max_pool_grad_of<T: StorageElem + AddElem + MaxKey>(s: &[T], gl: &Layout, x: &[T], xl: &Layout, p: &UnfoldParams, finish: Finish<T>) -> CpuStorage {
+    let (d, gs, xs) = (gl.dims(), gl.strides(), xl.strides());
+    let (c, oh, ow) = (d[1], d[2], d[3]);
+    let (h, w) = (xl.dims()[2], xl.dims()[3]);
+    let geom = PoolGeom::new(p, h, w, [xs[2], xs[3]]);
+    let scratch = || (vec![T::LOWEST; oh * ow], vec![-1i32; oh * ow]);
+    let add_plane = |(best, pos): &mut (Vec<T::K>, Vec<i32>), nc: usize, dst: &mut [T]| {
         let (n, ci) = (nc / c, nc % c);
-        let (gb, ib) = (gl.offset + n * gs[0] + ci * gs[1], al.offset + n * is[0] + ci * is[1]);
+        pool_plane(x, xl.offset + n * xs[0] + ci * xs[1], &geom, true, best, pos);
+        let gb = gl.offset + n * gs[0] + ci * gs[1];
         for y in 0..oh {
-            for x in 0..ow {
-                let q = idx[ib + y * is[2] + x * is[3]];
-                // Always in range (the forward kernel made it); a bad one is dropped, never a panic.
+            for (xo, &q) in pos[y * ow..(y + 1) * ow].iter().enumerate() {
+                // Every window has a tap inside the image (padding is at
+                // most half the kernel); one without would be dropped, never a panic.
                 if let Some(e) = usize::try_from(q).ok().and_then(|q| dst.get_mut(q)) {
-                    *e = e.add(s[gb + y * gs[2] + x * gs[3]]);
+                    *e = e.add(s[gb + y * gs[2] + xo * gs[3]]);
                 }
             }
         }
     };
-    by_planes(nb * c, hw[0] * hw[1], add_plane, finish)
+    by_planes(d[0] * c, h * w, scratch, add_plane, finish)
 }

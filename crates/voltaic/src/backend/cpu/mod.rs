@@ -3,6 +3,7 @@
 pub(crate) mod elementwise;
 pub(crate) mod index;
 pub(crate) mod matmul;
+pub(crate) mod maxpool2x2;
 pub(crate) mod pool;
 pub(crate) mod qdot;
 pub(crate) mod quant;

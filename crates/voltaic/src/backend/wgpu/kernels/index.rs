@@ -5,7 +5,7 @@
 
 use super::reduce::Reduction;
 use super::{groups, Gen, WG};
-use crate::backend::wgpu::codegen::{cast, compute_ty, literal, round_to, strided, unravel, Dispatch, Src, WgslProgram};
+use crate::backend::wgpu::codegen::{cast, compute_ty, literal, round_to, strided, unravel, Dispatch, Shader, Src, WgslProgram};
 use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::ir::{Prologue, Strided as View};
@@ -45,8 +45,8 @@ impl Gen<'_> {
             }
             IndexOp::Unfold { params, pad, by_tap } => p.dispatches.push(self.unfold(&args[0], &params, pad, by_tap)),
             IndexOp::Fold { params, hw } => p.dispatches.push(self.fold(&args[0], &params, hw)),
-            IndexOp::MaxPool { params, indices } => p.dispatches.push(self.max_pool(&args[0], &params, indices)),
-            IndexOp::MaxPoolGrad { params, hw } => p.dispatches.push(self.max_pool_grad(&args[0], &args[1], &params, hw)),
+            IndexOp::MaxPool { params } => p.dispatches.push(self.max_pool(&args[0], &params)),
+            IndexOp::MaxPoolGrad { params } => p.dispatches.push(self.max_pool_grad(&args[0], &args[1], &params)),
             IndexOp::Dequantize { qtype, cols, .. } => p.dispatches.push(self.dequantize_rows(qtype, cols, &args[0], &args[1], op.error_code())),
             IndexOp::Attention { scale } => self.attention(p, scale, args, prologues)?,
         }
@@ -709,19 +709,16 @@ impl Gen<'_> {
 }
 
 impl Gen<'_> {
-    /// Max pooling (see `IndexOp::MaxPool`): a thread per window, walking
-    /// its taps in row-major order.
-    fn max_pool(&self, input: &View, p: &UnfoldParams, indices: bool) -> Dispatch {
-        let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[input.input]);
-        self.bind_out(&mut sh);
-        let l = &input.layout;
-        let dd = l.dims();
-        let (h, w) = (dd[2], dd[3]);
-        let [oh, ow] = p.out_hw(h, w).unwrap_or([0, 0]);
-        let n = dd[0] * dd[1] * oh * ow;
-        let idt = self.inputs[input.input].0;
+    /// Declare `window_peak(base, oy, ox)`: the maximum of window `(oy, ox)`
+    /// of the image plane at `base` of `image` and the position `iy * W +
+    /// ix` of its first maximum, walking the taps in row-major order (a
+    /// NaN is the maximum, the first one taken; padding is never chosen).
+    /// Max pooling and its gradient share it, so both pick the same tap.
+    fn window_peak(&self, sh: &mut Shader, image: &View, p: &UnfoldParams) {
+        let l = &image.layout;
+        let (h, w) = (l.dims()[2], l.dims()[3]);
         let st = l.strides();
+        let idt = self.inputs[image.input].0;
         // Whether tap `v` replaces the running maximum `best`: a greater
         // value, or the first NaN (nothing replaces a NaN).
         let greater = match compute_ty(idt) {
@@ -729,30 +726,52 @@ impl Gen<'_> {
             "bool" => "(v && !best)",
             _ => "(v > best)",
         };
-        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
-        let d = unravel(&mut b, &mut sh, "i", &[dd[0], dd[1], oh, ow]);
-        window_consts(&mut b, p);
-        let _ = writeln!(
-            b,
-            "    let base = {off}u + {n0} * {s0}u + {c0} * {s1}u;
+        let mut consts = String::new();
+        window_consts(&mut consts, p);
+        sh.decl(&format!(
+            "{consts}struct Peak {{ best: {ct}, at: i32 }}
+fn window_peak(base: u32, oy: u32, ox: u32) -> Peak {{
     var best = {zero};
-    var at = 0;
-    var seen = false;
+    var at = -1;
     for (var ki = 0u; ki < KH; ki = ki + 1u) {{
-        let iy = i32({y} * SY + ki * DY) - PY;
+        let iy = i32(oy * SY + ki * DY) - PY;
         if (iy < 0 || iy >= {h}) {{ continue; }}
         for (var kj = 0u; kj < KW; kj = kj + 1u) {{
-            let ix = i32({x} * SX + kj * DX) - PX;
+            let ix = i32(ox * SX + kj * DX) - PX;
             if (ix < 0 || ix >= {w}) {{ continue; }}
             let v = ld_in{inp}(base + u32(iy) * {s2}u + u32(ix) * {s3}u);
-            if (!seen || {greater}) {{
+            if (at < 0 || {greater}) {{
                 best = v;
                 at = iy * {w} + ix;
-                seen = true;
             }}
         }}
     }}
-    st_out(i, {result});",
+    return Peak(best, at);
+}}",
+            ct = compute_ty(idt),
+            zero = literal(0.0, idt),
+            inp = image.input,
+            s2 = st[2],
+            s3 = st[3],
+        ));
+    }
+
+    /// Max pooling (see `IndexOp::MaxPool`): a thread per window.
+    fn max_pool(&self, input: &View, p: &UnfoldParams) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[input.input]);
+        self.bind_out(&mut sh);
+        self.window_peak(&mut sh, input, p);
+        let l = &input.layout;
+        let dd = l.dims();
+        let [oh, ow] = p.out_hw(dd[2], dd[3]).unwrap_or([0, 0]);
+        let n = dd[0] * dd[1] * oh * ow;
+        let st = l.strides();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", &[dd[0], dd[1], oh, ow]);
+        let _ = writeln!(
+            b,
+            "    st_out(i, window_peak({off}u + {n0} * {s0}u + {c0} * {s1}u, {y}, {x}).best);",
             off = l.offset(),
             n0 = d[0],
             c0 = d[1],
@@ -760,38 +779,35 @@ impl Gen<'_> {
             x = d[3],
             s0 = st[0],
             s1 = st[1],
-            s2 = st[2],
-            s3 = st[3],
-            zero = literal(0.0, idt),
-            inp = input.input,
-            result = if indices { "at" } else { "best" },
         );
-        sh.finish(if indices { "max_pool_indices" } else { "max_pool" }.into(), WG, groups(n, WG), &b)
+        sh.finish("max_pool".into(), WG, groups(n, WG), &b)
     }
 
     /// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): a thread
-    /// per image element sums the windows over it whose maximum it is, in
-    /// window order as the CPU adds them (a deterministic gather, where a
-    /// scatter would need atomics).
-    fn max_pool_grad(&self, g: &View, at: &View, p: &UnfoldParams, hw: [usize; 2]) -> Dispatch {
+    /// per image element finds the first maximum of each window over it
+    /// and sums those whose maximum it is, in window order as the CPU adds
+    /// them (a deterministic gather, where a scatter would need atomics).
+    /// One kernel, where positions stored by a kernel of their own cost a
+    /// second pass over the image and a buffer.
+    fn max_pool_grad(&self, g: &View, image: &View, p: &UnfoldParams) -> Dispatch {
         let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[g.input, at.input]);
+        self.bind_inputs(&mut sh, &[g.input, image.input]);
         self.bind_out(&mut sh);
+        self.window_peak(&mut sh, image, p);
         let gd = g.layout.dims();
         let (oh, ow) = (gd[2], gd[3]);
-        let [h, w] = hw;
+        let (h, w) = (image.layout.dims()[2], image.layout.dims()[3]);
         let n = gd[0] * gd[1] * h * w;
         let dt = self.out.0;
-        let (gs, is) = (g.layout.strides(), at.layout.strides());
+        let (gs, xs) = (g.layout.strides(), image.layout.strides());
         let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
         let d = unravel(&mut b, &mut sh, "i", &[gd[0], gd[1], h, w]);
-        window_consts(&mut b, p);
         // Windows oy over row iy have oy * sy + ki * dy - py == iy for a tap
         // row ki; walking ki down walks oy up.
         let _ = writeln!(
             b,
             "    let gbase = {goff}u + {n0} * {gs0}u + {c0} * {gs1}u;
-    let ibase = {ioff}u + {n0} * {is0}u + {c0} * {is1}u;
+    let xbase = {xoff}u + {n0} * {xs0}u + {c0} * {xs1}u;
     let here = i32({iy} * {w}u + {ix});
     var acc = {zero};
     for (var a = 0u; a < KH; a = a + 1u) {{
@@ -802,35 +818,31 @@ impl Gen<'_> {
             let tx = i32({ix}) + PX - i32((KW - 1u - c) * DX);
             if (tx < 0 || tx % SX != 0 || tx / SX >= {ow}) {{ continue; }}
             let ox = u32(tx / SX);
-            if (ld_in{ai}(ibase + oy * {is2}u + ox * {is3}u) == here) {{
+            if (window_peak(xbase, oy, ox).at == here) {{
                 acc = {sum};
             }}
         }}
     }}
     st_out(i, acc);",
             goff = g.layout.offset(),
-            ioff = at.layout.offset(),
+            xoff = image.layout.offset(),
             n0 = d[0],
             c0 = d[1],
             iy = d[2],
             ix = d[3],
             gs0 = gs[0],
             gs1 = gs[1],
-            is0 = is[0],
-            is1 = is[1],
-            is2 = is[2],
-            is3 = is[3],
+            xs0 = xs[0],
+            xs1 = xs[1],
             zero = literal(0.0, dt),
-            ai = at.input,
             sum = round_to(dt, &format!("acc + ld_in{}(gbase + oy * {}u + ox * {}u)", g.input, gs[2], gs[3])),
         );
         sh.finish("max_pool_grad".into(), WG, groups(n, WG), &b)
     }
 }
 
-/// A pooling window's parameters as WGSL constants (`KH`, `KW`, `SY`, `SX`,
-/// `DY`, `DX`, `PY`, `PX`), untyped so that they read as `u32` or `i32`
-/// wherever they are used.
+/// The window parameters as WGSL constants (`KH`, `KW`, `SY`, `SX`, `DY`,
+/// `DX`, `PY`, `PX`).
 fn window_consts(b: &mut String, p: &UnfoldParams) {
     let ([kh, kw], [sy, sx], [dy, dx], [py, px]) = (p.kernel, p.stride, p.dilation, p.padding);
     let _ = writeln!(b, "    const KH = {kh}; const KW = {kw}; const SY = {sy}; const SX = {sx}; const DY = {dy}; const DX = {dx}; const PY = {py}; const PX = {px};");
