@@ -46,7 +46,7 @@ impl Gen<'_> {
             IndexOp::Unfold { params, pad, by_tap } => p.dispatches.push(self.unfold(&args[0], &params, pad, by_tap)),
             IndexOp::Fold { params, hw } => p.dispatches.push(self.fold(&args[0], &params, hw)),
             IndexOp::MaxPool { params } => p.dispatches.push(self.max_pool(&args[0], &params)),
-            IndexOp::MaxPoolGrad { params } => p.dispatches.push(self.max_pool_grad(&args[0], &args[1], &params)),
+            IndexOp::MaxPoolGrad { params } => self.max_pool_grad(p, &args[0], &args[1], &params),
             IndexOp::Dequantize { qtype, cols, .. } => p.dispatches.push(self.dequantize_rows(qtype, cols, &args[0], &args[1], op.error_code())),
             IndexOp::Attention { scale } => self.attention(p, scale, args, prologues)?,
         }
@@ -783,31 +783,66 @@ fn window_peak(base: u32, oy: u32, ox: u32) -> Peak {{
         sh.finish("max_pool".into(), WG, groups(n, WG), &b)
     }
 
-    /// The gradient of max pooling (see `IndexOp::MaxPoolGrad`): a thread
-    /// per image element finds the first maximum of each window over it
-    /// and sums those whose maximum it is, in window order as the CPU adds
+    /// The gradient of max pooling (see `IndexOp::MaxPoolGrad`). Where the
+    /// windows tile the image exactly, one kernel with a thread per window
+    /// ([`Gen::max_pool_grad_tiled`]). Otherwise an element may be in
+    /// several windows: a thread per window stores its first maximum's
+    /// position in scratch, then a thread per image element sums the
+    /// windows over it whose maximum it is, in window order as the CPU adds
     /// them (a deterministic gather, where a scatter would need atomics).
-    /// One kernel, where positions stored by a kernel of their own cost a
-    /// second pass over the image and a buffer.
-    fn max_pool_grad(&self, g: &View, image: &View, p: &UnfoldParams) -> Dispatch {
-        let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[g.input, image.input]);
-        self.bind_out(&mut sh);
-        self.window_peak(&mut sh, image, p);
+    /// Finding the maximum in the gather instead, once per window per
+    /// element, took twice as long on the H200 even for 2x2 windows.
+    fn max_pool_grad(&self, prog: &mut WgslProgram, g: &View, image: &View, p: &UnfoldParams) {
         let gd = g.layout.dims();
         let (oh, ow) = (gd[2], gd[3]);
         let (h, w) = (image.layout.dims()[2], image.layout.dims()[3]);
+        if p.stride == p.kernel && p.padding == [0, 0] && oh * p.kernel[0] == h && ow * p.kernel[1] == w {
+            prog.dispatches.push(self.max_pool_grad_tiled(g, image, p));
+            return;
+        }
+        let at = prog.scratch.len();
+        prog.scratch.push((DType::I32, g.layout.numel()));
+        prog.dispatches.push(self.max_pool_positions(image, p, gd, at));
+        prog.dispatches.push(self.max_pool_grad_gather(g, [h, w], p, at));
+    }
+
+    /// The position of each window's first maximum, into scratch `at`
+    /// (windows `[N, C, oh, ow]` in row-major order).
+    fn max_pool_positions(&self, image: &View, p: &UnfoldParams, windows: &[usize], at: usize) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[image.input]);
+        let n: usize = windows.iter().product();
+        sh.array(Src::Scratch(at), "at", DType::I32, n, true);
+        self.window_peak(&mut sh, image, p);
+        let xs = image.layout.strides();
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", windows);
+        let _ = writeln!(b, "    st_at(i, window_peak({}u + {} * {}u + {} * {}u, {}, {}).at);", image.layout.offset(), d[0], xs[0], d[1], xs[1], d[2], d[3]);
+        sh.finish("max_pool_positions".into(), WG, groups(n, WG), &b)
+    }
+
+    /// The gather of the general gradient: a thread per element of the
+    /// image (of spatial size `hw`) sums `g` over the windows whose stored
+    /// position is its own.
+    fn max_pool_grad_gather(&self, g: &View, [h, w]: [usize; 2], p: &UnfoldParams, at: usize) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[g.input]);
+        self.bind_out(&mut sh);
+        let gd = g.layout.dims();
+        let (oh, ow) = (gd[2], gd[3]);
+        sh.array(Src::Scratch(at), "at", DType::I32, g.layout.numel(), false);
         let n = gd[0] * gd[1] * h * w;
         let dt = self.out.0;
-        let (gs, xs) = (g.layout.strides(), image.layout.strides());
+        let gs = g.layout.strides();
         let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
         let d = unravel(&mut b, &mut sh, "i", &[gd[0], gd[1], h, w]);
+        window_consts(&mut b, p);
         // Windows oy over row iy have oy * sy + ki * dy - py == iy for a tap
         // row ki; walking ki down walks oy up.
         let _ = writeln!(
             b,
             "    let gbase = {goff}u + {n0} * {gs0}u + {c0} * {gs1}u;
-    let xbase = {xoff}u + {n0} * {xs0}u + {c0} * {xs1}u;
+    let abase = ({n0} * {c}u + {c0}) * {ohw}u;
     let here = i32({iy} * {w}u + {ix});
     var acc = {zero};
     for (var a = 0u; a < KH; a = a + 1u) {{
@@ -818,26 +853,73 @@ fn window_peak(base: u32, oy: u32, ox: u32) -> Peak {{
             let tx = i32({ix}) + PX - i32((KW - 1u - c) * DX);
             if (tx < 0 || tx % SX != 0 || tx / SX >= {ow}) {{ continue; }}
             let ox = u32(tx / SX);
-            if (window_peak(xbase, oy, ox).at == here) {{
+            if (ld_at(abase + oy * {ow}u + ox) == here) {{
                 acc = {sum};
             }}
         }}
     }}
     st_out(i, acc);",
             goff = g.layout.offset(),
-            xoff = image.layout.offset(),
             n0 = d[0],
             c0 = d[1],
             iy = d[2],
             ix = d[3],
             gs0 = gs[0],
             gs1 = gs[1],
-            xs0 = xs[0],
-            xs1 = xs[1],
+            c = gd[1],
+            ohw = oh * ow,
             zero = literal(0.0, dt),
             sum = round_to(dt, &format!("acc + ld_in{}(gbase + oy * {}u + ox * {}u)", g.input, gs[2], gs[3])),
         );
         sh.finish("max_pool_grad".into(), WG, groups(n, WG), &b)
+    }
+}
+
+impl Gen<'_> {
+    /// [`Gen::max_pool_grad`] where the windows tile the image exactly
+    /// (stride = kernel, no padding, the image a whole number of windows):
+    /// a thread per window finds its first maximum once and writes the
+    /// window's every element, `g` there and zeros elsewhere: one kernel,
+    /// no scratch. (A thread per element finding its window's maximum
+    /// itself took twice the two kernels of the general path on the H200:
+    /// 127 against 16 + 48 us for the CNN's first pooling at batch 256.)
+    fn max_pool_grad_tiled(&self, g: &View, image: &View, p: &UnfoldParams) -> Dispatch {
+        let mut sh = self.shader();
+        self.bind_inputs(&mut sh, &[g.input, image.input]);
+        self.bind_out(&mut sh);
+        self.window_peak(&mut sh, image, p);
+        let gd = g.layout.dims();
+        let (h, w) = (image.layout.dims()[2], image.layout.dims()[3]);
+        let n = gd[0] * gd[1] * gd[2] * gd[3];
+        let dt = self.out.0;
+        let (gs, xs) = (g.layout.strides(), image.layout.strides());
+        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
+        let d = unravel(&mut b, &mut sh, "i", gd);
+        let _ = writeln!(
+            b,
+            "    let at = window_peak({xoff}u + {n0} * {xs0}u + {c0} * {xs1}u, {y}, {x}).at;
+    let v = {v};
+    let plane = ({n0} * {c} + {c0}) * {hw}u;
+    for (var ki = 0u; ki < KH; ki = ki + 1u) {{
+        for (var kj = 0u; kj < KW; kj = kj + 1u) {{
+            let here = ({y} * KH + ki) * {w}u + {x} * KW + kj;
+            st_out(plane + here, select({zero}, v, i32(here) == at));
+        }}
+    }}",
+            xoff = image.layout.offset(),
+            n0 = d[0],
+            c0 = d[1],
+            y = d[2],
+            x = d[3],
+            xs0 = xs[0],
+            xs1 = xs[1],
+            c = gd[1],
+            hw = h * w,
+            zero = literal(0.0, dt),
+            // As the per-element kernel adds it into zeros.
+            v = round_to(dt, &format!("{} + ld_in{}({}u + {} * {}u + {} * {}u + {} * {}u + {} * {}u)", literal(0.0, dt), g.input, g.layout.offset(), d[0], gs[0], d[1], gs[1], d[2], gs[2], d[3], gs[3])),
+        );
+        sh.finish("max_pool_grad_tiled".into(), WG, groups(n, WG), &b)
     }
 }
 
