@@ -298,30 +298,32 @@ impl Stepper<'_> {
             (logits, loss)
         };
         self.opt.zero_grad();
+        // The metrics are recorded before the update, so that a plain
+        // step realizes them with it: realized apart, they were a
+        // realization of their own that computed the loss again from the
+        // logits (on the 2-core CPU 0.5 ms of kernels and 0.13 ms of host
+        // work per step).
+        let l = loss.detach().mul(bs as f64)?;
+        sums.loss = sums.loss.add(&l)?;
+        sums.window = sums.window.add(&l)?;
+        sums.correct = sums.correct.add(&logits.detach().argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
+        let step_loss = keep_loss.then(|| loss.detach().to_dtype(DType::F32)).transpose()?;
+        let mut metrics = vec![&sums.loss, &sums.correct, &sums.window];
+        metrics.extend(step_loss.as_ref());
         match &mut self.scaler {
             Some(s) => {
                 s.scale(&loss)?.backward()?;
                 s.step(&mut *self.opt)?;
                 s.update()?;
+                Tensor::realize_all(&metrics)?;
             }
             None => {
                 loss.backward()?;
-                self.opt.step()?;
+                self.opt.step_with(&metrics)?;
             }
         }
         model.realize_state()?;
-        let l = loss.detach().mul(bs as f64)?;
-        sums.loss = sums.loss.add(&l)?;
-        sums.window = sums.window.add(&l)?;
-        sums.correct = sums.correct.add(&logits.detach().argmax(Some(-1), false)?.eq(&b.y)?.sum_all()?)?;
-        if keep_loss {
-            let step_loss = loss.detach().to_dtype(DType::F32)?;
-            Tensor::realize_all(&[&sums.loss, &sums.correct, &sums.window, &step_loss])?;
-            Ok(Some(step_loss))
-        } else {
-            Tensor::realize_all(&[&sums.loss, &sums.correct, &sums.window])?;
-            Ok(None)
-        }
+        Ok(step_loss)
     }
 }
 

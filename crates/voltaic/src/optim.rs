@@ -31,6 +31,30 @@ use crate::tensor::Tensor;
 pub trait Optimizer {
     /// Update every parameter that has a gradient.
     fn step(&mut self) -> Result<()>;
+    /// [`Optimizer::step`], with `also` realized in the same realization
+    /// as the update: a training loop's metrics (the loss, the correct
+    /// count) then cost no realization of their own, and the loss is not
+    /// computed a second time from the logits the update's realization
+    /// kept. This default steps, then realizes `also`.
+    ///
+    /// ```
+    /// # use voltaic::nn::{Forward, Linear, Module};
+    /// # use voltaic::optim::{Optimizer, Sgd};
+    /// # use voltaic::{DType, Device, Tensor};
+    /// let layer = Linear::new(3, 1, true, Device::Cpu)?;
+    /// let mut opt = Sgd::new(layer.parameters(), 0.1);
+    /// let x = Tensor::randn(&[8, 3], DType::F32, Device::Cpu)?;
+    /// let loss = layer.forward(&x)?.sqr()?.mean(&[], false)?;
+    /// loss.backward()?;
+    /// let seen = loss.detach();
+    /// opt.step_with(&[&seen])?;
+    /// assert!(seen.item::<f32>()? >= 0.0);
+    /// # Ok::<(), voltaic::Error>(())
+    /// ```
+    fn step_with(&mut self, also: &[&Tensor]) -> Result<()> {
+        self.step()?;
+        Tensor::realize_all(also)
+    }
     /// The parameters it updates.
     fn params(&self) -> &[Parameter];
     /// Current learning rate.
@@ -61,10 +85,13 @@ pub trait Optimizer {
     }
 }
 
-fn realize(params: &[Parameter], state: &[&Tensor]) -> Result<()> {
+/// Realize a step: the new parameters, the optimizer's `state` and what
+/// the caller asked to have realized with them.
+fn realize(params: &[Parameter], state: &[&Tensor], also: &[&Tensor]) -> Result<()> {
     let vals: Vec<Tensor> = params.iter().map(|p| p.value()).collect();
     let mut all: Vec<&Tensor> = vals.iter().collect();
     all.extend_from_slice(state);
+    all.extend_from_slice(also);
     Tensor::realize_all(&all)
 }
 
@@ -126,7 +153,7 @@ impl Sgd {
     }
 
     /// One step, or (where `skip` is true, on the device) none.
-    fn update(&mut self, skip: Option<&Tensor>) -> Result<()> {
+    fn update(&mut self, skip: Option<&Tensor>, also: &[&Tensor]) -> Result<()> {
         let _g = crate::NoGradGuard::new();
         for (p, buf) in self.params.iter().zip(self.bufs.iter_mut()) {
             let Some(mut g) = p.grad() else { continue };
@@ -154,16 +181,19 @@ impl Sgd {
             p.set(unless(skip.as_ref(), &w, w.sub(&g.mul(self.lr)?)?)?)?;
         }
         let state: Vec<&Tensor> = self.bufs.iter().flatten().collect();
-        realize(&self.params, &state)
+        realize(&self.params, &state, also)
     }
 }
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
-        self.update(None)
+        self.update(None, &[])
+    }
+    fn step_with(&mut self, also: &[&Tensor]) -> Result<()> {
+        self.update(None, also)
     }
     fn step_unless(&mut self, skip: &Tensor) -> Result<()> {
-        self.update(Some(skip))
+        self.update(Some(skip), &[])
     }
     fn params(&self) -> &[Parameter] {
         &self.params
@@ -239,7 +269,7 @@ impl Adam {
     /// has been decided on the device, the step count lives there and the
     /// bias corrections `1 - beta^t` are computed there (as `-expm1(t ln
     /// beta)`, in f32); until then they are host constants.
-    fn update(&mut self, skip: Option<&Tensor>) -> Result<()> {
+    fn update(&mut self, skip: Option<&Tensor>, also: &[&Tensor]) -> Result<()> {
         let _g = crate::NoGradGuard::new();
         let Some(device) = self.params.first().map(|p| p.value().device()) else { return Ok(()) };
         let skip = skip_mask(skip, device)?;
@@ -303,16 +333,19 @@ impl Adam {
         }
         let mut state: Vec<&Tensor> = self.m.iter().chain(&self.v).flatten().collect();
         state.extend(&self.t_dev);
-        realize(&self.params, &state)
+        realize(&self.params, &state, also)
     }
 }
 
 impl Optimizer for Adam {
     fn step(&mut self) -> Result<()> {
-        self.update(None)
+        self.update(None, &[])
+    }
+    fn step_with(&mut self, also: &[&Tensor]) -> Result<()> {
+        self.update(None, also)
     }
     fn step_unless(&mut self, skip: &Tensor) -> Result<()> {
-        self.update(Some(skip))
+        self.update(Some(skip), &[])
     }
     fn params(&self) -> &[Parameter] {
         &self.params

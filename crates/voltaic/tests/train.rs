@@ -134,8 +134,19 @@ fn run_opt(make: &dyn Fn(Vec<Parameter>) -> Box<dyn Optimizer>, reference: &RefS
     let mut state = vec![];
     for step in 1..=4 {
         opt.zero_grad();
-        p.value().sub(t(&c, &[3])).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
-        opt.step().unwrap();
+        let loss = p.value().sub(t(&c, &[3])).unwrap().sqr().unwrap().sum_all().unwrap();
+        loss.backward().unwrap();
+        // Every other step realizes the loss with the update (`step_with`):
+        // the update is the same, and the loss is the one before it.
+        if step % 2 == 0 {
+            let seen = loss.detach();
+            opt.step_with(&[&seen]).unwrap();
+            assert!(seen.is_realized(), "step {step}: step_with realizes what it is given");
+            let want: f64 = w.iter().zip(&c).map(|(w, c)| (w - c) * (w - c)).sum();
+            close(&[seen.item::<f64>().unwrap()], &[want], 1e-12, &format!("step {step}: the loss"));
+        } else {
+            opt.step().unwrap();
+        }
         let g: Vec<f64> = w.iter().zip(&c).map(|(w, c)| 2.0 * (w - c)).collect();
         reference(&mut w, &g, step, &mut state);
         close(&p.value().to_vec::<f64>().unwrap(), &w, 1e-12, &format!("step {step}"));
