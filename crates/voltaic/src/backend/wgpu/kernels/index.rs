@@ -873,9 +873,7 @@ fn window_peak(base: u32, oy: u32, ox: u32) -> Peak {{
         );
         sh.finish("max_pool_grad".into(), WG, groups(n, WG), &b)
     }
-}
 
-impl Gen<'_> {
     /// [`Gen::max_pool_grad`] where the windows tile the image exactly
     /// (stride = kernel, no padding, the image a whole number of windows):
     /// a thread per window finds its first maximum once and writes the
