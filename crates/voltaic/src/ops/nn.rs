@@ -179,14 +179,11 @@ impl Tensor {
     /// view `[N, C, H/kh, kh, W/kw, kw]`: pooling then needs no unfold copy.
     fn tiled_windows(&self, p: &UnfoldParams) -> Result<Option<Tensor>> {
         // Anything unusual (including invalid sizes, reported by unfold) takes the general path.
-        if self.rank() != 4 || p.stride != p.kernel || p.padding != [0, 0] || p.dilation != [1, 1] || p.kernel.contains(&0) {
+        if self.rank() != 4 || !p.tiles(self.dims()[2], self.dims()[3]) {
             return Ok(None);
         }
         let d = self.dims();
         let [kh, kw] = p.kernel;
-        if !d[2].is_multiple_of(kh) || !d[3].is_multiple_of(kw) || d[2] == 0 || d[3] == 0 {
-            return Ok(None);
-        }
         Ok(Some(self.reshape_dims(&[d[0], d[1], d[2] / kh, kh, d[3] / kw, kw])?))
     }
 

@@ -32,6 +32,15 @@ impl UnfoldParams {
         };
         Some([f(0, h)?, f(1, w)?])
     }
+
+    /// Whether the windows tile a non-empty `h` x `w` image exactly: side
+    /// by side (stride = kernel, no dilation), unpadded, and a whole number
+    /// of them each way, so that every element is in exactly one window.
+    pub fn tiles(&self, h: usize, w: usize) -> bool {
+        let [kh, kw] = self.kernel;
+        let side_by_side = self.stride == self.kernel && self.padding == [0, 0] && self.dilation == [1, 1] && kh > 0 && kw > 0;
+        side_by_side && h > 0 && w > 0 && h.is_multiple_of(kh) && w.is_multiple_of(kw)
+    }
 }
 
 /// The public ops that read index tensors, for errors that name what the

@@ -672,20 +672,21 @@ fn max_pool(inp: &View, p: &UnfoldParams, inputs: &[&CpuStorage]) -> CpuStorage 
         use rayon::prelude::*;
         let (d, st) = (l.dims(), l.strides());
         let (nb, c) = (d[0], d[1]);
+        if let Some(x0) = maxpool2x2::pairs_of_rows(p, l) {
+            // Tasks of whole rows of windows, about 64k taps each.
+            let (s, w) = (&s[x0..], d[3]);
+            let rows = (16384 / (w / 2)).max(1);
+            let mut out = T::unwrap(super::pool::take(T::DTYPE, l.numel() / 4)).expect("the pool returns the dtype asked for");
+            out.par_chunks_mut(rows * (w / 2)).enumerate().for_each(|(t, dst)| {
+                let at = t * rows * 2 * w;
+                maxpool2x2::pool_rows(&s[at..at + dst.len() * 4], w, dst);
+            });
+            return T::wrap(out);
+        }
         let g = PoolGeom::new(p, d[2], d[3], [st[2], st[3]]);
         let plane = g.oh * g.ow;
         let mut out = T::unwrap(super::pool::take(T::DTYPE, nb * c * plane)).expect("the pool returns the dtype asked for");
         if plane == 0 {
-            return T::wrap(out);
-        }
-        if let Some(x0) = maxpool2x2::pairs_of_rows(p, l) {
-            // Tasks of whole rows of windows, about 64k taps each.
-            let rows = (16384 / g.ow).max(1);
-            let (s, w) = (&s[x0..], d[3]);
-            out.par_chunks_mut(rows * g.ow).enumerate().for_each(|(t, dst)| {
-                let at = t * rows * 2 * w;
-                maxpool2x2::pool_rows(&s[at..at + dst.len() * 4], w, dst);
-            });
             return T::wrap(out);
         }
         // Tasks of whole planes, about 64k taps each: one plane of a

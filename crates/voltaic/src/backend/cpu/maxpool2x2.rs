@@ -18,8 +18,7 @@ use crate::primitive::UnfoldParams;
 /// this module serves.
 pub(crate) fn pairs_of_rows(p: &UnfoldParams, l: &Layout) -> Option<usize> {
     let d = l.dims();
-    let windows = p.kernel == [2, 2] && p.stride == [2, 2] && p.padding == [0, 0] && p.dilation == [1, 1];
-    (windows && d.len() == 4 && d[2].is_multiple_of(2) && d[3].is_multiple_of(2) && l.is_contiguous()).then_some(l.offset())
+    (p.kernel == [2, 2] && d.len() == 4 && p.tiles(d[2], d[3]) && l.is_contiguous()).then_some(l.offset())
 }
 
 /// Which of two taps, `a` then `b`, is the running maximum after both

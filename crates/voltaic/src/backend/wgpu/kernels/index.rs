@@ -794,9 +794,8 @@ fn window_peak(base: u32, oy: u32, ox: u32) -> Peak {{
     /// element, took twice as long on the H200 even for 2x2 windows.
     fn max_pool_grad(&self, prog: &mut WgslProgram, g: &View, image: &View, p: &UnfoldParams) {
         let gd = g.layout.dims();
-        let (oh, ow) = (gd[2], gd[3]);
         let (h, w) = (image.layout.dims()[2], image.layout.dims()[3]);
-        if p.stride == p.kernel && p.padding == [0, 0] && oh * p.kernel[0] == h && ow * p.kernel[1] == w {
+        if p.tiles(h, w) {
             prog.dispatches.push(self.max_pool_grad_tiled(g, image, p));
             return;
         }
@@ -921,8 +920,9 @@ fn window_peak(base: u32, oy: u32, ox: u32) -> Peak {{
     }
 }
 
-/// The window parameters as WGSL constants (`KH`, `KW`, `SY`, `SX`, `DY`,
-/// `DX`, `PY`, `PX`).
+/// A pooling window's parameters as WGSL constants (`KH`, `KW`, `SY`, `SX`,
+/// `DY`, `DX`, `PY`, `PX`), untyped so that they read as `u32` or `i32`
+/// wherever they are used.
 fn window_consts(b: &mut String, p: &UnfoldParams) {
     let ([kh, kw], [sy, sx], [dy, dx], [py, px]) = (p.kernel, p.stride, p.dilation, p.padding);
     let _ = writeln!(b, "    const KH = {kh}; const KW = {kw}; const SY = {sy}; const SX = {sx}; const DY = {dy}; const DX = {dx}; const PY = {py}; const PX = {px};");
