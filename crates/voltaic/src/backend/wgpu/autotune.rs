@@ -462,7 +462,8 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
     c
 }
 
-/// Time every candidate on scratch buffers; the fastest wins.
+/// Time every candidate on scratch buffers; the fastest wins if it also
+/// beats the default when the two are timed in turn (see [`confirms`]).
 fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, default: Variant) -> Result<Variant> {
     let bufs: Vec<super::pool::GpuBuf> =
         inputs.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(&ctx.caps, dt))).collect::<Result<_>>()?;
