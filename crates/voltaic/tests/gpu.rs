@@ -531,6 +531,20 @@ fn row_wise_work_runs_in_one_kernel_and_matches_cpu() {
         let plan = voltaic::inspect(&[&sm]);
         assert_eq!(plan.len(), 1, "softmax {dims:?} on the GPU is one kernel: {plan:?}");
         assert_eq!(plan[0].kind, "rows");
+        // A tracked input (a training step's attention) keeps one kernel:
+        // the gradient reads only the output, so no row statistic is kept.
+        let tracked = on_gpu.requires_grad().unwrap();
+        for (name, y) in [("softmax", tracked.softmax(-1).unwrap()), ("log_softmax", tracked.log_softmax(-1).unwrap())] {
+            let plan = voltaic::inspect(&[&y]);
+            assert_eq!(plan.len(), 1, "{name} of a tracked {dims:?} on the GPU is one kernel: {plan:?}");
+            assert_eq!(plan[0].kind, "rows", "{name} {dims:?}");
+        }
+        same(&format!("softmax and log_softmax gradients {dims:?}"), &[x.clone(), g.clone()], 1e-4, 1e-6, |t| {
+            let x = t[0].requires_grad()?;
+            let w = t[1].broadcast_to(x.dims())?;
+            x.softmax(-1)?.mul(&w)?.add(&x.log_softmax(-1)?.mul(&w)?.mul(0.25)?)?.sum_all()?.backward()?;
+            Ok(x.grad().expect("a gradient"))
+        });
         let ln = on_gpu.layer_norm(&[n], Some(&g.to_device(gpu()).unwrap()), Some(&b.to_device(gpu()).unwrap()), 1e-5).unwrap();
         assert_eq!(voltaic::inspect(&[&ln]).len(), 1, "layer_norm {dims:?}: {:?}", voltaic::inspect(&[&ln]));
         same(&format!("softmax {dims:?}"), &[x.clone()], 1e-5, 1e-7, |t| t[0].softmax(-1));

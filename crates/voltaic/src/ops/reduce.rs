@@ -290,10 +290,19 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        // The shift cancels out of the result, so no gradient flows through it.
-        let m = x.max(&[d], true)?.detach();
-        let s = x.sub(&m)?.exp()?.sum(&[d], true)?;
-        x.sub(&m)?.exp()?.div(&s)
+        // The value from the detached input and the gradient from the output
+        // alone, `y * (g - sum(g * y))`: recorded through its primitives, the
+        // division would keep the row sums and the exponentials for its
+        // gradient, and kept statistics stop the row fusion, so a training
+        // step's softmax ran as four kernels instead of one (an encoder's
+        // attention, 49,152 rows of 128: 172 us a layer on an H200).
+        // The exponentials are written twice, so the row kernel recomputes
+        // them rather than store them.
+        let xd = x.detach();
+        let m = xd.max(&[d], true)?;
+        let y = xd.sub(&m)?.exp()?.div(&xd.sub(&m)?.exp()?.sum(&[d], true)?)?;
+        let yd = y.clone();
+        Ok(y.track(&[&x], move |g, _| Ok(vec![Some(yd.mul(&g.sub(&g.mul(&yd)?.sum(&[d], true)?)?)?)])))
     }
 
     /// Log of the softmax along `dim`, computed stably.
@@ -306,9 +315,12 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        let m = x.max(&[d], true)?.detach();
-        let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;
-        x.sub(&m)?.sub(&lse)
+        // As softmax: the gradient `g - exp(y) * sum(g)` reads only the output.
+        let xd = x.detach();
+        let m = xd.max(&[d], true)?;
+        let y = xd.sub(&m)?.sub(&xd.sub(&m)?.exp()?.sum(&[d], true)?.log()?)?;
+        let yd = y.clone();
+        Ok(y.track(&[&x], move |g, _| Ok(vec![Some(g.sub(&yd.exp()?.mul(&g.sum(&[d], true)?)?)?)])))
     }
 
     /// Inclusive cumulative sum along `dim` (bool counts as i32).
