@@ -315,12 +315,14 @@ impl Tensor {
         if x.numel() == 0 {
             return Ok(x);
         }
-        // As softmax: the gradient `g - exp(y) * sum(g)` reads only the output.
-        let xd = x.detach();
-        let m = xd.max(&[d], true)?;
-        let y = xd.sub(&m)?.sub(&xd.sub(&m)?.exp()?.sum(&[d], true)?.log()?)?;
-        let yd = y.clone();
-        Ok(y.track(&[&x], move |g, _| Ok(vec![Some(g.sub(&yd.exp()?.mul(&g.sum(&[d], true)?)?)?)])))
+        // Unlike softmax, recorded through its primitives: its rows are a
+        // classifier's (10 wide, in cross entropy), where a row kernel saves
+        // little, and its own gradient `g - exp(y) * sum(g)` rounds otherwise,
+        // which moved a 50-step Adam run off its data-parallel twin by 1e-4
+        // (a unit that wakes in one run only; `voltaic-cli/tests/distributed.rs`).
+        let m = x.max(&[d], true)?.detach();
+        let lse = x.sub(&m)?.exp()?.sum(&[d], true)?.log()?;
+        x.sub(&m)?.sub(&lse)
     }
 
     /// Inclusive cumulative sum along `dim` (bool counts as i32).
