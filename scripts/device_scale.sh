@@ -35,6 +35,15 @@ if [[ "$what" == *overlap* ]]; then
     done
     cut -c1-200 "$OUT"/scale_overlap*.jsonl
 fi
+if [[ "$what" == *rows* ]]; then
+    # Same binary, no peer, alternating: a word embedding's gradient
+    # exchanged as the rows its batch touched (1) or summed whole (0); the
+    # MPI ranks are told too.
+    for o in 0 1 0 1; do
+        VOLTAIC_DDP_ROWS=$o VOLTAIC_MPIRUN="$MPIRUN_BASE -x VOLTAIC_DDP_ROWS" $V bench --suite scale --filter encoder --no-peer --json --runs 5 >> "$OUT/scale_rows$o.jsonl" 2>> "$OUT/scale.err"
+    done
+    cut -c1-200 "$OUT"/scale_rows*.jsonl
+fi
 if [[ "$what" == *spin* ]]; then
     # The encoder's rows again with reads that sleep in the driver at once
     # instead of polling for 2 ms: do the replicas' polls slow each other?

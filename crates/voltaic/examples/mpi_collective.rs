@@ -1,7 +1,8 @@
 //! The MPI collective on its own: every rank sums vectors of several sizes
 //! (empty, small, and larger than the shared-memory window held so far, so
 //! that it grows) in place and out of place, and checks the bits against
-//! the sum in rank order. Run it under MPI:
+//! the sum in rank order, and gathers values of a length of each rank's
+//! own. Run it under MPI:
 //!
 //! `cargo build --release -p voltaic --features mpi --example mpi_collective`
 //! then `mpirun -np 3 --bind-to none target/release/examples/mpi_collective`
@@ -35,6 +36,21 @@ fn main() -> voltaic::Result<()> {
             }
         }
     }
-    println!("rank {rank} of {n}: {} sizes summed {}", sizes.len(), if exact { "to the bit" } else { "within 1e-5" });
+    // Gathers of a length of each rank's own (rank 1 brings none): every
+    // rank sees every rank's values, to the bit (adding zeros keeps them).
+    for round in 0..3 {
+        let len = |r: usize| if r == 1 { 0 } else { 1000 * r + 7 + round * 50_000 };
+        let mine: Vec<f32> = (0..len(rank)).map(|i| value(rank, i, round)).collect();
+        comm.all_gather_f32(&mine, &mut |parts| {
+            for (r, part) in parts.iter().enumerate() {
+                if part.len() != len(r) || part.iter().enumerate().any(|(i, x)| x.to_bits() != value(r, i, round).to_bits()) {
+                    eprintln!("rank {rank}: gather {round}: rank {r}'s {} values differ from the {} it sent", part.len(), len(r));
+                    std::process::exit(1);
+                }
+            }
+            Ok(())
+        })?;
+    }
+    println!("rank {rank} of {n}: {} sizes summed {}, 3 gathers exact", sizes.len(), if exact { "to the bit" } else { "within 1e-5" });
     Ok(())
 }

@@ -416,3 +416,126 @@ fn one_local_replica_is_plain_training() {
         assert!((g - w).abs() <= 1e-6 * w.abs(), "{g} vs {w}");
     }
 }
+
+/// A bag of word embeddings and a classifier: the table's gradient is a
+/// scatter of the rows a batch touched.
+#[derive(Module)]
+struct Bag {
+    emb: voltaic::nn::Embedding,
+    out: voltaic::nn::Linear,
+}
+
+fn bag(d: Device) -> Result<Bag> {
+    Ok(Bag { emb: voltaic::nn::Embedding::new(3000, 24, d)?, out: voltaic::nn::Linear::new(24, 5, true, d)? })
+}
+
+fn bag_loss(m: &Bag, rows: &[Tensor]) -> Result<Tensor> {
+    m.out.forward(&m.emb.forward(&rows[0])?.mean(&[1], false)?)?.cross_entropy(&rows[1], 0.0, Reduction::Mean)
+}
+
+/// Batches of 24 sequences of 10 ids, drawn skewed towards small ids so
+/// that rows repeat within a replica's part and across replicas.
+fn bag_batches(steps: usize) -> Vec<(Tensor, Tensor)> {
+    voltaic::manual_seed(29);
+    (0..steps)
+        .map(|_| {
+            let u = Tensor::rand(&[24, 10], DType::F32, Device::Cpu).unwrap();
+            let ids = u.sqr().unwrap().sqr().unwrap().mul(3000.0).unwrap().floor().unwrap().to_dtype(DType::I32).unwrap();
+            let first: Vec<i32> = ids.to_vec::<i32>().unwrap().chunks(10).map(|s| s[0] % 5).collect();
+            (ids, Tensor::from_vec(first, &[24], Device::Cpu).unwrap())
+        })
+        .collect()
+}
+
+/// The table's rows travel (fewer bytes than its gradient) and the run
+/// matches one device on the whole batches, on the CPU (sums before
+/// `backward` returns) and on two devices of a GPU adapter (sums on the
+/// reducer thread, uploads of the rows alone).
+#[test]
+fn a_word_embedding_exchanges_the_rows_its_batches_touch() {
+    let _turn = turn();
+    // Three batches, four times: the classifier learns them.
+    let b: Vec<(Tensor, Tensor)> = bag_batches(3).into_iter().cycle().take(12).collect();
+    for device in [Device::Cpu, gpu()] {
+        voltaic::manual_seed(13);
+        let m = bag(device).unwrap();
+        let mut opt = Adam::new(m.parameters(), 5e-2);
+        let want: Vec<f64> = b
+            .iter()
+            .map(|(x, y)| {
+                opt.zero_grad();
+                let loss = bag_loss(&m, &[x.to_device(device).unwrap(), y.to_device(device).unwrap()]).unwrap();
+                loss.backward().unwrap();
+                opt.step().unwrap();
+                loss.item::<f32>().unwrap() as f64
+            })
+            .collect();
+        let group = DeviceGroup::replicas(device, 2).unwrap();
+        voltaic::manual_seed(13);
+        let mut dp = DataParallel::new(&group, bag, |m| -> Box<dyn Optimizer + Send> { Box::new(Adam::new(m.parameters(), 5e-2)) }).unwrap();
+        // Buckets of 64 KiB: the 3000x24 table (288,000 bytes) is large enough.
+        dp.set_bucket_bytes(16 << 10, 64 << 10);
+        let got: Vec<f64> = b.iter().map(|(x, y)| dp.step(&[x, y], bag_loss).unwrap().item::<f32>().unwrap() as f64).collect();
+        for s in dp.last_sync() {
+            assert_eq!(s.row_tables, 1, "{device}: {s:?}");
+            // 12 sequences of 10 ids: 120 rows of 24 and their ids, with
+            // the classifier's 125 values and the loss.
+            assert_eq!(s.bytes, (120 * 25 + 125 + 1) * 4, "{device}: {s:?}");
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-5 * w.abs(), "{device}: step {} loss {g} against one device's {w}", i + 1);
+        }
+        assert!(want[11] < want[0] * 0.9, "{device}: the loss did not fall: {want:?}");
+        let table = |m: &Bag| m.emb.weight.value().to_device(Device::Cpu).unwrap().to_vec::<f32>().unwrap();
+        let (one, two) = (table(dp.module()), table(&m));
+        assert_eq!(table(dp.replica(1).unwrap()), one, "{device}: the replicas differ");
+        let worst = one.iter().zip(&two).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{device}: the table differs from one device's by {worst}");
+    }
+}
+
+/// A rank whose table gradient is no scatter of rows (the table also
+/// enters its loss elsewhere) while the other's is: the table is summed
+/// whole that step, and every rank gets the whole batch's gradient.
+#[test]
+fn a_table_summed_whole_on_one_rank_still_gets_the_sum() {
+    let _turn = turn();
+    let b = bag_batches(1);
+    let (x, y) = &b[0];
+    let part = |r: usize| [x.narrow(0, r * 12, 12).unwrap(), y.narrow(0, r * 12, 12).unwrap()];
+    // Rank 1 also pulls the table towards zero.
+    let loss = |m: &Bag, r: usize| -> Result<Tensor> {
+        let l = bag_loss(m, &part(r))?;
+        if r == 1 {
+            l.add(&m.emb.weight.value().sqr()?.sum(&[], false)?.mul(1e-3)?)
+        } else {
+            Ok(l)
+        }
+    };
+    voltaic::manual_seed(17);
+    let m = bag(Device::Cpu).unwrap();
+    loss(&m, 0).unwrap().add(loss(&m, 1).unwrap()).unwrap().mul(0.5).unwrap().backward().unwrap();
+    let want = m.emb.weight.grad().unwrap().to_vec::<f32>().unwrap();
+    voltaic::manual_seed(17);
+    let comms = LocalGroup::ranks(2);
+    let models: Vec<Bag> = (0..2).map(|_| bag(Device::Cpu).unwrap()).collect();
+    let got: Vec<(Vec<f32>, usize)> = std::thread::scope(|s| {
+        let hs: Vec<_> = models
+            .into_iter()
+            .zip(comms)
+            .enumerate()
+            .map(|(r, (m, c))| {
+                s.spawn(move || {
+                    let d = DistributedDataParallel::new(m, c).unwrap().with_bucket_bytes(16 << 10, 64 << 10);
+                    d.backward(&loss(d.module(), r).unwrap(), 0.5).unwrap();
+                    (d.module().emb.weight.grad().unwrap().to_vec::<f32>().unwrap(), d.last_sync().row_tables)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!((got[0].1, got[1].1), (1, 0), "rank 0 sent rows, rank 1 its whole gradient");
+    assert_eq!(got[0].0, got[1].0, "the ranks' sums differ");
+    let worst = got[0].0.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst < 1e-6, "the sum differs from one model's gradient by {worst}");
+}

@@ -292,9 +292,13 @@ pub(crate) async fn completed(c: Option<Box<dyn Completion>>) -> Result<()> {
 pub(crate) trait LaterFill: Send {
     /// Write the values with `fill` (write-only, as for
     /// [`Executor::upload_f32_with`]) and let the work waiting on them go.
-    /// Where `fill` fails the buffer holds NaN. Dropped unused, it holds
-    /// NaN too: held-back work never waits forever.
-    fn fill(self: Box<Self>, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;
+    /// `fill` returns how many leading values it wrote: only those reach
+    /// the device (the rest of the buffer is left undefined, for work that
+    /// reads only what was written: a buffer sized for the most values
+    /// costs the transfer of those given). Where `fill` fails the buffer
+    /// holds NaN. Dropped unused, it holds NaN too: held-back work never
+    /// waits forever.
+    fn fill(self: Box<Self>, fill: &mut dyn FnMut(&mut [f32]) -> Result<usize>) -> Result<()>;
 }
 
 /// A device's executor.

@@ -38,6 +38,27 @@ pub trait Collective: Send + Sync {
         par_copy(dst, &sum);
         Ok(())
     }
+    /// Every rank's `values` (their lengths may differ), in rank order,
+    /// shown to `visit` while the collective keeps them: each rank gets the
+    /// same slices. An exchange whose size depends on the data, as the
+    /// rows of a word embedding a batch touched. (This default gathers the
+    /// lengths, then all-reduces one vector holding every rank's values at
+    /// its own place and zeros elsewhere: adding zeros keeps the values, a
+    /// negative zero aside.)
+    fn all_gather_f32(&self, values: &[f32], visit: &mut dyn FnMut(&[&[f32]]) -> Result<()>) -> Result<()> {
+        let lens: Vec<usize> = self.all_gather(&[values.len() as u64])?.iter().map(|v| v[0] as usize).collect();
+        let at: usize = lens[..self.rank()].iter().sum();
+        let mut all = vec![0f32; lens.iter().sum()];
+        all[at..at + values.len()].copy_from_slice(values);
+        self.all_reduce_sum(&mut all)?;
+        let mut parts = Vec::with_capacity(lens.len());
+        let mut start = 0;
+        for len in lens {
+            parts.push(&all[start..start + len]);
+            start += len;
+        }
+        visit(&parts)
+    }
     /// Replace `data` on every rank by rank `root`'s.
     fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()>;
     /// Every rank's `values` (all of the same length), in rank order.
@@ -369,6 +390,25 @@ impl Collective for LocalGroup {
         self.gather_as("all_gather", values)
     }
 
+    fn all_gather_f32(&self, values: &[f32], visit: &mut dyn FnMut(&[&[f32]]) -> Result<()>) -> Result<()> {
+        if self.shared.n == 1 {
+            return visit(&[values]);
+        }
+        let _busy = self.enter("all_gather_f32")?;
+        // The ranks read each other's memory in place, as `reduce_into`.
+        let all = self.gather_as("all_gather_f32", &[values.as_ptr() as u64, values.len() as u64])?;
+        // SAFETY: every rank's values stay alive and unchanged until it
+        // passes the exchange below, which waits for this rank.
+        let parts: Vec<&[f32]> = all.iter().map(|v| unsafe { std::slice::from_raw_parts(v[0] as usize as *const f32, v[1] as usize) }).collect();
+        let visited = visit(&parts);
+        drop(parts);
+        // Every rank passed the first exchange, so every rank reaches this
+        // one (whatever its visit gave): until then its peers may read its
+        // values.
+        self.exchange_as("all_gather_f32", Vec::new(), true)?;
+        visited
+    }
+
     fn abort(&self, why: &str) {
         let mut r = self.shared.round.lock().unwrap_or_else(|e| e.into_inner());
         if r.failed.is_none() {
@@ -493,6 +533,73 @@ mod tests {
         for g in out {
             assert_eq!(g, (0..4).map(|r| vec![r as u64, u64::MAX - 49]).collect::<Vec<_>>());
         }
+    }
+
+    #[test]
+    fn all_gather_f32_shows_every_ranks_values_of_any_length_in_rank_order() {
+        let value = |r: usize, i: usize| (r * 1000 + i) as f32 * 0.5 - 3.25;
+        for n in [1, 2, 3] {
+            let h = LocalGroup::ranks(n);
+            let out = on_threads(&h, |c| {
+                // Lengths differ by rank; rank 1 brings nothing.
+                let mine: Vec<f32> = (0..[5, 0, 1_000][c.rank()]).map(|i| value(c.rank(), i)).collect();
+                let mut seen = Vec::new();
+                for _ in 0..3 {
+                    seen.clear();
+                    c.all_gather_f32(&mine, &mut |parts| {
+                        seen = parts.iter().map(|p| p.to_vec()).collect();
+                        Ok(())
+                    })
+                    .unwrap();
+                }
+                // The trait's default (lengths, then an all-reduce) sees the same.
+                let mut default = Vec::new();
+                struct Default<'a>(&'a dyn Collective);
+                impl Collective for Default<'_> {
+                    fn rank(&self) -> usize {
+                        self.0.rank()
+                    }
+                    fn world_size(&self) -> usize {
+                        self.0.world_size()
+                    }
+                    fn all_reduce_sum(&self, data: &mut [f32]) -> Result<()> {
+                        self.0.all_reduce_sum(data)
+                    }
+                    fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()> {
+                        self.0.broadcast(data, root)
+                    }
+                    fn all_gather(&self, values: &[u64]) -> Result<Vec<Vec<u64>>> {
+                        self.0.all_gather(values)
+                    }
+                    fn abort(&self, why: &str) {
+                        self.0.abort(why)
+                    }
+                }
+                Default(c)
+                    .all_gather_f32(&mine, &mut |parts| {
+                        default = parts.iter().map(|p| p.to_vec()).collect();
+                        Ok(())
+                    })
+                    .unwrap();
+                assert_eq!(default, seen);
+                seen
+            });
+            for seen in out {
+                assert_eq!(seen.len(), n);
+                for (r, part) in seen.iter().enumerate() {
+                    assert_eq!(part, &(0..[5, 0, 1_000][r]).map(|i| value(r, i)).collect::<Vec<_>>());
+                }
+            }
+        }
+        // A visit that fails on one rank fails that rank only; the group goes on.
+        let h = LocalGroup::ranks(2);
+        let out = on_threads(&h, |c| {
+            let r = c.all_gather_f32(&[1.0], &mut |_| if c.rank() == 0 { Err(Error::Backend("bad rows".into())) } else { Ok(()) });
+            let mut v = vec![1.0];
+            c.all_reduce_sum(&mut v).unwrap();
+            (r.is_err(), v[0])
+        });
+        assert_eq!(out, vec![(true, 2.0), (false, 2.0)]);
     }
 
     #[test]

@@ -21,8 +21,11 @@ const BUCKET_BYTES: usize = 25 << 20;
 pub struct SyncStats {
     /// Buckets reduced.
     pub buckets: usize,
-    /// Bytes of gradient reduced (f32).
+    /// Bytes of gradient reduced (f32): for a table whose rows travel, the
+    /// bytes of this rank's rows and their ids.
     pub bytes: usize,
+    /// Tables whose gradient this rank sent as the rows its batch touched.
+    pub row_tables: usize,
     /// From the start of the synchronisation to its end (realising the
     /// gradients, reading them back, reducing, uploading); where the sums
     /// run on the reducer thread, until the buckets are handed to it.
@@ -74,6 +77,8 @@ pub struct DistributedDataParallel<M> {
     params: Vec<Parameter>,
     first_bucket_bytes: usize,
     bucket_bytes: usize,
+    /// Which parameters exchange rows (see `tables`), once known.
+    tables: std::sync::OnceLock<Vec<bool>>,
     stats: Mutex<SyncStats>,
 }
 
@@ -133,6 +138,7 @@ impl<M: Module> DistributedDataParallel<M> {
             comm,
             first_bucket_bytes: FIRST_BUCKET_BYTES,
             bucket_bytes: BUCKET_BYTES,
+            tables: std::sync::OnceLock::new(),
             stats: Mutex::new(SyncStats::default()),
             reducer: Mutex::new(Reducer::default()),
             overlap: true,
@@ -152,6 +158,8 @@ impl<M: Module> DistributedDataParallel<M> {
     pub fn set_bucket_bytes(&mut self, first: usize, bytes: usize) {
         self.first_bucket_bytes = first.max(4);
         self.bucket_bytes = bytes.max(4);
+        // Which tables exchange rows depends on the bucket size.
+        self.tables = std::sync::OnceLock::new();
     }
 
     /// The wrapped module.
@@ -249,8 +257,26 @@ impl<M: Module> DistributedDataParallel<M> {
         // Last parameters first: backward reaches them first.
         let order: Vec<usize> = (0..self.params.len()).rev().collect();
         let numels: Vec<usize> = order.iter().map(|&i| self.params[i].value().numel()).collect();
-        let plan = pieces(&buckets(numels.iter().map(|n| n * 4), self.first_bucket_bytes, self.bucket_bytes), &numels, self.bucket_bytes);
-        let n_buckets = plan.len().max(1);
+        let by_param = self.tables()?;
+        let rows: Vec<bool> = order.iter().map(|&i| by_param[i]).collect();
+        // A table whose rows travel is a bucket of its own.
+        let sizes = numels.iter().zip(&rows).map(|(n, &r)| if r { (n * 4).max(self.bucket_bytes) } else { n * 4 });
+        let mut plan: Vec<Slot> = Vec::new();
+        for b in buckets(sizes, self.first_bucket_bytes, self.bucket_bytes) {
+            match b[..] {
+                [i] if rows[i] => plan.push(Slot::Rows(order[i])),
+                _ => plan.extend(pieces(&[b], &numels, self.bucket_bytes).into_iter().map(|c| Slot::Sum(c.iter().map(|p| Piece { param: order[p.param], ..*p }).collect()))),
+            }
+        }
+        // The loss travels with the last bucket summed whole.
+        let carrier = match plan.iter().rposition(|s| matches!(s, Slot::Sum(_))) {
+            Some(at) => at,
+            None => {
+                plan.push(Slot::Sum(Vec::new()));
+                plan.len() - 1
+            }
+        };
+        let n_buckets = plan.len();
         // On a GPU every bucket is realized and its read started first, so
         // the device computes the whole backward pass without waiting for
         // the host, and the sums run in order on the reducer thread while
@@ -262,44 +288,58 @@ impl<M: Module> DistributedDataParallel<M> {
             stats.read_seconds += read;
             stats.reduce_seconds += reduce;
         }
-        // Buckets in flight: pieces, flat tensor (held until its read
-        // completes) and read.
-        let mut in_flight: Vec<(Vec<Piece>, Tensor, PendingRead)> = Vec::new();
+        let mut in_flight: Vec<InFlight> = Vec::new();
         // The pieces of a large gradient summed so far.
         let mut partial: Vec<Tensor> = Vec::new();
-        for b in 0..n_buckets {
-            let members: Vec<Piece> = plan.get(b).map(|c| c.iter().map(|p| Piece { param: order[p.param], ..*p }).collect()).unwrap_or_default();
-            let mut grads: Vec<Tensor> = Vec::with_capacity(members.len() + 1);
-            for p in &members {
-                let v = self.params[p.param].value();
-                let g = match self.params[p.param].grad() {
-                    Some(g) => g,
-                    // A parameter the loss did not reach: zeros, so that every
-                    // rank's buckets have the same layout.
-                    None => Tensor::zeros(v.dims(), v.dtype(), v.device())?,
-                };
-                grads.push(if p.len == v.numel() { g } else { g.flatten_all()?.narrow(0, p.start, p.len)? });
-            }
-            if b + 1 == n_buckets {
-                // The loss travels with the last bucket.
-                grads.push(weighted.detach());
-            }
+        let mut global_loss = None;
+        for (b, slot) in plan.into_iter().enumerate() {
             let t = Instant::now();
-            let flat = flat_f32(&grads)?;
-            let read = flat.read_start_in_place()?;
+            let bucket = match slot {
+                Slot::Sum(members) => {
+                    let mut grads: Vec<Tensor> = Vec::with_capacity(members.len() + 1);
+                    for p in &members {
+                        let v = self.params[p.param].value();
+                        let g = match self.params[p.param].grad() {
+                            Some(g) => g,
+                            // A parameter the loss did not reach: zeros, so that every
+                            // rank's buckets have the same layout.
+                            None => Tensor::zeros(v.dims(), v.dtype(), v.device())?,
+                        };
+                        grads.push(if p.len == v.numel() { g } else { g.flatten_all()?.narrow(0, p.start, p.len)? });
+                    }
+                    if b == carrier {
+                        grads.push(weighted.detach());
+                    }
+                    let flat = flat_f32(&grads)?;
+                    let read = flat.read_start_in_place()?;
+                    InFlight { what: Exchange::Sum(members), flat: Some(flat), read: Some(read), loss: b == carrier }
+                }
+                Slot::Rows(param) => {
+                    // The rows the batch touched and their ids (exact in f32
+                    // below 2^24 rows, which `exchanges_rows` checks), or the
+                    // whole gradient where it is not a scatter of rows.
+                    let (sparse, flat) = match self.params[param].grad() {
+                        None => (true, None),
+                        Some(g) => match g.as_row_scatter() {
+                            Some((ids, src)) => (true, Some(flat_f32(&[ids, src])?)),
+                            None => (false, Some(flat_f32(&[g])?)),
+                        },
+                    };
+                    let read = flat.as_ref().map(|f| f.read_start_in_place()).transpose()?;
+                    stats.row_tables += sparse as usize;
+                    InFlight { what: Exchange::Rows { param, sparse }, flat, read, loss: false }
+                }
+            };
             stats.realize_seconds += t.elapsed().as_secs_f64();
             if !defer {
-                if let Some((prev, pflat, pread)) = in_flight.pop() {
-                    self.reduce(prev, pflat, pread, &mut stats, &mut partial, false, false)?;
+                if let Some(prev) = in_flight.pop() {
+                    global_loss = self.reduce(prev, &mut stats, &mut partial, false)?.or(global_loss);
                 }
             }
-            in_flight.push((members, flat, read));
+            in_flight.push(bucket);
         }
-        let count = in_flight.len();
-        let mut global_loss = None;
-        for (i, (members, flat, read)) in in_flight.into_iter().enumerate() {
-            let last = i + 1 == count;
-            if let Some(l) = self.reduce(members, flat, read, &mut stats, &mut partial, last, defer)? {
+        for bucket in in_flight {
+            if let Some(l) = self.reduce(bucket, &mut stats, &mut partial, defer)? {
                 global_loss = Some(l);
             }
         }
@@ -326,17 +366,71 @@ impl<M: Module> DistributedDataParallel<M> {
         Ok(())
     }
 
-    /// Sum one bucket over the ranks and hand each parameter its part (a
-    /// view of one uploaded buffer); the last bucket carries the loss as
-    /// its last value, returned as a view too. The sum goes from the memory
-    /// the bucket was read back into straight into the memory it is
-    /// uploaded from: on a GPU both are mapped staging buffers, and the host
-    /// touches each value once. With `defer` the sum is left to the reducer
-    /// thread (buckets in order), the upload's values to come.
-    #[allow(clippy::too_many_arguments)]
-    fn reduce(&self, members: Vec<Piece>, flat: Tensor, read: PendingRead, stats: &mut SyncStats, partial: &mut Vec<Tensor>, last: bool, defer: bool) -> Result<Option<Tensor>> {
-        let device = flat.device();
-        let n = members.iter().map(|p| p.len).sum::<usize>() + last as usize;
+    /// Which parameters' gradients travel as the rows a batch touched (see
+    /// [`Tensor::as_row_scatter`]): tables large enough to travel in
+    /// pieces whose gradient is a scatter of rows on some rank in the
+    /// first step, agreed on then by every rank (a collective, that once,
+    /// where any parameter could be one) and kept. A later step where a
+    /// rank's gradient of one is no scatter of rows sums it whole.
+    /// `VOLTAIC_DDP_ROWS=0` sums every gradient whole.
+    fn tables(&self) -> Result<Vec<bool>> {
+        if let Some(t) = self.tables.get() {
+            return Ok(t.clone());
+        }
+        // Decided alike on every rank, from shapes alone.
+        let may = |p: &Parameter| {
+            let v = p.value();
+            rows_exchange() && self.comm.world_size() > 1 && v.rank() == 2 && v.dtype().is_float() && v.numel() > (self.bucket_bytes / 8).max(1 << 10) && v.dims()[0] < MAX_EXACT_ROWS
+        };
+        let agreed = if self.params.iter().any(may) {
+            let mine: Vec<u64> = self.params.iter().map(|p| (may(p) && p.grad().is_some_and(|g| g.as_row_scatter().is_some())) as u64).collect();
+            // One collective at a time per rank: the reducer's come first.
+            self.settle(None)?;
+            let all = self.comm.all_gather(&mine)?;
+            (0..self.params.len()).map(|i| all.iter().any(|r| r[i] == 1)).collect()
+        } else {
+            vec![false; self.params.len()]
+        };
+        Ok(self.tables.get_or_init(|| agreed).clone())
+    }
+
+    /// Sum one bucket over the ranks and give each parameter its part:
+    /// for summed buckets a view of one uploaded buffer (the last summed
+    /// bucket carries the loss as its last value, returned as a view too),
+    /// for a table's rows its gradient gathered on the device from the
+    /// summed rows. The sums go from the memory a bucket was read back into
+    /// straight into the memory it is uploaded from: on a GPU both are
+    /// mapped staging buffers, and the host touches each value once. With
+    /// `defer` the sum is left to the reducer thread (buckets in order),
+    /// the upload's values to come.
+    fn reduce(&self, bucket: InFlight, stats: &mut SyncStats, partial: &mut Vec<Tensor>, defer: bool) -> Result<Option<Tensor>> {
+        let InFlight { what, flat, read, loss: last } = bucket;
+        let device = match (&what, &flat) {
+            (Exchange::Rows { param, .. }, _) => self.params[*param].value().device(),
+            (_, Some(f)) => f.device(),
+            (_, None) => return Err(Error::Backend("internal: a summed bucket without values".into())),
+        };
+        let read_bytes = flat.as_ref().map_or(0, |f| f.numel() * 4);
+        let n = match &what {
+            Exchange::Sum(members) => members.iter().map(|p| p.len).sum::<usize>() + last as usize,
+            Exchange::Rows { param, .. } => {
+                let d = self.params[*param].value().dims().to_vec();
+                d[0] + (d[0] + 1) * d[1]
+            }
+        };
+        // How this bucket's values become the sums, given where they go.
+        let comm = self.comm.clone();
+        let mut sum: Box<SumJob> = match &what {
+            Exchange::Sum(_) => {
+                let mut read = read;
+                Box::new(move |upload| sum_bucket(&*comm, read.take(), n, upload))
+            }
+            Exchange::Rows { param, sparse } => {
+                let d = self.params[*param].value().dims().to_vec();
+                let (mut read, sparse) = (read, *sparse);
+                Box::new(move |upload| sum_rows(&*comm, read.take(), sparse, d[0], d[1], upload))
+            }
+        };
         let later = if defer { Tensor::from_f32_later(n, device)? } else { None };
         let summed = match later {
             Some((summed, fill)) => {
@@ -344,7 +438,7 @@ impl<M: Module> DistributedDataParallel<M> {
                 let mut fill = Some(fill);
                 self.reducer.lock().unwrap_or_else(|e| e.into_inner()).start(Box::new(move || {
                     // Dropped unwritten on an error: NaN for whatever reads it.
-                    let sums = sum_bucket(&*comm, read, n, &mut |src, reduce| fill.take().map_or(Ok(()), |f| f.fill(&mut |dst| reduce(src, dst))));
+                    let sums = sum(&mut |values| fill.take().map_or(Ok(()), |f| f.fill(values)));
                     drop(flat);
                     if let Err(e) = &sums {
                         // The other ranks wait in this collective.
@@ -358,14 +452,29 @@ impl<M: Module> DistributedDataParallel<M> {
                 // One collective at a time per rank: the reducer's come first.
                 self.settle(Some(stats))?;
                 let mut summed = None;
-                let (read_s, reduce_s) = sum_bucket(&*self.comm, read, n, &mut |src, reduce| {
-                    summed = Some(Tensor::from_f32_fill(n, device, &mut |dst| reduce(src, dst))?);
+                let (read_s, reduce_s) = sum(&mut |values| {
+                    summed = Some(Tensor::from_f32_fill(n, device, &mut |dst| values(dst).map(|_| ()))?);
                     Ok(())
                 })?;
                 drop(flat);
                 stats.read_seconds += read_s;
                 stats.reduce_seconds += reduce_s;
                 summed.ok_or_else(|| Error::Backend("internal: a gradient bucket was not uploaded".into()))?
+            }
+        };
+        let members = match what {
+            Exchange::Sum(members) => members,
+            Exchange::Rows { param, .. } => {
+                let v = self.params[param].value();
+                let (rows, d) = (v.dims()[0], v.dims()[1]);
+                // What this rank read back: its rows, or its whole gradient.
+                stats.bytes += read_bytes;
+                // `[rows]` positions into `[rows + 1, d]` summed rows (the
+                // last one zeros, for the rows no rank touched).
+                let at = summed.narrow(0, 0, rows)?.to_dtype(DType::I32)?;
+                let g = summed.narrow(0, rows, (rows + 1) * d)?.reshape_dims(&[rows + 1, d])?.index_select(0, &at)?;
+                v.set_grad(Some(if g.dtype() == v.dtype() { g } else { g.to_dtype(v.dtype())? }))?;
+                return Ok(None);
             }
         };
         stats.bytes += n * 4;
@@ -401,6 +510,44 @@ impl<M: Module> DistributedDataParallel<M> {
     }
 }
 
+/// Tables of at most this many rows may exchange rows: their ids travel as
+/// f32 values, exact below 2^24.
+const MAX_EXACT_ROWS: usize = 1 << 24;
+
+/// Whether large tables exchange the rows a batch touched
+/// (`VOLTAIC_DDP_ROWS=0`: their whole gradients are summed).
+fn rows_exchange() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_DDP_ROWS").map_or(true, |v| v != "0"))
+}
+
+/// What one bucket of a step exchanges.
+enum Slot {
+    /// Gradients (or pieces of one) summed element by element.
+    Sum(Vec<Piece>),
+    /// A table's gradient, as the rows each rank's batch touched.
+    Rows(usize),
+}
+
+/// A bucket whose read has started.
+struct InFlight {
+    what: Exchange,
+    /// The flat tensor read (held until its read completes).
+    flat: Option<Tensor>,
+    /// `None` for a table that this rank's backward pass did not reach.
+    read: Option<PendingRead>,
+    /// Whether the loss travels as its last value.
+    loss: bool,
+}
+
+/// What a bucket in flight carries.
+enum Exchange {
+    Sum(Vec<Piece>),
+    /// Parameter `param`'s gradient: read as `[ids (T) | rows (T x D)]`
+    /// where `sparse`, else whole.
+    Rows { param: usize, sparse: bool },
+}
+
 /// Whether a GPU's buckets are summed on the reducer thread while the next
 /// step is recorded (`VOLTAIC_DDP_OVERLAP=0`: before `backward` returns).
 fn overlap() -> bool {
@@ -411,18 +558,20 @@ fn overlap() -> bool {
 /// Sums `src` over the ranks into `dst` (the collective's all-reduce, timed).
 type SumInto<'a> = dyn FnMut(&[f32], &mut [f32]) -> Result<()> + 'a;
 
+/// Hands the memory a bucket's sums are uploaded from to its argument,
+/// which returns how many leading values it wrote.
+type Upload<'a> = dyn FnMut(&mut dyn FnMut(&mut [f32]) -> Result<usize>) -> Result<()> + 'a;
+
+/// One bucket's sum over the ranks into what `Upload` offers: its read and
+/// reduce seconds.
+type SumJob = dyn FnMut(&mut Upload) -> Result<(f64, f64)> + Send;
+
 /// Wait for a bucket's read (`n` values) and sum it over the ranks into
-/// the memory `upload` offers (it calls its second argument with the
-/// values read and that memory). Returns the seconds spent reading and
+/// the memory `upload` offers. Returns the seconds spent reading and
 /// reducing.
-fn sum_bucket(
-    comm: &dyn Collective,
-    read: PendingRead,
-    n: usize,
-    upload: &mut dyn FnMut(&[f32], &mut SumInto) -> Result<()>,
-) -> Result<(f64, f64)> {
+fn sum_bucket(comm: &dyn Collective, read: Option<PendingRead>, n: usize, upload: &mut Upload) -> Result<(f64, f64)> {
     let t = Instant::now();
-    let host = read.wait()?;
+    let host = read.ok_or_else(|| Error::Backend("internal: a gradient bucket had no read".into()))?.wait()?;
     let read_seconds = t.elapsed().as_secs_f64();
     // A flat f32 tensor read in place is always seen as f32 values.
     let src = host.as_f32().ok_or_else(|| Error::Backend("DistributedDataParallel: a gradient bucket did not read back as f32".into()))?;
@@ -430,13 +579,164 @@ fn sum_bucket(
         return Err(Error::Backend(format!("internal: a gradient bucket of {n} values read back {}", src.len())));
     }
     let mut reduce_seconds = 0.0;
-    upload(src, &mut |src, dst| {
+    let mut into: Box<SumInto> = Box::new(|src, dst| {
         let t = Instant::now();
         let r = comm.all_reduce_sum_into(src, dst);
         reduce_seconds = t.elapsed().as_secs_f64();
         r
-    })?;
+    });
+    upload(&mut |dst| into(src, dst).map(|_| n))?;
+    drop(into);
     Ok((read_seconds, reduce_seconds))
+}
+
+/// Wait for a table's read and sum its gradient (`rows` x `d`) over the
+/// ranks into the memory `upload` offers, as `[rows]` positions (f32)
+/// followed by the summed rows and a row of zeros that the rows no rank
+/// touched point to. Where every rank read the rows its batch touched
+/// (`sparse`: `[ids | rows]`; no read for none), they are gathered and
+/// each row id's rows added in rank and batch order, as one device adds
+/// them for the whole batch; only the rows touched travel to the device.
+/// Where any rank read its whole gradient (not a scatter of rows), every
+/// rank sums whole gradients. Returns the seconds spent reading and
+/// reducing.
+fn sum_rows(comm: &dyn Collective, read: Option<PendingRead>, sparse: bool, rows: usize, d: usize, upload: &mut Upload) -> Result<(f64, f64)> {
+    let t = Instant::now();
+    let host = read.map(|r| r.wait()).transpose()?;
+    let read_seconds = t.elapsed().as_secs_f64();
+    let src = match &host {
+        Some(h) => h.as_f32().ok_or_else(|| Error::Backend("DistributedDataParallel: a gradient bucket did not read back as f32".into()))?,
+        None => &[],
+    };
+    let t = Instant::now();
+    let kinds = comm.all_gather(&[sparse as u64])?;
+    if kinds.iter().all(|k| k[0] == 1) {
+        comm.all_gather_f32(src, &mut |parts| upload(&mut |dst| merge_rows(parts, rows, d, dst)))?;
+    } else {
+        let own: std::borrow::Cow<[f32]> = if sparse { scatter_rows(src, rows, d)?.into() } else { src.into() };
+        if own.len() != rows * d {
+            return Err(Error::Backend(format!("internal: a {rows}x{d} gradient read back {} values", own.len())));
+        }
+        upload(&mut |dst| {
+            for (r, x) in dst[..rows].iter_mut().enumerate() {
+                *x = r as f32;
+            }
+            comm.all_reduce_sum_into(&own, &mut dst[rows..rows + rows * d])?;
+            dst[rows + rows * d..rows + (rows + 1) * d].fill(0.0);
+            Ok(rows + (rows + 1) * d)
+        })?;
+    }
+    Ok((read_seconds, t.elapsed().as_secs_f64()))
+}
+
+/// The ids of a `[ids (T) | rows (T x d)]` read, checked against `rows`.
+fn split_rows(part: &[f32], rows: usize, d: usize) -> Result<(&[f32], &[f32])> {
+    let t = part.len() / (d + 1);
+    if t * (d + 1) != part.len() {
+        return Err(Error::Backend(format!("internal: {} values are no whole rows of {d} with their ids", part.len())));
+    }
+    let (ids, values) = part.split_at(t);
+    if let Some(bad) = ids.iter().find(|&&x| !(x >= 0.0 && x < rows as f32 && x.fract() == 0.0)) {
+        return Err(Error::Backend(format!("internal: row id {bad} of a table of {rows} rows")));
+    }
+    Ok((ids, values))
+}
+
+/// A whole `rows` x `d` gradient from a `[ids | rows]` read: each row
+/// added into zeros in batch order, as the CPU's `scatter_add`.
+fn scatter_rows(part: &[f32], rows: usize, d: usize) -> Result<Vec<f32>> {
+    let (ids, values) = split_rows(part, rows, d)?;
+    let mut out = vec![0f32; rows * d];
+    for (&id, row) in ids.iter().zip(values.chunks_exact(d.max(1))) {
+        for (o, x) in out[id as usize * d..][..d].iter_mut().zip(row) {
+            *o += x;
+        }
+    }
+    Ok(out)
+}
+
+/// Every rank's `[ids | rows]` (`parts`, in rank order) summed by row id
+/// into `dst`, as [`sum_rows`] lays it out; the ids are numbered in order
+/// of first appearance and each id's rows added in rank and batch order.
+/// Returns the values written (`rows` positions, then one summed row per
+/// id and a row of zeros). Every rank computes the same bits.
+fn merge_rows(parts: &[&[f32]], rows: usize, d: usize, dst: &mut [f32]) -> Result<usize> {
+    let split: Vec<(&[f32], &[f32])> = parts.iter().map(|p| split_rows(p, rows, d)).collect::<Result<_>>()?;
+    // Each id's number among those seen, and how many rows each number adds.
+    let mut slot = vec![u32::MAX; rows];
+    let mut count: Vec<u32> = Vec::new();
+    for (ids, _) in &split {
+        for &id in ids.iter() {
+            let s = &mut slot[id as usize];
+            if *s == u32::MAX {
+                *s = count.len() as u32;
+                count.push(0);
+            }
+            count[*s as usize] += 1;
+        }
+    }
+    let touched = count.len();
+    let written = rows + (touched + 1) * d;
+    if dst.len() < written {
+        return Err(Error::Backend(format!("internal: {written} values of summed rows for an upload of {}", dst.len())));
+    }
+    // Where each number's rows start in `from`, which lists (rank, row)
+    // by number, each number's in rank and batch order.
+    let mut start = Vec::with_capacity(touched + 1);
+    let mut acc = 0usize;
+    for &c in &count {
+        start.push(acc);
+        acc += c as usize;
+    }
+    start.push(acc);
+    let mut next = start.clone();
+    let mut from = vec![(0u32, 0u32); acc];
+    for (r, (ids, _)) in split.iter().enumerate() {
+        for (j, &id) in ids.iter().enumerate() {
+            let s = slot[id as usize] as usize;
+            from[next[s]] = (r as u32, j as u32);
+            next[s] += 1;
+        }
+    }
+    for (x, &s) in dst[..rows].iter_mut().zip(&slot) {
+        *x = if s == u32::MAX { touched as f32 } else { s as f32 };
+    }
+    // The memory may be write-combined: each row is added up in `sum` and
+    // stored once.
+    let add = |first: usize, out: &mut [f32]| {
+        let mut sum = vec![0f32; d];
+        for (k, row) in out.chunks_exact_mut(d.max(1)).enumerate() {
+            let s = first + k;
+            if s == touched {
+                row.fill(0.0);
+                continue;
+            }
+            for (i, &(r, j)) in from[start[s]..start[s + 1]].iter().enumerate() {
+                let values = &split[r as usize].1[j as usize * d..][..d];
+                if i == 0 {
+                    sum.copy_from_slice(values);
+                } else {
+                    for (a, x) in sum.iter_mut().zip(values) {
+                        *a += x;
+                    }
+                }
+            }
+            row.copy_from_slice(&sum);
+        }
+    };
+    let out = &mut dst[rows..written];
+    // Blocks of about 64K values, on the CPU's threads.
+    let block = (d * ((1 << 16) / d.max(1)).max(1)).max(1);
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        use rayon::prelude::*;
+        out.par_chunks_mut(block).enumerate().for_each(|(c, o)| add(c * block / d.max(1), o));
+    }
+    #[cfg(target_arch = "wasm32")]
+    for (c, o) in out.chunks_mut(block).enumerate() {
+        add(c * block / d.max(1), o);
+    }
+    Ok(written)
 }
 
 /// A bucket summed off the replica's thread: its read and reduce seconds.
@@ -600,7 +900,67 @@ fn buckets(sizes: impl Iterator<Item = usize>, first: usize, rest: usize) -> Vec
 
 #[cfg(test)]
 mod tests {
-    use super::{buckets, pieces, Piece};
+    use super::{buckets, merge_rows, pieces, scatter_rows, Piece};
+
+    /// `[ids | rows]` of `t` rows of `d` values drawn from `rows` ids.
+    fn part(seed: u64, t: usize, d: usize, rows: usize) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let ids: Vec<f32> = (0..t).map(|_| (next() % rows as u64) as f32).collect();
+        let values: Vec<f32> = (0..t * d).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        [ids, values].concat()
+    }
+
+    #[test]
+    fn merged_rows_are_the_sum_of_every_ranks_scattered_rows() {
+        let (rows, d) = (50, 7);
+        // Ranks of 40, 0 and 13 rows: ids repeat within and across them.
+        let parts = [part(1, 40, d, rows), part(2, 0, d, rows), part(3, 13, d, rows)];
+        let refs: Vec<&[f32]> = parts.iter().map(|p| &p[..]).collect();
+        let mut dst = vec![f32::NAN; rows + (rows + 1) * d];
+        let written = merge_rows(&refs, rows, d, &mut dst).unwrap();
+        // The whole gradient from positions and rows, against the sum of
+        // each rank's scatter (f64: the orders of addition differ).
+        let mut want = vec![0f64; rows * d];
+        for p in &parts {
+            for (w, x) in want.iter_mut().zip(scatter_rows(p, rows, d).unwrap()) {
+                *w += x as f64;
+            }
+        }
+        let touched = (written - rows) / d - 1;
+        assert_eq!(written, rows + (touched + 1) * d);
+        let mut ids: Vec<u32> = parts.iter().flat_map(|p| p[..p.len() / (d + 1)].iter().map(|&x| x as u32)).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(touched, ids.len(), "one summed row per id touched");
+        for r in 0..rows {
+            let at = dst[r] as usize;
+            assert!(at <= touched);
+            assert_eq!(at == touched, !ids.contains(&(r as u32)), "row {r}");
+            for j in 0..d {
+                let got = dst[rows + at * d + j] as f64;
+                assert!((got - want[r * d + j]).abs() < 1e-5, "row {r}, column {j}: {got} against {}", want[r * d + j]);
+            }
+        }
+        // One rank: each id's rows in batch order, as `scatter_add` on the CPU.
+        let one = merge_rows(&refs[..1], rows, d, &mut dst).unwrap();
+        let whole = scatter_rows(&parts[0], rows, d).unwrap();
+        for r in 0..rows {
+            let at = dst[r] as usize;
+            assert_eq!(&dst[rows + at * d..][..d], &whole[r * d..][..d], "row {r}");
+        }
+        assert!(one < rows + (rows + 1) * d);
+        // Ids out of the table, or a part of no whole rows: errors.
+        let mut bad = parts[0].clone();
+        bad[3] = rows as f32;
+        assert!(merge_rows(&[&bad], rows, d, &mut dst).unwrap_err().to_string().contains("row id 50 of a table of 50 rows"));
+        assert!(merge_rows(&[&parts[0][1..]], rows, d, &mut dst).unwrap_err().to_string().contains("no whole rows"));
+    }
 
     #[test]
     fn a_gradient_larger_than_half_a_bucket_travels_in_pieces() {

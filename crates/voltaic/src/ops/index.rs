@@ -4,7 +4,8 @@
 
 use crate::dtype::DType;
 use crate::error::{bail, Result};
-use crate::graph::OpKind;
+use crate::graph::{Op, OpKind, State, Value};
+use crate::layout::Layout;
 use crate::primitive::{Caller, IndexOp};
 use crate::shape::norm_axis;
 use crate::tensor::Tensor;
@@ -104,6 +105,30 @@ impl Tensor {
             let gs = if needs[1] { Some(g.gather(d as isize, &idx)?) } else { None };
             Ok(vec![Some(g.clone()), gs])
         }))
+    }
+
+    /// If `self` is a pending `zeros.scatter_add(0, index, src)` whose
+    /// `index` repeats one value along each row (what `index_select` and
+    /// `embedding` record as their table's gradient), that index's values
+    /// `[T]` and `src` `[T, D]`: the rows the sum would add, without
+    /// computing it. Data-parallel training exchanges those rows instead of
+    /// a word embedding's whole gradient, of which a batch touches a few.
+    pub(crate) fn as_row_scatter(&self) -> Option<(Tensor, Tensor)> {
+        let whole = Layout::contiguous(&self.value.node.dims);
+        if self.rank() != 2 || self.value.layout.strides() != whole.strides() || self.value.layout.offset() != 0 || self.dims() != whole.dims() {
+            return None;
+        }
+        let state = self.value.node.state();
+        let State::Pending(op) = &*state else { return None };
+        let (OpKind::Index(IndexOp::ScatterAdd { dim: 0, .. }), [zeros, index, src]) = (&op.kind, &op.inputs[..]) else { return None };
+        let zero = matches!(&*zeros.node.state(), State::Pending(Op { kind: OpKind::Const(c), .. }) if *c == 0.0);
+        let (idims, istrides) = (index.layout.dims(), index.layout.strides());
+        if !zero || idims.len() != 2 || istrides[1] != 0 || src.layout.dims() != idims || idims[1] != self.dims()[1] {
+            return None;
+        }
+        let rows = index.layout.slice(1, 0, 1, 1).squeeze(1);
+        let ids = Tensor { value: Value { node: index.node.clone(), layout: rows }, grad: None };
+        Some((ids, Tensor { value: src.clone(), grad: None }))
     }
 
     /// The entries of `self` along `dim` at the positions in the 1-D `index`.

@@ -750,30 +750,42 @@ impl GpuContext {
     /// time, which took most of the time of a data-parallel step's
     /// gradient uploads.
     pub(crate) fn record_upload(&self, staging: wgpu::Buffer, dst: &wgpu::Buffer, size: u64) {
-        self.record_copy(staging, dst, size, None);
-    }
-
-    /// The copy of `record_upload`, held back by `gate` if one is given.
-    fn record_copy(&self, staging: wgpu::Buffer, dst: &wgpu::Buffer, size: u64, gate: Option<Arc<Gate>>) {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let p = self.pending_or_new(&mut pending);
         // Copies go outside compute passes.
         drop(p.pass.take());
         p.encoder.copy_buffer_to_buffer(&staging, 0, dst, 0, size);
         p.uploads.push(staging);
-        p.gates.extend(gate);
     }
 
-    /// As [`record_upload`](Self::record_upload), but `staging` is still
-    /// mapped: another thread writes it, unmaps it and opens the returned
-    /// gate, and until then nothing on this device is submitted (work
-    /// recorded meanwhile waits in the batch; a submission that must happen,
-    /// a read, waits for the gate). Whoever opens it then calls
+    /// For an upload from `staging` that is still mapped: another thread
+    /// writes it, unmaps it, submits its copy ([`submit_copy`](Self::submit_copy),
+    /// of as many bytes as it wrote) and opens the returned gate, and until
+    /// then nothing on this device is submitted (work recorded meanwhile
+    /// waits in the batch; a submission that must happen, a read, waits for
+    /// the gate). Whoever opens it then calls
     /// [`flush_opened`](Self::flush_opened) so the batch starts at once.
-    pub(crate) fn record_upload_later(&self, staging: wgpu::Buffer, dst: &wgpu::Buffer, size: u64) -> Arc<Gate> {
+    /// `staging` is mapped again for reuse once the batch is submitted.
+    pub(crate) fn record_upload_later(&self, staging: wgpu::Buffer) -> Arc<Gate> {
         let gate = Arc::new(Gate::default());
-        self.record_copy(staging, dst, size, Some(gate.clone()));
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let p = self.pending_or_new(&mut pending);
+        p.uploads.push(staging);
+        p.gates.push(gate.clone());
         gate
+    }
+
+    /// Submit a copy of the first `size` bytes of `staging` into `dst` at
+    /// once, ahead of the pending batch (which a gate of the caller's
+    /// holds back) and after everything handed over before it.
+    pub(crate) fn submit_copy(&self, staging: &wgpu::Buffer, dst: &wgpu::Buffer, size: u64) -> Result<()> {
+        if size == 0 {
+            return Ok(());
+        }
+        let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic upload") });
+        encoder.copy_buffer_to_buffer(staging, 0, dst, 0, size);
+        self.drain()?;
+        self.submit_batch(None, Some(encoder.finish()), false).map(|_| ())
     }
 
     /// Submit the pending batch if every gate it waits on is open (called

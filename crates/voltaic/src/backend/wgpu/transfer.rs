@@ -267,39 +267,57 @@ pub(crate) fn upload_f32_later(ctx: &GpuContext, len: usize) -> Result<Option<(G
     if let Some(e) = err {
         return Err(e);
     }
-    let gate = ctx.record_upload_later(staging.clone(), buf.raw(), size);
-    Ok(Some((buf, Box::new(LaterUpload { ctx: shared, staging, len, gate: Some(gate) }))))
+    let gate = ctx.record_upload_later(staging.clone());
+    let dst = buf.raw().clone();
+    Ok(Some((buf, Box::new(LaterUpload { ctx: shared, staging, dst, len, gate: Some(gate) }))))
 }
 
 /// The writing side of [`upload_f32_later`].
 struct LaterUpload {
     ctx: Arc<GpuContext>,
     staging: wgpu::Buffer,
+    /// The buffer the values are copied into. Were its tensor dropped
+    /// first, the pool would not hand it out again before the held-back
+    /// batch is submitted, after this copy (`Pool::defer`).
+    dst: wgpu::Buffer,
     len: usize,
     /// Taken when opened.
     gate: Option<Arc<super::context::Gate>>,
 }
 
 impl LaterUpload {
-    /// Write the values (NaN where `fill` fails), unmap, open the gate and
-    /// submit what waited for it.
-    fn finish(&mut self, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+    /// Write the values (NaN where `fill` fails), unmap, copy the values
+    /// written to the device, open the gate and submit what waited for it.
+    fn finish(&mut self, fill: &mut dyn FnMut(&mut [f32]) -> Result<usize>) -> Result<()> {
         if self.gate.is_none() {
             return Ok(());
         }
         // The gate is taken only after `fill` returns: if it panics, `Drop`
         // still finds it, writes NaN and opens it.
-        let mut filled = write_mapped(self.ctx.index, &self.staging, self.len, fill);
+        let mut written = self.len;
+        let mut filled = write_mapped(self.ctx.index, &self.staging, self.len, &mut |v| {
+            written = fill(v)?;
+            if written > v.len() {
+                return Err(Error::Backend(format!("internal: {written} values written into an upload of {}", v.len())));
+            }
+            Ok(())
+        });
         let Some(gate) = self.gate.take() else { return filled };
         if filled.is_err() {
             // Work that reads these values is already recorded: it must see
             // them as missing, not as whatever the staging memory held.
+            written = self.len;
             let _ = write_mapped(self.ctx.index, &self.staging, self.len, &mut |v| {
                 v.fill(f32::NAN);
                 Ok(())
             });
         }
         self.staging.unmap();
+        // The copy goes to the queue before the gate opens, ahead of the
+        // held-back work that reads its values.
+        if let Err(e) = self.ctx.submit_copy(&self.staging, &self.dst, written as u64 * 4) {
+            filled = filled.and(Err(e));
+        }
         gate.open();
         if let Err(e) = self.ctx.flush_opened() {
             filled = filled.and(Err(e));
@@ -309,7 +327,7 @@ impl LaterUpload {
 }
 
 impl LaterFill for LaterUpload {
-    fn fill(mut self: Box<Self>, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+    fn fill(mut self: Box<Self>, fill: &mut dyn FnMut(&mut [f32]) -> Result<usize>) -> Result<()> {
         self.finish(fill)
     }
 }
@@ -716,7 +734,7 @@ mod tests {
                     for (i, d) in dst.iter_mut().enumerate() {
                         *d = value(i);
                     }
-                    Ok(())
+                    Ok(dst.len())
                 })
             });
             // Blocks until the writer is done.
@@ -725,6 +743,22 @@ mod tests {
             assert!(got.iter().enumerate().all(|(i, v)| *v == value(i) * 2.0 + 1.0), "{n} values");
             assert_eq!(other.item::<f32>().unwrap(), (0..64).map(|i| (i * i) as f32).sum::<f32>());
         }
+        // Only the values a fill says it wrote travel; the work that reads
+        // them sees them.
+        let (t, fill) = Tensor::from_f32_later(10_000, g).unwrap().unwrap();
+        let head = t.narrow(0, 0, 4_001).unwrap().mul(2.0).unwrap();
+        fill.fill(&mut |d: &mut [f32]| {
+            for (i, x) in d[..4_001].iter_mut().enumerate() {
+                *x = i as f32;
+            }
+            Ok(4_001)
+        })
+        .unwrap();
+        assert!(head.to_vec::<f32>().unwrap().iter().enumerate().all(|(i, v)| *v == 2.0 * i as f32));
+        // A fill claiming more values than the buffer holds is an error.
+        let (t, fill) = Tensor::from_f32_later(30, g).unwrap().unwrap();
+        assert!(fill.fill(&mut |d: &mut [f32]| Ok(d.len() + 1)).unwrap_err().to_string().contains("31 values written into an upload of 30"));
+        assert!(t.to_vec::<f32>().unwrap().iter().all(|v| v.is_nan()));
         // Dropped unwritten, or written by a failing fill: NaN, and the device goes on.
         let (t, fill) = Tensor::from_f32_later(300, g).unwrap().unwrap();
         let y = t.add(1.0).unwrap();
