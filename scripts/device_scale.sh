@@ -44,6 +44,24 @@ if [[ "$what" == *rows* ]]; then
     done
     cut -c1-200 "$OUT"/scale_rows*.jsonl
 fi
+if [[ "$what" == *parts* ]]; then
+    # Same binary, no peer, alternating: a batch held back behind a
+    # gradient upload finished in parts while it waits (1) or whole when
+    # the upload arrives (0); the MPI ranks are told too.
+    for o in 0 1 0 1; do
+        VOLTAIC_GATED_PARTS=$o VOLTAIC_MPIRUN="$MPIRUN_BASE -x VOLTAIC_GATED_PARTS" $V bench --suite scale --no-peer --json --runs 5 >> "$OUT/scale_parts$o.jsonl" 2>> "$OUT/scale.err"
+    done
+    cut -c1-200 "$OUT"/scale_parts*.jsonl
+fi
+if [[ "$what" == *repeat* ]]; then
+    # The encoder's rows three more times, no peer: one-GPU and data-parallel
+    # steps drift between runs on these hosts, and efficiency divides by
+    # the one-GPU row of the same run.
+    for i in 1 2 3; do
+        $V bench --suite scale --filter encoder --no-peer --json --runs 5 >> "$OUT/scale_repeat.jsonl" 2>> "$OUT/scale.err"
+    done
+    cut -c1-200 "$OUT/scale_repeat.jsonl"
+fi
 if [[ "$what" == *spin* ]]; then
     # The encoder's rows again with reads that sleep in the driver at once
     # instead of polling for 2 ms: do the replicas' polls slow each other?

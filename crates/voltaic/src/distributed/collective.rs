@@ -46,18 +46,7 @@ pub trait Collective: Send + Sync {
     /// its own place and zeros elsewhere: adding zeros keeps the values, a
     /// negative zero aside.)
     fn all_gather_f32(&self, values: &[f32], visit: &mut dyn FnMut(&[&[f32]]) -> Result<()>) -> Result<()> {
-        let lens: Vec<usize> = self.all_gather(&[values.len() as u64])?.iter().map(|v| v[0] as usize).collect();
-        let at: usize = lens[..self.rank()].iter().sum();
-        let mut all = vec![0f32; lens.iter().sum()];
-        all[at..at + values.len()].copy_from_slice(values);
-        self.all_reduce_sum(&mut all)?;
-        let mut parts = Vec::with_capacity(lens.len());
-        let mut start = 0;
-        for len in lens {
-            parts.push(&all[start..start + len]);
-            start += len;
-        }
-        visit(&parts)
+        gather_by_sum(self, values, visit)
     }
     /// Replace `data` on every rank by rank `root`'s.
     fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()>;
@@ -67,6 +56,23 @@ pub trait Collective: Send + Sync {
     /// them waits for it (an in-process group wakes them with an error;
     /// MPI aborts the job).
     fn abort(&self, why: &str);
+}
+
+/// [`Collective::all_gather_f32`] through the lengths and one all-reduce
+/// of a vector holding every rank's values at its own place.
+pub(crate) fn gather_by_sum<C: Collective + ?Sized>(c: &C, values: &[f32], visit: &mut dyn FnMut(&[&[f32]]) -> Result<()>) -> Result<()> {
+    let lens: Vec<usize> = c.all_gather(&[values.len() as u64])?.iter().map(|v| v[0] as usize).collect();
+    let at: usize = lens[..c.rank()].iter().sum();
+    let mut all = vec![0f32; lens.iter().sum()];
+    all[at..at + values.len()].copy_from_slice(values);
+    c.all_reduce_sum(&mut all)?;
+    let mut parts = Vec::with_capacity(lens.len());
+    let mut start = 0;
+    for len in lens {
+        parts.push(&all[start..start + len]);
+        start += len;
+    }
+    visit(&parts)
 }
 
 /// An out-of-place all-reduce's lengths agree; otherwise the group is

@@ -1,7 +1,7 @@
 //! The ranks of an MPI job as a [`Collective`] (the `mpi` feature: rsmpi
 //! over the system's MPI, e.g. Debian's Open MPI).
 
-use super::collective::{par_copy, sum_share, Collective};
+use super::collective::{gather_by_sum, par_copy, sum_share, Collective};
 use crate::error::{Error, Result};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
@@ -312,6 +312,33 @@ impl Collective for MpiCollective {
         self.comm().all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
         par_copy(dst, &recv);
         Ok(())
+    }
+
+    /// Through the shared window when every rank runs on this machine:
+    /// each rank copies its values into its segment and every rank reads
+    /// them all there.
+    fn all_gather_f32(&self, values: &[f32], visit: &mut dyn FnMut(&[&[f32]]) -> Result<()>) -> Result<()> {
+        let lens: Vec<usize> = self.all_gather(&[values.len() as u64])?.iter().map(|v| v[0] as usize).collect();
+        let mut node = self.node.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(node) = node.as_mut() else {
+            drop(node);
+            return gather_by_sum(self, values, visit);
+        };
+        let _world = self.comm();
+        // The same size on every rank: every rank grows the window alike.
+        node.reserve(lens.iter().copied().max().unwrap_or(0))?;
+        let me = node.comm.rank() as usize;
+        // SAFETY: this rank's segment holds at least its `values.len()`
+        // values (reserved), and no other rank touches it until the barrier.
+        par_copy(unsafe { std::slice::from_raw_parts_mut(node.bases[me] as *mut f32, values.len()) }, values);
+        node.fence();
+        // SAFETY: every segment holds its rank's values, which nobody
+        // writes until every rank passed the barrier after the visits.
+        let parts: Vec<&[f32]> = node.bases.iter().zip(&lens).map(|(&b, &len)| unsafe { std::slice::from_raw_parts(b as *const f32, len) }).collect();
+        let visited = visit(&parts);
+        drop(parts);
+        node.fence();
+        visited
     }
 
     fn broadcast(&self, data: &mut [f32], root: usize) -> Result<()> {

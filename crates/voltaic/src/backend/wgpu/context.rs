@@ -87,6 +87,14 @@ fn batch_dispatches() -> usize {
     *N.get_or_init(|| std::env::var("VOLTAIC_BATCH_DISPATCHES").ok().and_then(|v| v.parse().ok()).unwrap_or(64).max(1))
 }
 
+/// Whether a batch held back by a gate is finished in parts while it waits
+/// (see `encode_pending`; `VOLTAIC_GATED_PARTS=0`: all of it when the gate
+/// opens).
+fn gated_parts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VOLTAIC_GATED_PARTS").map_or(true, |v| v != "0"))
+}
+
 /// Dispatches an idle GPU gets from the thread that recorded them rather
 /// than through the submitting thread: waking that thread delays the GPU by
 /// more than submitting a few dispatches costs here (on an H200, a small
@@ -107,6 +115,11 @@ struct Pending {
     encoder: wgpu::CommandEncoder,
     pass: Option<wgpu::ComputePass<'static>>,
     dispatches: usize,
+    /// Command buffers finished while a gate held the batch back, in order
+    /// before `encoder`'s (see `encode_pending`).
+    finished: Vec<wgpu::CommandBuffer>,
+    /// `dispatches` when the last of them was finished.
+    finished_dispatches: usize,
     /// Upload staging buffers the recorded copies read: mapped again for
     /// the next upload once this work is submitted (see `record_upload`).
     uploads: Vec<wgpu::Buffer>,
@@ -119,7 +132,7 @@ struct Pending {
 
 impl Pending {
     fn new(encoder: wgpu::CommandEncoder, batch: u64) -> Pending {
-        Pending { encoder, pass: None, dispatches: 0, uploads: Vec::new(), gates: Vec::new(), batch }
+        Pending { encoder, pass: None, dispatches: 0, finished: Vec::new(), finished_dispatches: 0, uploads: Vec::new(), gates: Vec::new(), batch }
     }
 
     /// Whether a copy in this batch still waits for its values.
@@ -202,9 +215,20 @@ const MAX_GATED_DEFERRED_BYTES: u64 = 1 << 30;
 const KEPT_UPLOAD_BYTES: u64 = 256 << 20;
 
 impl Pending {
-    fn finish(mut self) -> wgpu::CommandBuffer {
+    /// The batch's command buffers, in order.
+    fn finish(mut self) -> Vec<wgpu::CommandBuffer> {
         drop(self.pass.take());
-        self.encoder.finish()
+        self.finished.push(self.encoder.finish());
+        self.finished
+    }
+
+    /// Finish the commands so far into a command buffer of their own and go
+    /// on in a new encoder from `device`.
+    fn finish_part(&mut self, device: &wgpu::Device) {
+        drop(self.pass.take());
+        let encoder = std::mem::replace(&mut self.encoder, device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") }));
+        self.finished.push(encoder.finish());
+        self.finished_dispatches = self.dispatches;
     }
 }
 
@@ -569,7 +593,14 @@ impl GpuContext {
         if p.gated() {
             // Work behind an upload still being written waits in the batch
             // (its writer submits it; see `record_upload_later`) unless it
-            // holds back too much memory.
+            // holds back too much memory. wgpu does most of its work on a
+            // command buffer when it is finished (1.5-2 us a dispatch on
+            // the H100's hosts): that is done here, in parts, rather than
+            // when the gate opens, where a data-parallel step's next
+            // forward and backward passes would wait for it.
+            if p.dispatches - p.finished_dispatches >= batch_dispatches() && gated_parts() {
+                p.finish_part(&self.device);
+            }
             if deferred > MAX_GATED_DEFERRED_BYTES {
                 drop(pending);
                 self.flush()?;
@@ -888,7 +919,7 @@ impl GpuContext {
     fn submit_batch(&self, mut pending: Option<Pending>, cmd: Option<wgpu::CommandBuffer>, timed: bool) -> Result<wgpu::SubmissionIndex> {
         let uploads = pending.as_mut().map(|p| std::mem::take(&mut p.uploads)).unwrap_or_default();
         let batch = pending.as_ref().map(|p| p.batch);
-        let first = pending.map(Pending::finish);
+        let first = pending.map(Pending::finish).unwrap_or_default();
         let submit = || self.queue.submit(first.into_iter().chain(cmd));
         let idx = if timed { crate::profile::time(crate::profile::Phase::Submit, submit) } else { submit() };
         if let Some(batch) = batch {

@@ -743,6 +743,27 @@ mod tests {
             assert!(got.iter().enumerate().all(|(i, v)| *v == value(i) * 2.0 + 1.0), "{n} values");
             assert_eq!(other.item::<f32>().unwrap(), (0..64).map(|i| (i * i) as f32).sum::<f32>());
         }
+        // Many realizations behind the gate (finished into command buffers
+        // in parts while it is closed) run in order once it opens.
+        let (t, fill) = Tensor::from_f32_later(257, g).unwrap().unwrap();
+        let mut x = t.clone();
+        for _ in 0..150 {
+            x = x.add(1.0).unwrap();
+            x.realize().unwrap();
+        }
+        let y = x.narrow(0, 0, 1).unwrap().add(0.0).unwrap();
+        y.realize().unwrap();
+        fill.fill(&mut |d: &mut [f32]| {
+            for (i, v) in d.iter_mut().enumerate() {
+                *v = i as f32 * 1000.0;
+            }
+            Ok(d.len())
+        })
+        .unwrap();
+        // Each step reads the one before: a part run early, late or twice
+        // would read a buffer not yet (or no longer) holding its input.
+        assert_eq!(x.to_vec::<f32>().unwrap(), (0..257).map(|i| i as f32 * 1000.0 + 150.0).collect::<Vec<_>>());
+        assert_eq!(y.to_vec::<f32>().unwrap(), vec![150.0]);
         // Only the values a fill says it wrote travel; the work that reads
         // them sees them.
         let (t, fill) = Tensor::from_f32_later(10_000, g).unwrap().unwrap();
