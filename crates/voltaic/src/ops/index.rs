@@ -187,3 +187,41 @@ impl Tensor {
         zeros.scatter_add_as(Caller::OneHot, -1, &idx, &ones)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, Device, Tensor};
+
+    /// The rows of a table's gradient are recognised where `embedding`
+    /// alone made it, and nowhere else.
+    #[test]
+    fn a_scatter_of_rows_is_recognised_only_as_recorded_by_a_lookup() {
+        let d = Device::Cpu;
+        let ids = Tensor::from_vec(vec![3i32, 0, 3, 7, 1, 0], &[2, 3], d).unwrap();
+        let weight = Tensor::randn(&[9, 4], DType::F32, d).unwrap().requires_grad().unwrap();
+        let out = weight.embedding(&ids).unwrap();
+        let up = Tensor::randn(&[2, 3, 4], DType::F32, d).unwrap();
+        out.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = weight.grad().unwrap();
+        let (rows, src) = g.as_row_scatter().expect("embedding's gradient is a scatter of rows");
+        assert_eq!(rows.to_vec::<i32>().unwrap(), vec![3, 0, 3, 7, 1, 0]);
+        assert_eq!(src.to_vec::<f32>().unwrap(), up.to_vec::<f32>().unwrap());
+        // Once computed, or seen through a view, it is just a tensor.
+        assert!(g.t().unwrap().as_row_scatter().is_none());
+        g.realize().unwrap();
+        assert!(g.as_row_scatter().is_none());
+        // A table that also enters the loss elsewhere: a sum of gradients.
+        let w = Tensor::randn(&[9, 4], DType::F32, d).unwrap().requires_grad().unwrap();
+        w.embedding(&ids).unwrap().sum_all().unwrap().add(&w.sqr().unwrap().sum_all().unwrap()).unwrap().backward().unwrap();
+        assert!(w.grad().unwrap().as_row_scatter().is_none());
+        // scatter_add into anything but zeros, or with an index that varies
+        // along a row, is no lookup's gradient.
+        let idx = Tensor::from_vec(vec![1i32, 2, 0, 1], &[2, 2], d).unwrap();
+        let src = Tensor::ones(&[2, 2], DType::F32, d).unwrap();
+        assert!(Tensor::zeros(&[3, 2], DType::F32, d).unwrap().scatter_add(0, &idx, &src).unwrap().as_row_scatter().is_none());
+        let rowwise = Tensor::from_vec(vec![1i32, 2], &[2, 1], d).unwrap().broadcast_to(&[2, 2]).unwrap();
+        assert!(Tensor::ones(&[3, 2], DType::F32, d).unwrap().scatter_add(0, &rowwise, &src).unwrap().as_row_scatter().is_none());
+        let (r, _) = Tensor::zeros(&[3, 2], DType::F32, d).unwrap().scatter_add(0, &rowwise, &src).unwrap().as_row_scatter().unwrap();
+        assert_eq!(r.to_vec::<i32>().unwrap(), vec![1, 2]);
+    }
+}
