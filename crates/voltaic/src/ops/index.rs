@@ -212,7 +212,7 @@ mod tests {
         assert!(g.as_row_scatter().is_none());
         // A table that also enters the loss elsewhere: a sum of gradients.
         let w = Tensor::randn(&[9, 4], DType::F32, d).unwrap().requires_grad().unwrap();
-        w.embedding(&ids).unwrap().sum_all().unwrap().add(&w.sqr().unwrap().sum_all().unwrap()).unwrap().backward().unwrap();
+        w.embedding(&ids).unwrap().sum_all().unwrap().add(w.sqr().unwrap().sum_all().unwrap()).unwrap().backward().unwrap();
         assert!(w.grad().unwrap().as_row_scatter().is_none());
         // scatter_add into anything but zeros, or with an index that varies
         // along a row, is no lookup's gradient.
