@@ -316,7 +316,7 @@ impl<M: Module> DistributedDataParallel<M> {
                 }
                 Slot::Rows(param) => {
                     // The rows the batch touched and their ids (exact in f32
-                    // below 2^24 rows, which `exchanges_rows` checks), or the
+                    // below 2^24 rows, which `tables` checks), or the
                     // whole gradient where it is not a scatter of rows.
                     let (sparse, flat) = match self.params[param].grad() {
                         None => (true, None),
