@@ -388,7 +388,7 @@ fn prepare(ctx: &GpuContext, plan: &Plan) -> Result<Arc<Prepared>> {
 }
 
 /// Compile `work` (kernel, input shapes, variant), the kernels that are
-/// not compiled yet on up to one thread per core: a driver compiles a
+/// not compiled yet on up to one thread per core (one on GL): a driver compiles a
 /// pipeline in milliseconds to tens of them, and a cold training step
 /// needs dozens.
 fn compile_all(ctx: &GpuContext, work: &[Work<'_>]) -> Result<Vec<Arc<Compiled>>> {
@@ -396,7 +396,11 @@ fn compile_all(ctx: &GpuContext, work: &[Work<'_>]) -> Result<Vec<Arc<Compiled>>
     // One of each distinct kernel; its twins find it compiled afterwards.
     let mut seen = std::collections::HashSet::new();
     let missing: Vec<usize> = (0..work.len()).filter(|&i| out[i].is_none() && seen.insert(signature_hash(work[i].0, &work[i].1, work[i].2))).collect();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(missing.len());
+    // GL compiles under one context lock that wgpu-hal gives up on after 6
+    // s: threads there only queue behind each other, and a slow software
+    // driver (llvmpipe on a loaded machine) made a waiting one panic.
+    let cores = if ctx.info.backend == wgpu::Backend::Gl { 1 } else { std::thread::available_parallelism().map_or(1, |n| n.get()) };
+    let threads = cores.min(missing.len());
     if threads > 1 {
         let next = std::sync::atomic::AtomicUsize::new(0);
         let results: Vec<Vec<(usize, Result<Arc<Compiled>>)>> = std::thread::scope(|s| {
