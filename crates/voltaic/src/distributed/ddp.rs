@@ -555,9 +555,6 @@ fn overlap() -> bool {
     *ON.get_or_init(|| std::env::var("VOLTAIC_DDP_OVERLAP").map_or(true, |v| v != "0"))
 }
 
-/// Sums `src` over the ranks into `dst` (the collective's all-reduce, timed).
-type SumInto<'a> = dyn FnMut(&[f32], &mut [f32]) -> Result<()> + 'a;
-
 /// Hands the memory a bucket's sums are uploaded from to its argument,
 /// which returns how many leading values it wrote.
 type Upload<'a> = dyn FnMut(&mut dyn FnMut(&mut [f32]) -> Result<usize>) -> Result<()> + 'a;
@@ -579,14 +576,12 @@ fn sum_bucket(comm: &dyn Collective, read: Option<PendingRead>, n: usize, upload
         return Err(Error::Backend(format!("internal: a gradient bucket of {n} values read back {}", src.len())));
     }
     let mut reduce_seconds = 0.0;
-    let mut into: Box<SumInto> = Box::new(|src, dst| {
+    upload(&mut |dst| {
         let t = Instant::now();
         let r = comm.all_reduce_sum_into(src, dst);
         reduce_seconds = t.elapsed().as_secs_f64();
-        r
-    });
-    upload(&mut |dst| into(src, dst).map(|_| n))?;
-    drop(into);
+        r.map(|_| n)
+    })?;
     Ok((read_seconds, reduce_seconds))
 }
 

@@ -318,12 +318,13 @@ impl Collective for MpiCollective {
     /// each rank copies its values into its segment and every rank reads
     /// them all there.
     fn all_gather_f32(&self, values: &[f32], visit: &mut dyn FnMut(&[&[f32]]) -> Result<()>) -> Result<()> {
-        let lens: Vec<usize> = self.all_gather(&[values.len() as u64])?.iter().map(|v| v[0] as usize).collect();
         let mut node = self.node.lock().unwrap_or_else(|e| e.into_inner());
         let Some(node) = node.as_mut() else {
             drop(node);
             return gather_by_sum(self, values, visit);
         };
+        // The window's lock before MPI's, as in `reduce_in_shared_memory`.
+        let lens: Vec<usize> = self.all_gather(&[values.len() as u64])?.iter().map(|v| v[0] as usize).collect();
         let _world = self.comm();
         // The same size on every rank: every rank grows the window alike.
         node.reserve(lens.iter().copied().max().unwrap_or(0))?;
