@@ -108,6 +108,45 @@ fn skip_mask(skip: Option<&Tensor>, device: crate::Device) -> Result<Option<Tens
     skip.map(|s| s.to_device(device)?.ne(0.0)).transpose()
 }
 
+/// Tensors of at most this many elements are joined into one vector by
+/// [`sum_each`]: copying a few hundred kilobytes costs less than the
+/// dispatch of a reduction of their own.
+const JOIN_BELOW: usize = 1 << 18;
+
+/// The sum of `each(t)` over every element of every tensor (`each` is
+/// elementwise and gives f32), as a 0-d tensor; `None` for no tensors.
+///
+/// A model's gradients are many small tensors (biases, norms) and a few
+/// large ones (weights): the small ones on the first tensor's device are
+/// flattened and joined (a copy kernel per as many as a kernel may bind),
+/// so one reduction covers each group, and each large one is reduced on
+/// its own. A reduction per tensor would be a dispatch per parameter (about
+/// a hundred for a 6-layer encoder).
+fn sum_each(tensors: &[Tensor], each: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Option<Tensor>> {
+    let Some(device) = tensors.first().map(|t| t.device()) else { return Ok(None) };
+    let (small, large): (Vec<&Tensor>, Vec<&Tensor>) = tensors.iter().partition(|t| t.device() == device && t.numel() <= JOIN_BELOW);
+    let mut parts = vec![];
+    let flat: Vec<Tensor> = small.iter().filter(|t| t.numel() > 0).map(|t| t.flatten_all()).collect::<Result<_>>()?;
+    // As many as one kernel may read (`cat` would join more in groups and
+    // then join the groups, copying everything twice).
+    let per = crate::backend::executor(device)?.capabilities().max_inputs.max(2);
+    for group in flat.chunks(per) {
+        let joined = Tensor::cat(&group.iter().collect::<Vec<_>>(), 0)?;
+        parts.push(each(&joined)?.sum_all()?);
+    }
+    for t in large {
+        parts.push(each(t)?.sum_all()?);
+    }
+    let mut total = match parts.pop() {
+        Some(p) => p,
+        None => Tensor::zeros(&[], DType::F32, device)?,
+    };
+    for p in parts {
+        total = total.add(&p)?;
+    }
+    Ok(Some(total))
+}
+
 fn lookup(state: &[(String, Tensor)], name: &str, like: &Tensor) -> Result<Option<Tensor>> {
     match state.iter().find(|(n, _)| n == name) {
         None => Ok(None),
@@ -395,11 +434,8 @@ impl Optimizer for Adam {
 pub fn clip_grad_norm(params: &[Parameter], max_norm: f64) -> Result<Option<Tensor>> {
     let _g = crate::NoGradGuard::new();
     let grads: Vec<(usize, Tensor)> = params.iter().enumerate().filter_map(|(i, p)| Some((i, p.grad()?))).collect();
-    let Some((_, first)) = grads.first() else { return Ok(None) };
-    let mut total = first.to_dtype(crate::DType::F32)?.sqr()?.sum_all()?;
-    for (_, g) in &grads[1..] {
-        total = total.add(&g.to_dtype(crate::DType::F32)?.sqr()?.sum_all()?)?;
-    }
+    let tensors: Vec<Tensor> = grads.iter().map(|(_, g)| g.clone()).collect();
+    let Some(total) = sum_each(&tensors, |g| g.to_dtype(crate::DType::F32)?.sqr())? else { return Ok(None) };
     let norm = total.sqrt()?;
     let scale = norm.add(1e-6)?.recip()?.mul(max_norm)?.clamp(None, Some(1.0))?;
     for (i, g) in grads {
@@ -604,29 +640,24 @@ impl GradScaler {
             return Ok(());
         };
         let inv = self.device_state(device)?[0].recip()?;
+        let unscaled = |g: &Tensor| g.mul(&inv.to_dtype(g.dtype())?);
         // How many gradient elements are inf or NaN, tested on the bits
         // (`nonfinite`): `g * 0` or `g != g` may be folded away by a GPU
         // compiler that assumes finite values.
-        let mut count: Option<Tensor> = None;
-        let mut unscaled = vec![];
-        for (w, g) in grads {
-            let g = g.mul(&inv.to_dtype(g.dtype())?)?;
-            let bad = g.nonfinite()?.to_dtype(DType::F32)?.sum_all()?;
-            count = Some(match count {
-                Some(c) => c.add(&bad)?,
-                None => bad,
-            });
-            unscaled.push((w, g));
-        }
+        let raw: Vec<Tensor> = grads.iter().map(|(_, g)| g.clone()).collect();
+        let count = sum_each(&raw, |g| unscaled(g)?.nonfinite()?.to_dtype(DType::F32))?;
         let found = count.expect("at least one gradient").gt(0.0)?;
         // One realization computes the gradients and the check, so the
         // optimizer's step reads them instead of computing the backward pass
-        // again; nothing waits for it.
+        // again; nothing waits for it. The gradients are kept as the
+        // backward pass made them and divided by the scale where they are
+        // read (in the optimizer's kernels): a division kernel per
+        // gradient here would write each once more.
         let mut all = vec![&found];
-        all.extend(unscaled.iter().map(|(_, g)| g));
+        all.extend(&raw);
         Tensor::realize_all(&all)?;
-        for (w, g) in unscaled {
-            w.set_grad(Some(g))?;
+        for (w, g) in grads {
+            w.set_grad(Some(unscaled(&g)?))?;
         }
         self.unscaled.push((id, found));
         Ok(())

@@ -356,6 +356,54 @@ fn grad_scaler_unscales_to_the_plain_gradients() {
     }
 }
 
+/// A weight too large to be joined with the small tensors (it is checked
+/// by a reduction of its own) beside small ones: unscaled to the plain
+/// gradients, and an inf in it or in a small one skips the step.
+#[test]
+fn grad_scaler_checks_large_and_small_tensors_alike() {
+    let _serial = serial();
+    for dev in devices() {
+        voltaic::manual_seed(3);
+        let big = Linear::new(640, 512, true, dev).unwrap();
+        let small = Linear::new(512, 3, true, dev).unwrap();
+        assert!(big.weight.value().numel() > 1 << 18);
+        let mut opt = Adam::new(big.parameters().into_iter().chain(small.parameters()).collect(), 1e-3);
+        let x = Tensor::randn(&[4, 640], DType::F32, dev).unwrap();
+        let loss = || small.forward(&big.forward(&x)?.tanh()?)?.sqr()?.sum_all();
+        loss().unwrap().backward().unwrap();
+        let plain = [big.weight.grad().unwrap().to_f64_vec().unwrap(), small.bias.as_ref().unwrap().grad().unwrap().to_f64_vec().unwrap()];
+        opt.zero_grad();
+        let mut scaler = GradScaler::with_scale(512.0);
+        scaler.scale(&loss().unwrap()).unwrap().backward().unwrap();
+        scaler.unscale(&opt).unwrap();
+        let got = [big.weight.grad().unwrap().to_f64_vec().unwrap(), small.bias.as_ref().unwrap().grad().unwrap().to_f64_vec().unwrap()];
+        for (g, p) in got.iter().zip(&plain) {
+            for (a, b) in g.iter().zip(p) {
+                assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-3), "{dev}: unscaled {a}, plain {b}");
+            }
+        }
+        scaler.step(&mut opt).unwrap();
+        scaler.update().unwrap();
+        assert_eq!(scaler.skipped_steps().unwrap(), 0, "{dev}: a clean step");
+        for (k, bad) in [(0usize, f64::INFINITY), (1, f64::NAN)] {
+            opt.zero_grad();
+            scaler.scale(&loss().unwrap()).unwrap().backward().unwrap();
+            let p = if k == 0 { big.weight.value() } else { small.bias.as_ref().unwrap().value() };
+            let g = p.grad().unwrap();
+            // One element made non-finite, the rest left as they are.
+            let mut mask = vec![0.0f32; g.numel()];
+            mask[g.numel() / 2] = 1.0;
+            let mask = Tensor::from_vec(mask, g.dims(), dev).unwrap().gt(0.5).unwrap();
+            p.set_grad(Some(mask.where_cond(bad, &g).unwrap())).unwrap();
+            let before = big.weight.value().to_f64_vec().unwrap();
+            scaler.step(&mut opt).unwrap();
+            scaler.update().unwrap();
+            assert_eq!(big.weight.value().to_f64_vec().unwrap(), before, "{dev}: {bad} in tensor {k} skips the step");
+            assert_eq!(scaler.skipped_steps().unwrap(), k as u64 + 1, "{dev}");
+        }
+    }
+}
+
 #[test]
 fn grad_scaler_unscales_each_optimizer_once() {
     let _serial = serial();
