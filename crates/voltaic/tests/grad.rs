@@ -173,6 +173,27 @@ fn linear_algebra_gradients() {
         check(&format!("matmul {a:?} @ {b:?}"), &[a, b], &normal, &|x| x[0].matmul(&x[1]));
     }
     check("matmul transposed views", &[&[4, 3], &[5, 4]], &normal, &|x| x[0].t()?.matmul(&x[1].t()?));
+    check("matmul of a batch by a transposed weight", &[&[2, 3, 4], &[5, 4]], &normal, &|x| x[0].matmul(&x[1].t()?));
+}
+
+#[test]
+fn a_transposed_weights_gradient_comes_back_in_the_weights_order() {
+    // `x @ w.t()` (a linear layer): the optimizer and the gradient scaler
+    // then read the gradient in order. The layout is chosen above the
+    // executors, so the CPU shows it for every device.
+    let w = Tensor::randn(&[5, 4], DType::F32, Device::Cpu).unwrap().requires_grad().unwrap();
+    for x in [&[3, 4][..], &[2, 3, 4]] {
+        let x = Tensor::randn(x, DType::F32, Device::Cpu).unwrap();
+        w.zero_grad();
+        x.matmul(&w.t().unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = w.grad().unwrap();
+        assert!(g.is_contiguous(), "input {:?}: gradient strides {:?}", x.dims(), g.layout().strides());
+        let want: Vec<f32> = x.reshape_dims(&[x.numel() / 4, 4]).unwrap().sum(&[0], false).unwrap().to_vec().unwrap();
+        let got: Vec<f32> = g.to_vec().unwrap();
+        for (j, v) in got.iter().enumerate() {
+            assert!((v - want[j % 4]).abs() <= 1e-5 * (1.0 + want[j % 4].abs()), "d/dw[{j}] = {v}, want {}", want[j % 4]);
+        }
+    }
 }
 
 #[test]

@@ -40,7 +40,9 @@ pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Resu
     if x.rank() == 0 || x.dims()[x.rank() - 1] != weight.dims()[1] {
         bail!(Shape, "Linear", "expected input [..., {}], got {:?}", weight.dims()[1], x.dims());
     }
-    let y = x.matmul(&weight.t()?)?;
+    // Under autocast the weight is cast before it is transposed, so its
+    // gradient comes back in its own (row-major) order; see `matmul`.
+    let y = x.matmul(&crate::ops::autocast::low(weight)?.t()?)?;
     match bias {
         // Under autocast the bias joins the product in its low type (as torch's addmm).
         Some(b) => y.add(crate::ops::autocast::low(b)?),

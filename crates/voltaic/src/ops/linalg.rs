@@ -75,9 +75,10 @@ impl Tensor {
             // matmul over the batch instead of a batch of products then a sum.
             let (ad, bd) = (a.detach(), b.detach());
             let (a_dims, b_dims) = (a0.dims().to_vec(), b0.dims().to_vec());
+            let b_cols = column_major(&b0);
             out.track(&[&a0, &b0], move |g, needs| {
                 let ga = if needs[0] { Some(matmul_grad_lhs(g, &bd, &a_dims)?) } else { None };
-                let gb = if needs[1] { Some(matmul_grad_rhs(&ad, g, &b_dims)?) } else { None };
+                let gb = if needs[1] { Some(matmul_grad_rhs(&ad, g, &b_dims, b_cols)?) } else { None };
                 Ok(vec![ga, gb])
             })
         } else {
@@ -119,9 +120,29 @@ fn matmul_grad_lhs(g: &Tensor, b: &Tensor, a_dims: &[usize]) -> Result<Tensor> {
     g.matmul(&b.transpose(-1, -2)?)?.sum_to(a_dims)
 }
 
+/// Whether `t` is a matrix stored column by column, as `w.t()` is for a
+/// row-major `w` (a linear layer's weight).
+fn column_major(t: &Tensor) -> bool {
+    let (d, s) = (t.dims(), t.layout().strides());
+    t.rank() == 2 && d[0] > 1 && d[1] > 1 && s[0] == 1 && s[1] == d[0]
+}
+
 /// Gradient of `a @ b` for `b` of shape `b_dims`: `a^T @ g`, summed over the
 /// batch dims that `b` was broadcast along.
-fn matmul_grad_rhs(a: &Tensor, g: &Tensor, b_dims: &[usize]) -> Result<Tensor> {
+///
+/// A `b` stored column-major (`column_major`, a linear layer's `w.t()`) gets
+/// its gradient in the same order, as `(g^T @ a)^T`: the transpose's own
+/// gradient is then `w`'s in `w`'s order, and what reads a weight's
+/// gradient (the optimizer's update, a gradient scaler's check, a clip)
+/// reads it in order instead of across.
+fn matmul_grad_rhs(a: &Tensor, g: &Tensor, b_dims: &[usize], column_major: bool) -> Result<Tensor> {
+    if b_dims.len() == 2 {
+        // sum_z a_z^T @ g_z = [batch*m, k]^T @ [batch*m, n]
+        let r = g.rank();
+        let rows: usize = g.dims()[..r - 1].iter().product();
+        let (a2, g2) = if r > 2 { (a.reshape_dims(&[rows, b_dims[0]])?, g.reshape_dims(&[rows, b_dims[1]])?) } else { (a.clone(), g.clone()) };
+        return if column_major { g2.t()?.matmul(&a2)?.t() } else { a2.t()?.matmul(&g2) };
+    }
     if g.rank() > 2 && b_dims[..b_dims.len() - 2].iter().all(|&d| d == 1) {
         // sum_z a_z^T @ g_z = [batch*m, k]^T @ [batch*m, n]
         let r = g.rank();
