@@ -512,6 +512,24 @@ fn large_contiguous_elementwise_kernels_match_cpu() {
     let i = randn(&mut rng, &[n], DType::I32);
     same("vec4 i32", &[i.clone(), i.clone()], 0.0, 0.0, |t| t[0].mul(&t[1])?.add(7)?.rem(5));
     same("vec4 cast", &[i], 0.0, 0.0, |t| t[0].to_dtype(DType::F32)?.mul(0.5));
+    // f16 (four halves per load where the adapter stores f16 natively, the
+    // scalar path where it packs them): f16 in and out, a broadcast half,
+    // f16 mixed with f32 both ways, an offset view and two outputs. Every
+    // op rounds to f16 on both sides, so they agree but for a fused
+    // multiply-add's last bit.
+    let h = randn(&mut rng, &[n + 8], DType::F16);
+    let h2 = randn(&mut rng, &[n], DType::F16);
+    let hs = randn(&mut rng, &[1], DType::F16);
+    same("vec4 f16", &[h.clone(), h2.clone(), hs.clone()], 2e-3, 2e-3, |t| {
+        t[0].narrow(0, 4, n)?.mul(&t[1])?.add(0.5)?.maximum(&t[2].broadcast_to(&[n])?)?.sub(&t[0].narrow(0, 0, n)?)
+    });
+    same("vec4 f16 with f32 to f32", &[h2.clone(), b.clone()], 1e-6, 1e-6, |t| t[0].mul(&t[1])?.tanh());
+    same("vec4 f32 to f16", &[b.clone(), h2.clone()], 2e-3, 2e-3, |t| t[0].to_dtype(DType::F16)?.mul(&t[1])?.abs()?.sqrt());
+    let both = |t: &[Tensor]| -> Result<Vec<Tensor>> {
+        let y = t[0].mul(&t[1])?;
+        Ok(vec![y.add(1.0)?, y.exp()?.to_dtype(DType::F16)?])
+    };
+    same_all("vec4 f16 two outputs", &[h2.clone(), h.narrow(0, 8, n).unwrap()], 2e-3, 2e-3, both);
 }
 
 #[test]

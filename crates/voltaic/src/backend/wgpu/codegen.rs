@@ -122,7 +122,7 @@ pub(crate) fn compute_ty(dt: DType) -> &'static str {
 
 /// The compute value of a stored element (`packed16` types are read by
 /// [`Shader::array`] itself).
-fn from_storage(caps: &Caps, dt: DType, e: &str) -> String {
+pub(crate) fn from_storage(caps: &Caps, dt: DType, e: &str) -> String {
     match dt {
         DType::F16 if caps.f16 => format!("f32({e})"),
         DType::Bool => format!("({e} != 0u)"),
@@ -130,7 +130,8 @@ fn from_storage(caps: &Caps, dt: DType, e: &str) -> String {
     }
 }
 
-fn to_storage(caps: &Caps, dt: DType, e: &str) -> String {
+/// A compute value of `dt` as the stored element (see [`from_storage`]).
+pub(crate) fn to_storage(caps: &Caps, dt: DType, e: &str) -> String {
     match dt {
         DType::F16 if caps.f16 => format!("f16({e})"),
         DType::Bool => format!("select(0u, 1u, {e})"),
@@ -309,6 +310,7 @@ impl<'c> Shader<'c> {
     /// Bind a whole buffer (one chunk) as `var name: ty` with no accessor,
     /// for kernels that read it in their own way (vec4 loads).
     pub(crate) fn bind_raw(&mut self, src: Src, name: &str, ty: &str, writable: bool) {
+        self.f16 |= ty.contains("f16");
         let b = self.binds.len();
         let mode = if writable { "read_write" } else { "read" };
         let _ = writeln!(self.decls, "@group(0) @binding({b}) var<storage, {mode}> {name}: {ty};");

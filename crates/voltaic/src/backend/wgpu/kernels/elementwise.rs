@@ -1,8 +1,8 @@
 //! Fused elementwise kernels: a thread per element, or four vec4s per thread
-//! for large contiguous 32-bit work.
+//! for large contiguous work over 32-bit types and native f16.
 
 use super::{groups, Gen, PER, WG};
-use crate::backend::wgpu::codegen::{cast, emit_expr, emit_expr_with, storage_ty, Dispatch, Indexer, Src};
+use crate::backend::wgpu::codegen::{cast, emit_expr, emit_expr_with, from_storage, storage_ty, to_storage, Dispatch, Indexer, Src};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ir::Expr;
@@ -22,15 +22,24 @@ impl Gen<'_> {
             .collect()
     }
 
-    /// Large elementwise kernels over 32-bit types whose loads are contiguous
-    /// (or single broadcast values) move four elements per thread as vec4,
-    /// which reaches the memory bandwidth where scalar accesses fall short.
+    /// Large elementwise kernels whose loads are contiguous (or single
+    /// broadcast values) move four elements per thread as a vec4, which
+    /// reaches the memory bandwidth where scalar accesses fall short: 32-bit
+    /// types, and f16 where the adapter stores it natively (a mixed-precision
+    /// step's activations and gradients; a thread per 2-byte element issued
+    /// twice the loads of f32's vec4 path for half the bytes). Packed halves
+    /// (bf16, f16 elsewhere) keep the scalar path.
     fn elementwise_vec4(&self, expr: &Expr, stores: &[usize]) -> Result<Option<Dispatch>> {
         let n = self.out.1;
-        let word = |dt: DType| matches!(dt, DType::F32 | DType::I32 | DType::U32);
-        let fits = |numel: usize| (numel as u64) * 4 <= self.caps.chunk_bytes();
+        let bytes = |dt: DType| match dt {
+            DType::F32 | DType::I32 | DType::U32 => Some(4u64),
+            DType::F16 if self.caps.f16 => Some(2),
+            _ => None,
+        };
+        let word = |dt: DType| bytes(dt).is_some();
+        let fits = |numel: usize, dt: DType| bytes(dt).is_some_and(|b| numel as u64 * b <= self.caps.chunk_bytes());
         let outs = self.outputs(expr, stores);
-        if !n.is_multiple_of(4) || n < 1 << 16 || !outs.iter().all(|o| word(o.2)) || !fits(n) {
+        if !n.is_multiple_of(4) || n < 1 << 16 || !outs.iter().all(|o| word(o.2) && fits(n, o.2)) {
             return Ok(None);
         }
         enum Src4 {
@@ -40,7 +49,7 @@ impl Gen<'_> {
         let mut kinds = Vec::with_capacity(expr.loads.len());
         for l in &expr.loads {
             let (dt, numel) = self.inputs[l.input];
-            if !word(dt) || !fits(numel) || l.path.len() != 1 {
+            if !fits(numel, dt) || l.path.len() != 1 {
                 return Ok(None);
             }
             let p = &l.path[0];
@@ -71,7 +80,7 @@ impl Gen<'_> {
                 }
                 Src4::Scalar(off) => {
                     sh.bind_raw(Src::Input(l.input), &format!("sl{li}"), &format!("array<{ty}>"), false);
-                    let _ = writeln!(b, "    let x{li} = sl{li}[{off}u];");
+                    let _ = writeln!(b, "    let x{li} = {};", from_storage(self.caps, self.inputs[l.input].0, &format!("sl{li}[{off}u]")));
                 }
             }
             values.push(li);
@@ -87,13 +96,16 @@ impl Gen<'_> {
             for lane in 0..4 {
                 let overrides: Vec<(usize, String)> = values
                     .iter()
-                    .map(|&li| (li, if matches!(kinds[li], Src4::Vec(_)) { format!("x{li}_{u}[{lane}]") } else { format!("x{li}") }))
+                    .map(|&li| {
+                        let dt = self.inputs[expr.loads[li].input].0;
+                        (li, if matches!(kinds[li], Src4::Vec(_)) { from_storage(self.caps, dt, &format!("x{li}_{u}[{lane}]")) } else { format!("x{li}") })
+                    })
                     .collect();
                 let _ = writeln!(b, "    {{");
                 let mut ix = Indexer::new(&[n], "i");
                 emit_expr_with(&mut b, &mut sh, &mut ix, expr, &overrides)?;
                 for (j, &ins) in stores.iter().enumerate() {
-                    let _ = writeln!(b, "    r{j}[{lane}] = {};", cast(expr.instrs[ins].1, outs[j].2, &format!("v{ins}")));
+                    let _ = writeln!(b, "    r{j}[{lane}] = {};", to_storage(self.caps, outs[j].2, &cast(expr.instrs[ins].1, outs[j].2, &format!("v{ins}"))));
                 }
                 let _ = writeln!(b, "    }}");
             }
