@@ -21,81 +21,138 @@ use crate::dtype::DType;
 use crate::graph::OpKind;
 use crate::ir::Plan;
 use crate::layout::Layout;
-use crate::primitive::{IndexOp, MapOp, ReduceOp};
+use crate::primitive::{IndexOp, MapOp};
 use foldhash::{HashMap, HashMapExt};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
-/// One word of a structure key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Tok {
-    N(u64),
-    Map(MapOp),
-    Reduce(ReduceOp),
-    Index(IndexOp),
-    DType(DType),
-    Device(Device),
+/// The structure of a collected graph (see the module docs): words, and
+/// the index ops (whose parameters do not fit a word) in the order the
+/// words name them.
+///
+/// A training step's graph has thousands of nodes and a key of about a
+/// hundred thousand words, built, hashed and compared on every
+/// realization: words of 8 bytes are hashed and compared as plain memory,
+/// the hash is computed once, and the words' buffer is handed back to the
+/// next key on this thread after a cache hit (a fresh buffer of a few
+/// megabytes per realization cost more in page faults than the words did).
+#[derive(Clone, Debug)]
+pub(crate) struct Key {
+    words: Vec<u64>,
+    index_ops: Vec<IndexOp>,
+    hash: u64,
 }
 
-/// The structure of a collected graph (see the module docs).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct Key(Vec<Tok>);
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.hash == other.hash && self.words == other.words && self.index_ops == other.index_ops
+    }
+}
+
+impl Eq for Key {}
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        h.write_u64(self.hash);
+    }
+}
+
+thread_local! {
+    /// The words' buffer of this thread's last key that found its plan.
+    static SPARE: std::cell::Cell<Vec<u64>> = const { std::cell::Cell::new(Vec::new()) };
+}
 
 impl Key {
     /// The key of `g` for an executor that does (`rows`) or does not lower row kernels.
     pub(crate) fn of(g: &Dag, caps: crate::backend::Capabilities) -> Key {
-        let mut t = Vec::with_capacity(g.nodes.len() * 16);
-        t.push(Tok::N(caps.row_kernels as u64 | (caps.multi_output as u64) << 1 | (caps.index_epilogues as u64) << 2));
-        t.push(Tok::N(caps.max_inputs as u64));
-        t.push(Tok::N(caps.prologue_rows as u64));
+        let mut t = SPARE.with(|s| s.take());
+        t.clear();
+        t.reserve(g.nodes.len() * 16);
+        let mut index_ops = vec![];
+        t.push(caps.row_kernels as u64 | (caps.multi_output as u64) << 1 | (caps.index_epilogues as u64) << 2);
+        t.push(caps.max_inputs as u64);
+        t.push(caps.prologue_rows as u64);
         for (i, node) in g.nodes.iter().enumerate() {
             // Our own references are `g.nodes` and two per edge (see
             // `lifetimes::survivors`). Only pending nodes' count: whether a
             // realized input is held elsewhere changes nothing in the plan
             // (and another thread may be taking references to it).
             let external = g.ops[i].is_some() && std::sync::Arc::strong_count(node) > 1 + 2 * g.edges_in[i];
-            t.push(Tok::N(((g.target[i] as u64) << 1) | external as u64));
-            t.push(Tok::DType(node.dtype));
-            t.push(Tok::Device(node.device));
+            t.push(((g.target[i] as u64) << 1) | external as u64);
+            t.push(dtype_word(node.dtype));
+            t.push(match node.device {
+                Device::Cpu => 0,
+                Device::Gpu(d) => d as u64 + 1,
+            });
             push_dims(&mut t, &node.dims);
             let Some(op) = &g.ops[i] else {
-                t.push(Tok::N(0));
+                t.push(0);
                 continue;
             };
             match &op.kind {
-                OpKind::Const(_) => t.push(Tok::N(1)),
-                OpKind::Map(m) => t.extend([Tok::N(2), Tok::Map(*m)]),
-                OpKind::Copy => t.push(Tok::N(3)),
+                OpKind::Const(_) => t.push(1),
+                OpKind::Map(m) => t.extend([2, map_word(*m)]),
+                OpKind::Copy => t.push(3),
                 OpKind::Reduce(r, axes) => {
-                    t.extend([Tok::N(4), Tok::Reduce(*r)]);
+                    t.extend([4, *r as u64]);
                     push_dims(&mut t, axes);
                 }
-                OpKind::Matmul => t.push(Tok::N(5)),
-                OpKind::Index(x) => t.extend([Tok::N(6), Tok::Index(*x)]),
-                OpKind::QMatmul(q) => t.extend([Tok::N(7), Tok::N(q.id() as u64)]),
+                OpKind::Matmul => t.push(5),
+                OpKind::Index(x) => {
+                    t.push(6);
+                    index_ops.push(*x);
+                }
+                OpKind::QMatmul(q) => t.extend([7, q.id() as u64]),
             }
-            t.push(Tok::N(op.inputs.len() as u64));
+            t.push(op.inputs.len() as u64);
             for v in &op.inputs {
-                t.push(Tok::N(g.index[&v.node.id] as u64));
+                t.push(g.index[&v.node.id] as u64);
                 push_layout(&mut t, &v.layout);
             }
         }
-        Key(t)
+        let hash = {
+            use std::hash::BuildHasher;
+            let state = foldhash::fast::FixedState::default();
+            state.hash_one((bytemuck::cast_slice::<u64, u8>(&t), &index_ops))
+        };
+        Key { words: t, index_ops, hash }
+    }
+
+    /// Hand the words' buffer to this thread's next key (after a hit: the
+    /// cache keeps the key of a miss).
+    pub(crate) fn recycle(self) {
+        SPARE.with(|s| s.set(self.words));
     }
 
     fn bytes(&self) -> usize {
-        std::mem::size_of::<Key>() + self.0.len() * std::mem::size_of::<Tok>()
+        std::mem::size_of::<Key>() + self.words.len() * 8 + self.index_ops.len() * std::mem::size_of::<IndexOp>()
     }
 }
 
-fn push_dims(t: &mut Vec<Tok>, dims: &[usize]) {
-    t.push(Tok::N(dims.len() as u64));
-    t.extend(dims.iter().map(|&d| Tok::N(d as u64)));
+/// `dt` as a key word.
+fn dtype_word(dt: DType) -> u64 {
+    dt as u64
 }
 
-fn push_layout(t: &mut Vec<Tok>, l: &Layout) {
+/// `m` as a key word: the kind in the high byte, the primitive below.
+fn map_word(m: MapOp) -> u64 {
+    match m {
+        MapOp::Unary(u) => u as u64,
+        MapOp::Binary(b) => 1 << 8 | b as u64,
+        MapOp::Cmp(c) => 2 << 8 | c as u64,
+        MapOp::Where => 3 << 8,
+        MapOp::Cast => 4 << 8,
+    }
+}
+
+fn push_dims(t: &mut Vec<u64>, dims: &[usize]) {
+    t.push(dims.len() as u64);
+    t.extend(dims.iter().map(|&d| d as u64));
+}
+
+fn push_layout(t: &mut Vec<u64>, l: &Layout) {
     push_dims(t, l.dims());
-    t.extend(l.strides().iter().map(|&s| Tok::N(s as u64)));
-    t.push(Tok::N(l.offset as u64));
+    t.extend(l.strides().iter().map(|&s| s as u64));
+    t.push(l.offset as u64);
 }
 
 /// A scheduled plan with what ties it to any graph of its key.
@@ -276,4 +333,39 @@ pub fn clear_plan_cache() {
     c.map.clear();
     c.stats.bytes = 0;
     c.stats.entries = 0;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Key;
+    use crate::primitive::{BinaryOp, UnaryOp};
+    use crate::schedule::collect::collect;
+    use crate::schedule::testing::{attention_scaled, binary, cpu_caps, input, unary};
+
+    fn key(v: &crate::graph::Value) -> Key {
+        Key::of(&collect(&[v]), cpu_caps())
+    }
+
+    #[test]
+    fn keys_tell_apart_what_the_plan_depends_on_and_nothing_else() {
+        let (a, b) = (input(&[4, 3]), input(&[4, 3]));
+        let same = |f: &dyn Fn(&crate::graph::Value, &crate::graph::Value) -> crate::graph::Value| key(&f(&a, &b)) == key(&f(&input(&[4, 3]), &input(&[4, 3])));
+        // The same structure over other buffers: one key (and one hash).
+        assert!(same(&|x, y| unary(&binary(x, y, BinaryOp::Add), UnaryOp::Exp)));
+        let k = key(&unary(&binary(&a, &b, BinaryOp::Add), UnaryOp::Exp));
+        assert_eq!(k.hash, key(&unary(&binary(&a, &b, BinaryOp::Add), UnaryOp::Exp)).hash);
+        // Another primitive, kind of primitive, shape or index parameter: another key.
+        assert_ne!(k, key(&unary(&binary(&a, &b, BinaryOp::Mul), UnaryOp::Exp)));
+        assert_ne!(k, key(&unary(&binary(&a, &b, BinaryOp::Add), UnaryOp::Log)));
+        assert_ne!(k, key(&binary(&binary(&a, &b, BinaryOp::Add), &a, BinaryOp::Add)));
+        assert_ne!(k, key(&unary(&binary(&input(&[3, 4]), &input(&[3, 4]), BinaryOp::Add), UnaryOp::Exp)));
+        let (q, kv, mask) = (input(&[2, 3, 4]), input(&[2, 5, 4]), input(&[3, 5]));
+        let at = |scale: f64| key(&attention_scaled(&q, &kv, &kv, &mask, scale));
+        assert_eq!(at(0.5), at(0.5));
+        assert_ne!(at(0.5), at(0.25));
+        // A thread's recycled buffer leaves the next key as it would be.
+        let k2 = key(&unary(&binary(&a, &b, BinaryOp::Add), UnaryOp::Exp));
+        k2.recycle();
+        assert_eq!(k, key(&unary(&binary(&a, &b, BinaryOp::Add), UnaryOp::Exp)));
+    }
 }

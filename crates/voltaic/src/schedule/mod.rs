@@ -57,6 +57,7 @@ pub(crate) fn schedule(targets: &[&Value], caps: Capabilities) -> Scheduled {
     });
     profile::time(Phase::Schedule, || {
         if let Some(e) = cache::lookup(&key) {
+            key.recycle();
             let inputs = e.input_nodes.iter().map(|&p| dag.nodes[p].buffer().expect("a plan input is realized")).collect();
             let store = e.store_nodes.iter().map(|&p| dag.nodes[p].clone()).collect();
             return Scheduled { plan: e.plan_for(&dag), inputs, store, cached: true };

@@ -84,9 +84,14 @@ pub(crate) fn qmatmul(x: &Value, w: &Value, q: crate::quant::GgmlType, n: usize)
 /// `softmax(q k^T * scale + mask) v` over `q` `[b, m, d]`, `k` and `v`
 /// `[b, n, d]`, `mask` `[m, n]` broadcast over the batch.
 pub(crate) fn attention(q: &Value, k: &Value, v: &Value, mask: &Value) -> Value {
+    attention_scaled(q, k, v, mask, 0.5)
+}
+
+/// [`attention`] with the scores scaled by `scale`.
+pub(crate) fn attention_scaled(q: &Value, k: &Value, v: &Value, mask: &Value, scale: f64) -> Value {
     let d = q.layout.dims();
     let mask = broadcast(mask, &[d[0], d[1], k.layout.dims()[1]]);
-    pending(OpKind::Index(crate::primitive::IndexOp::Attention { scale: 0.5 }), &[q, k, v, &mask], d)
+    pending(OpKind::Index(crate::primitive::IndexOp::Attention { scale }), &[q, k, v, &mask], d)
 }
 
 /// col2im of 3x3 patches `[n, c, 3, 3, h, w]` (stride 1, padding 1) into `[n, c, h, w]`.
