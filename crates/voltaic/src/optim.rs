@@ -650,9 +650,10 @@ impl GradScaler {
         // One realization computes the gradients and the check, so the
         // optimizer's step reads them instead of computing the backward pass
         // again; nothing waits for it. The gradients are kept as the
-        // backward pass made them and divided by the scale where they are
-        // read (in the optimizer's kernels): a division kernel per
-        // gradient here would write each once more.
+        // backward pass made them; the division by the scale is recorded
+        // lazily, so it joins the optimizer's update kernels (which also
+        // store the unscaled gradient the parameter holds) instead of
+        // taking a kernel per gradient here.
         let mut all = vec![&found];
         all.extend(&raw);
         Tensor::realize_all(&all)?;
