@@ -127,10 +127,9 @@ fn sum_each(tensors: &[Tensor], each: impl Fn(&Tensor) -> Result<Tensor>) -> Res
     let (small, large): (Vec<&Tensor>, Vec<&Tensor>) = tensors.iter().partition(|t| t.device() == device && t.numel() <= JOIN_BELOW);
     let mut parts = vec![];
     let flat: Vec<Tensor> = small.iter().filter(|t| t.numel() > 0).map(|t| t.flatten_all()).collect::<Result<_>>()?;
-    // As many as one kernel may read (`cat` would join more in groups and
+    // As many as one kernel reads (`cat` would join more in groups and
     // then join the groups, copying everything twice).
-    let per = crate::backend::executor(device)?.capabilities().max_inputs.max(2);
-    for group in flat.chunks(per) {
+    for group in flat.chunks(Tensor::cat_parts_per_kernel(device)?) {
         let joined = Tensor::cat(&group.iter().collect::<Vec<_>>(), 0)?;
         parts.push(each(&joined)?.sum_all()?);
     }

@@ -8,6 +8,12 @@ use crate::shape::norm_axis;
 use crate::tensor::Tensor;
 
 impl Tensor {
+    /// How many parts one `cat` kernel on `device` reads (beyond that,
+    /// `cat` joins groups and then the groups).
+    pub(crate) fn cat_parts_per_kernel(device: crate::Device) -> Result<usize> {
+        Ok(crate::backend::executor(device)?.capabilities().max_inputs.max(2))
+    }
+
     /// Concatenate along `dim`; all tensors must agree on every other dim.
     pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
         let Some(first) = tensors.first() else {
@@ -38,7 +44,7 @@ impl Tensor {
         }
         // One kernel reads every part: more parts than the device lets a
         // kernel bind are joined a group at a time.
-        let max = crate::backend::executor(first.device())?.capabilities().max_inputs.max(2);
+        let max = Tensor::cat_parts_per_kernel(first.device())?;
         if tensors.len() > max {
             let groups = tensors.chunks(max).map(|g| Tensor::cat(g, d as isize)).collect::<Result<Vec<_>>>()?;
             return Tensor::cat(&groups.iter().collect::<Vec<_>>(), d as isize);

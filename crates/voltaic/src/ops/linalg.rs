@@ -136,19 +136,14 @@ fn column_major(t: &Tensor) -> bool {
 /// gradient (the optimizer's update, a gradient scaler's check, a clip)
 /// reads it in order instead of across.
 fn matmul_grad_rhs(a: &Tensor, g: &Tensor, b_dims: &[usize], column_major: bool) -> Result<Tensor> {
-    if b_dims.len() == 2 {
+    let nb = b_dims.len();
+    if b_dims[..nb - 2].iter().all(|&d| d == 1) {
         // sum_z a_z^T @ g_z = [batch*m, k]^T @ [batch*m, n]
         let r = g.rank();
         let rows: usize = g.dims()[..r - 1].iter().product();
-        let (a2, g2) = if r > 2 { (a.reshape_dims(&[rows, b_dims[0]])?, g.reshape_dims(&[rows, b_dims[1]])?) } else { (a.clone(), g.clone()) };
-        return if column_major { g2.t()?.matmul(&a2)?.t() } else { a2.t()?.matmul(&g2) };
-    }
-    if g.rank() > 2 && b_dims[..b_dims.len() - 2].iter().all(|&d| d == 1) {
-        // sum_z a_z^T @ g_z = [batch*m, k]^T @ [batch*m, n]
-        let r = g.rank();
-        let rows: usize = g.dims()[..r - 1].iter().product();
-        let k = a.dims()[r - 1];
-        return a.reshape_dims(&[rows, k])?.t()?.matmul(&g.reshape_dims(&[rows, g.dims()[r - 1]])?)?.reshape_dims(b_dims);
+        let (a2, g2) = if r > 2 { (a.reshape_dims(&[rows, b_dims[nb - 2]])?, g.reshape_dims(&[rows, b_dims[nb - 1]])?) } else { (a.clone(), g.clone()) };
+        let gb = if column_major { g2.t()?.matmul(&a2)?.t()? } else { a2.t()?.matmul(&g2)? };
+        return if nb == 2 { Ok(gb) } else { gb.reshape_dims(b_dims) };
     }
     a.transpose(-1, -2)?.matmul(g)?.sum_to(b_dims)
 }

@@ -36,10 +36,9 @@ impl Gen<'_> {
             DType::F16 if self.caps.f16 => Some(2),
             _ => None,
         };
-        let word = |dt: DType| bytes(dt).is_some();
         let fits = |numel: usize, dt: DType| bytes(dt).is_some_and(|b| numel as u64 * b <= self.caps.chunk_bytes());
         let outs = self.outputs(expr, stores);
-        if !n.is_multiple_of(4) || n < 1 << 16 || !outs.iter().all(|o| word(o.2) && fits(n, o.2)) {
+        if !n.is_multiple_of(4) || n < 1 << 16 || !outs.iter().all(|o| fits(n, o.2)) {
             return Ok(None);
         }
         enum Src4 {
