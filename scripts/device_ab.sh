@@ -10,8 +10,8 @@
 #   in .bin/data
 # then call with carry [".gl", ".bin"]:
 #   ROUNDS=2 bash scripts/device_ab.sh ab        (then: peer,tests)
-# FILTER narrows the rows (a substring of their names; all but cold_ rows
-# when empty).
+# FILTER narrows the rows (a substring of their names, or several separated
+# by spaces, each run in turn; all but cold_ rows when empty).
 set -uo pipefail
 source .gl/env.sh
 export RUST_BACKTRACE=1 VOLTAIC_FASHION_MNIST=$PWD/.bin/data
@@ -19,11 +19,15 @@ for f in .bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
 for f in .bin/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
 chmod +x .bin/* 2>/dev/null
 what="${1:-ab,peer,tests}"
-filter=()
-[ -n "${FILTER:-}" ] && filter=(--filter "$FILTER")
+# FILTER may name several substrings, separated by spaces: each is a run.
+filters=("${FILTER:-}")
+[ -n "${FILTER:-}" ] && read -r -a filters <<< "$FILTER"
 rounds="${ROUNDS:-2}"
 .bin/voltaic devices > "$OUT/devices.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv >> "$OUT/devices.txt"
+for f in "${filters[@]}"; do
+filter=()
+[ -n "$f" ] && filter=(--filter "$f")
 if [[ "$what" == *ab* ]]; then
     # Warm the caches of both (pipelines, tuned plans) before timing.
     for b in voltaic-prev voltaic; do
@@ -36,8 +40,9 @@ if [[ "$what" == *ab* ]]; then
     done
 fi
 if [[ "$what" == *peer* ]]; then
-    .bin/voltaic bench --suite train "${filter[@]}" --json 2> "$OUT/peer.err" | tee "$OUT/peer.jsonl"
+    .bin/voltaic bench --suite train "${filter[@]}" --json 2>> "$OUT/peer.err" | tee -a "$OUT/peer.jsonl"
 fi
+done
 if [[ "$what" == *tests* ]]; then
     for t in lib gpu opinfo nn grad train mixed_precision; do
         [ -x ".bin/$t" ] && ".bin/$t" --test-threads=4 >> "$OUT/tests.txt" 2>&1

@@ -11,6 +11,14 @@ mod train;
 
 use clap::{Parser, Subcommand};
 
+// Every realization records, collects and schedules a graph of thousands of
+// small nodes, while the submit thread encodes the previous one and frees
+// what it held; mimalloc's per-thread pages serve that faster than glibc's
+// arenas (host phases per step in BENCHMARKS.md, issue 16).
+#[cfg(not(target_arch = "wasm32"))]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Voltaic: a PyTorch-shaped tensor and deep-learning library for any GPU (wgpu) and the CPU.
 #[derive(Parser)]
 #[command(name = "voltaic", version, long_about = None)]
@@ -61,11 +69,12 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    // Large host buffers (read-back gradients, staged batches, all-reduce
-    // buffers of tens of MB every step) go back to the heap when freed and
-    // are reused, instead of being unmapped and faulted in again page by
-    // page on the next step (glibc's default above 32 MB, and its trimming):
-    // as a caching host allocator does.
+    // Rust's allocations go to mimalloc (above), which keeps freed memory
+    // for a second before returning it; what C libraries allocate (the
+    // Vulkan driver, MPI) still goes through glibc, whose large buffers
+    // should likewise go back to the heap when freed and be reused, instead
+    // of being unmapped and faulted in again page by page (glibc's default
+    // above 32 MB, and its trimming).
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only tunes the allocator; called before any thread starts.
     unsafe {

@@ -75,7 +75,9 @@ pub(crate) fn collect(targets: &[&Value]) -> Dag {
             for v in &op.inputs {
                 let j = g.index[&v.node.id];
                 g.edges_in[j] += 1;
-                if !g.consumers[j].contains(&i) {
+                // Consumers arrive in increasing order, so a repeat can
+                // only be the last one pushed (an op reading a node twice).
+                if g.consumers[j].last() != Some(&i) {
                     g.consumers[j].push(i);
                 }
             }
