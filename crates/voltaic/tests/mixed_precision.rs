@@ -135,6 +135,44 @@ fn conversions_round_to_nearest_even_on_edge_values() {
 /// Elementwise work, odd-sized strided views and scatter-adds in the half
 /// types give the same bits on the GPU as on the CPU: every thread's
 /// half-word stores land, whatever the word's other half is doing.
+/// GELU (both forms) and SiLU on half inputs compute in f32 and round once,
+/// forward and backward, as PyTorch's kernels do: the results are the f32
+/// op's on the same half values, rounded to the half type, bit for bit.
+#[test]
+fn half_activations_compute_in_f32_and_round_once() {
+    let _serial = serial();
+    let mut rng = Rng::new(11);
+    let n = 1001;
+    let xs: Vec<f32> = rng.normals(n).into_iter().map(|v| (v * 3.0) as f32).collect();
+    let gs: Vec<f32> = rng.normals(n).into_iter().map(|v| v as f32).collect();
+    type Act = fn(&Tensor) -> voltaic::Result<Tensor>;
+    let acts: [(&str, Act); 3] = [("gelu", Tensor::gelu), ("gelu_tanh", Tensor::gelu_tanh), ("silu", Tensor::silu)];
+    for dev in devices() {
+        for dt in [DType::F16, DType::BF16] {
+            let x = Tensor::from_vec(xs.clone(), &[n], dev).unwrap().to_dtype(dt).unwrap();
+            let g = Tensor::from_vec(gs.clone(), &[n], dev).unwrap().to_dtype(dt).unwrap();
+            for (name, f) in acts {
+                // The half op, its upstream gradient `g` exactly.
+                let xh = x.detach().requires_grad().unwrap();
+                let yh = f(&xh).unwrap();
+                assert_eq!(yh.dtype(), dt, "{name} {dt} on {dev}: output dtype");
+                yh.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+                // The f32 op on the same values, rounded once.
+                let x32 = x.to_dtype(DType::F32).unwrap().requires_grad().unwrap();
+                let y32 = f(&x32).unwrap();
+                y32.mul(&g.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+                let want_y = y32.to_dtype(dt).unwrap().to_f64_vec().unwrap();
+                let want_g = x32.grad().unwrap().to_dtype(dt).unwrap().to_f64_vec().unwrap();
+                let got_y = yh.to_f64_vec().unwrap();
+                let got_g = xh.grad().unwrap().to_f64_vec().unwrap();
+                let bad_y = want_y.iter().zip(&got_y).filter(|(w, g)| !same(**w, **g)).count();
+                let bad_g = want_g.iter().zip(&got_g).filter(|(w, g)| !same(**w, **g)).count();
+                assert_eq!((bad_y, bad_g), (0, 0), "{name} {dt} on {dev}: values (forward, gradient) that differ from f32 rounded once");
+            }
+        }
+    }
+}
+
 #[test]
 fn packed_halves_compute_like_the_cpu() {
     let _serial = serial();
