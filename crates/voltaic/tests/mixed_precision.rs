@@ -160,7 +160,7 @@ fn half_activations_compute_in_f32_and_round_once() {
                 // The f32 op on the same values, rounded once.
                 let x32 = x.to_dtype(DType::F32).unwrap().requires_grad().unwrap();
                 let y32 = f(&x32).unwrap();
-                y32.mul(&g.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+                y32.mul(g.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
                 let want_y = y32.to_dtype(dt).unwrap().to_f64_vec().unwrap();
                 let want_g = x32.grad().unwrap().to_dtype(dt).unwrap().to_f64_vec().unwrap();
                 let got_y = yh.to_f64_vec().unwrap();
