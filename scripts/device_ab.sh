@@ -19,29 +19,29 @@ for f in .bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
 for f in .bin/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
 chmod +x .bin/* 2>/dev/null
 what="${1:-ab,peer,tests}"
-# FILTER may name several substrings, separated by spaces: each is a run.
+# One run of the rows per substring of FILTER (all rows when it is empty).
 filters=("${FILTER:-}")
 [ -n "${FILTER:-}" ] && read -r -a filters <<< "$FILTER"
 rounds="${ROUNDS:-2}"
 .bin/voltaic devices > "$OUT/devices.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv >> "$OUT/devices.txt"
-for f in "${filters[@]}"; do
-filter=()
-[ -n "$f" ] && filter=(--filter "$f")
-if [[ "$what" == *ab* ]]; then
-    # Warm the caches of both (pipelines, tuned plans) before timing.
-    for b in voltaic-prev voltaic; do
-        .bin/$b bench --suite train "${filter[@]}" --no-peer --runs 1 > /dev/null 2>> "$OUT/ab.err"
-    done
-    for r in $(seq "$rounds"); do
+for pattern in "${filters[@]}"; do
+    filter=()
+    [ -n "$pattern" ] && filter=(--filter "$pattern")
+    if [[ "$what" == *ab* ]]; then
+        # Warm the caches of both (pipelines, tuned plans) before timing.
         for b in voltaic-prev voltaic; do
-            .bin/$b bench --suite train "${filter[@]}" --no-peer --json 2>> "$OUT/ab.err" | sed "s/^/{\"bin\":\"$b\",\"round\":$r} /" | tee -a "$OUT/ab.jsonl"
+            .bin/$b bench --suite train "${filter[@]}" --no-peer --runs 1 > /dev/null 2>> "$OUT/ab.err"
         done
-    done
-fi
-if [[ "$what" == *peer* ]]; then
-    .bin/voltaic bench --suite train "${filter[@]}" --json 2>> "$OUT/peer.err" | tee -a "$OUT/peer.jsonl"
-fi
+        for r in $(seq "$rounds"); do
+            for b in voltaic-prev voltaic; do
+                .bin/$b bench --suite train "${filter[@]}" --no-peer --json 2>> "$OUT/ab.err" | sed "s/^/{\"bin\":\"$b\",\"round\":$r} /" | tee -a "$OUT/ab.jsonl"
+            done
+        done
+    fi
+    if [[ "$what" == *peer* ]]; then
+        .bin/voltaic bench --suite train "${filter[@]}" --json 2>> "$OUT/peer.err" | tee -a "$OUT/peer.jsonl"
+    fi
 done
 if [[ "$what" == *tests* ]]; then
     for t in lib gpu opinfo nn grad train mixed_precision; do
