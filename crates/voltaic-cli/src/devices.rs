@@ -37,6 +37,11 @@ pub fn run(json: bool) -> anyhow::Result<()> {
     let features = simd();
     // GL adapters too (otherwise searched for only where nothing else is found).
     voltaic::backend::probe_gl();
+    // Open each device but GL's (which share one context lock), so that the
+    // report says what opening tells: how f16 arithmetic rounds there.
+    for a in voltaic::backend::adapters().iter().filter(|a| a.backend != "Gl") {
+        let _ = voltaic::Device::Gpu(a.index).synchronize();
+    }
     let gpus = voltaic::backend::adapters();
     let best = voltaic::Device::best();
     if json {

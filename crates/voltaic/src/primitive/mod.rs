@@ -44,6 +44,10 @@ pub trait UnaryKernel {
     const WGSL: &'static str;
     /// WGSL expression over integers (`{T}` is `i32` or `u32`).
     const WGSL_INT: &'static str;
+    /// Whether the result is always a value of its operand's float type
+    /// (the op selects, negates or rounds to an integer), so that a half
+    /// type's result needs no rounding.
+    const EXACT: bool;
     /// Accepted dtypes.
     const DOMAIN: Domain;
     /// f32 kernel.
@@ -66,6 +70,9 @@ pub trait BinaryKernel {
     const WGSL: &'static str;
     /// WGSL expression over integers (`{T}` is `i32` or `u32`).
     const WGSL_INT: &'static str;
+    /// Whether the result is always one of the operands' values (see
+    /// [`UnaryKernel::EXACT`]).
+    const EXACT: bool;
     /// Accepted dtypes.
     const DOMAIN: Domain;
     /// f32 kernel.
@@ -95,7 +102,7 @@ macro_rules! define_unary {
 /// One unary kernel type from its table entry.
 macro_rules! unary_kernel {
     ($(#[$m:meta])* $T:ident $name:literal $dom:ident {
-        wgsl: $wgsl:literal $(| $wgsl_int:literal)?,
+        wgsl: $wgsl:literal $(| $wgsl_int:literal)?, $(exact: $exact:literal,)?
         f32: |$x:ident| $f32:expr, f64: |$y:ident| $f64:expr
         $(, int: |$i:ident| $int:expr)? $(, bool: |$b:ident| $bool:expr)? $(,)?
     }) => {
@@ -106,6 +113,7 @@ macro_rules! unary_kernel {
             const NAME: &'static str = $name;
             const WGSL: &'static str = $wgsl;
             const WGSL_INT: &'static str = first_literal!($($wgsl_int,)? $wgsl);
+            const EXACT: bool = first_literal!($($exact,)? false);
             const DOMAIN: Domain = Domain::$dom;
             #[inline(always)]
             fn f32($x: f32) -> f32 { $f32 }
@@ -138,7 +146,7 @@ macro_rules! define_binary {
 /// One binary kernel type from its table entry.
 macro_rules! binary_kernel {
     ($(#[$m:meta])* $T:ident $name:literal $dom:ident {
-        wgsl: $wgsl:literal $(| $wgsl_int:literal)?,
+        wgsl: $wgsl:literal $(| $wgsl_int:literal)?, $(exact: $exact:literal,)?
         float: |$a:ident, $b:ident| $float:expr
         $(, int: |$ia:ident, $ib:ident| $int:expr)? $(, bool: |$ba:ident, $bb:ident| $bool:expr)? $(,)?
     }) => {
@@ -149,6 +157,7 @@ macro_rules! binary_kernel {
             const NAME: &'static str = $name;
             const WGSL: &'static str = $wgsl;
             const WGSL_INT: &'static str = first_literal!($($wgsl_int,)? $wgsl);
+            const EXACT: bool = first_literal!($($exact,)? false);
             const DOMAIN: Domain = Domain::$dom;
             #[inline(always)]
             fn f32($a: f32, $b: f32) -> f32 { $float }
@@ -201,6 +210,11 @@ macro_rules! op_enum {
             /// Accepted dtypes.
             pub fn domain(self) -> Domain {
                 match self { $($Enum::$V => <$V as $Trait>::DOMAIN),* }
+            }
+            /// Whether a float result needs no rounding to its dtype (the
+            /// table's `exact`: the op selects, negates or rounds to an integer).
+            pub fn exact(self) -> bool {
+                match self { $($Enum::$V => <$V as $Trait>::EXACT),* }
             }
         }
     };

@@ -7,10 +7,12 @@
 //! elementwise op means adding one entry here; nothing else names it.
 //!
 //! An entry reads: doc comment, kernel type, `Tensor` method, name, domain,
-//! gradient, then `{ wgsl: F32_TEMPLATE | INT_TEMPLATE, f32/f64 (or float),
-//! int, bool kernels }`. A gradient gets detached tensors: the inputs, the
-//! output `y` and the output's gradient `g`, all of the output's shape; it
-//! is written with tensor ops, so it is lazy and runs on any device. A
+//! gradient, then `{ wgsl: F32_TEMPLATE | INT_TEMPLATE, exact: true (when
+//! the result is always a value of the operands' float type, so a half
+//! type's result needs no rounding), f32/f64 (or float), int, bool kernels
+//! }`. A gradient gets detached tensors: the inputs, the output `y` and
+//! the output's gradient `g`, all of the output's shape; it is written
+//! with tensor ops, so it is lazy and runs on any device. A
 //! parameter the gradient does not read is named `_`, and that tensor is
 //! then not kept for the backward pass: relu, sigmoid and tanh read their
 //! output (as PyTorch's backward does), an add reads nothing, so the
@@ -25,12 +27,12 @@ macro_rules! unary_table {
         $cb! {
             /// `-x`
             Neg neg "neg" Numeric |_, _, g| g.neg(); {
-                wgsl: "(-{x})" | "({T}(0) - {x})",
+                wgsl: "(-{x})" | "({T}(0) - {x})", exact: true,
                 f32: |x| -x, f64: |x| -x, int: |x| $crate::primitive::IntOps::neg_(x)
             }
             /// `|x|`
             Abs abs "abs" Numeric |x, _, g| g.mul(&x.sign()?); {
-                wgsl: "abs({x})",
+                wgsl: "abs({x})", exact: true,
                 f32: |x| x.abs(), f64: |x| x.abs(), int: |x| $crate::primitive::IntOps::abs_(x)
             }
             /// `e^x`
@@ -91,7 +93,7 @@ macro_rules! unary_table {
             /// `max(x, 0)`; NaN stays NaN as in PyTorch (the WGSL tests NaN on
             /// the bits: some compilers turn the select into a NaN-dropping `max`)
             Relu relu "relu" Numeric |_, y, g| g.mul(&y.gt(0.0)?.to_dtype(g.dtype())?); {
-                wgsl: "select(select({x}, 0.0, {x} < 0.0), {x}, isnan_({x}))" | "select({x}, {T}(0), {x} < {T}(0))",
+                wgsl: "select(select({x}, 0.0, {x} < 0.0), {x}, isnan_({x}))" | "select({x}, {T}(0), {x} < {T}(0))", exact: true,
                 f32: |x| if x < 0.0 { 0.0 } else { x }, f64: |x| if x < 0.0 { 0.0 } else { x },
                 int: |x| if x < Default::default() { Default::default() } else { x }
             }
@@ -102,23 +104,23 @@ macro_rules! unary_table {
             }
             /// round down
             Floor floor "floor" Numeric |_, _, g| g.zeros_like(); {
-                wgsl: "floor({x})" | "{x}",
+                wgsl: "floor({x})" | "{x}", exact: true,
                 f32: |x| x.floor(), f64: |x| x.floor(), int: |x| x
             }
             /// round up
             Ceil ceil "ceil" Numeric |_, _, g| g.zeros_like(); {
-                wgsl: "ceil({x})" | "{x}",
+                wgsl: "ceil({x})" | "{x}", exact: true,
                 f32: |x| x.ceil(), f64: |x| x.ceil(), int: |x| x
             }
             /// round half to even, as PyTorch
             Round round "round" Numeric |_, _, g| g.zeros_like(); {
-                wgsl: "round({x})" | "{x}",
+                wgsl: "round({x})" | "{x}", exact: true,
                 f32: |x| x.round_ties_even(), f64: |x| x.round_ties_even(), int: |x| x
             }
             /// -1, 0 or 1 (NaN stays NaN)
             Sign sign "sign" Numeric |_, _, g| g.zeros_like(); {
                 wgsl: "select(select(select({x}, -1.0, {x} < 0.0), 1.0, {x} > 0.0), {x}, isnan_({x}))"
-                    | "select(select({x}, {T}(0) - {T}(1), {x} < {T}(0)), {T}(1), {x} > {T}(0))",
+                    | "select(select({x}, {T}(0) - {T}(1), {x} < {T}(0)), {T}(1), {x} > {T}(0))", exact: true,
                 f32: |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
                 f64: |x| if x > 0.0 { 1.0 } else if x < 0.0 { -1.0 } else { x },
                 int: |x| $crate::primitive::IntOps::sign_(x)
@@ -128,12 +130,12 @@ macro_rules! unary_table {
             /// GPU compilers may assume values are finite (and fold `x * 0` to 0
             /// or `x != x` to false).
             NonFinite nonfinite "nonfinite" Float |_, _, g| g.zeros_like(); {
-                wgsl: "select(0.0, 1.0, isnan_({x}) || isinf_({x}))",
+                wgsl: "select(0.0, 1.0, isnan_({x}) || isinf_({x}))", exact: true,
                 f32: |x| if x.is_finite() { 0.0 } else { 1.0 }, f64: |x| if x.is_finite() { 0.0 } else { 1.0 }
             }
             /// logical not (nonzero is true)
             Not logical_not "logical_not" Bool |_, _, g| g.zeros_like(); {
-                wgsl: "!({x})",
+                wgsl: "!({x})", exact: true,
                 f32: |x| x, f64: |x| x, bool: |x| !x
             }
         }
@@ -188,22 +190,22 @@ macro_rules! binary_table {
             Maximum maximum "maximum" Numeric |a, b, _, g| g.split_ties(&a.gt(b)?, &a.eq(b)?, &b.gt(a)?); {
                 // NaN tested on each operand apart: NVIDIA's compiler turned the
                 // one-select form into a NaN-dropping max (seen on the H100, bf16).
-                wgsl: "select(select(select({b}, {a}, {a} > {b}), {b}, isnan_({b})), {a}, isnan_({a}))" | "max({a}, {b})",
+                wgsl: "select(select(select({b}, {a}, {a} > {b}), {b}, isnan_({b})), {a}, isnan_({a}))" | "max({a}, {b})", exact: true,
                 float: |a, b| if a > b || a.is_nan() { a } else { b }, int: |a, b| if a > b { a } else { b }
             }
             /// elementwise minimum; NaN wins, as in PyTorch
             Minimum minimum "minimum" Numeric |a, b, _, g| g.split_ties(&a.lt(b)?, &a.eq(b)?, &b.lt(a)?); {
-                wgsl: "select(select(select({b}, {a}, {a} < {b}), {b}, isnan_({b})), {a}, isnan_({a}))" | "min({a}, {b})",
+                wgsl: "select(select(select({b}, {a}, {a} < {b}), {b}, isnan_({b})), {a}, isnan_({a}))" | "min({a}, {b})", exact: true,
                 float: |a, b| if a < b || a.is_nan() { a } else { b }, int: |a, b| if a < b { a } else { b }
             }
             /// logical and (nonzero is true)
             And logical_and "logical_and" Bool |_, _, _, g| Ok((g.zeros_like()?, g.zeros_like()?)); {
-                wgsl: "({a} && {b})",
+                wgsl: "({a} && {b})", exact: true,
                 float: |a, b| a, bool: |a, b| a & b
             }
             /// logical or (nonzero is true)
             Or logical_or "logical_or" Bool |_, _, _, g| Ok((g.zeros_like()?, g.zeros_like()?)); {
-                wgsl: "({a} || {b})",
+                wgsl: "({a} || {b})", exact: true,
                 float: |a, b| a, bool: |a, b| a | b
             }
         }

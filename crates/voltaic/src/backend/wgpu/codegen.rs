@@ -13,7 +13,7 @@ use crate::dtype::DType;
 use crate::error::{bail, Result};
 use crate::ir::{Expr, Instr};
 use crate::layout::Layout;
-use crate::primitive::{BinaryOp, CmpOp, MapOp, WGSL_HELPERS};
+use crate::primitive::{BinaryOp, CmpOp, MapOp, UnaryOp, WGSL_HELPERS};
 use std::fmt::Write;
 
 /// The buffer a binding refers to.
@@ -159,9 +159,26 @@ pub(crate) fn round_to(dt: DType, e: &str) -> String {
 
 /// The WGSL of binary primitive `op` on compute values `a` and `b` of dtype `dt`.
 pub(crate) fn binary_expr(op: BinaryOp, dt: DType, a: &str, b: &str) -> String {
+    let v = binary_unrounded(op, dt, a, b);
+    if op.exact() {
+        v
+    } else {
+        round_to(dt, &v)
+    }
+}
+
+/// [`binary_expr`] before rounding to a half type.
+fn binary_unrounded(op: BinaryOp, dt: DType, a: &str, b: &str) -> String {
     let ty = compute_ty(dt);
     let t = if ty == "f32" { op.wgsl() } else { op.wgsl_int() };
-    round_to(dt, &t.replace("{T}", ty).replace("{a}", a).replace("{b}", b))
+    t.replace("{T}", ty).replace("{a}", a).replace("{b}", b)
+}
+
+/// The binary primitives a GPU computes correctly rounded in f16 (Vulkan's
+/// and WGSL's precision rules), so that with `Caps::half_math` a device's
+/// own f16 arithmetic gives the CPU's bits.
+fn native_half(op: BinaryOp) -> bool {
+    matches!(op, BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul)
 }
 
 /// A WGSL literal of `v` in the compute type of `dt` (exact, infinities and NaN included).
@@ -177,10 +194,20 @@ pub(crate) fn literal(v: f64, dt: DType) -> String {
     }
 }
 
-/// Convert a compute value of dtype `from` to dtype `to`, with Rust `as` semantics.
+/// Convert a compute value of dtype `from` to dtype `to`, with Rust `as`
+/// semantics. A value is already what its dtype holds (every op rounds its
+/// result), so a cast to the same dtype is the value itself.
 pub(crate) fn cast(from: DType, to: DType, e: &str) -> String {
+    if from == to {
+        return e.to_string();
+    }
+    round_to(to, &convert(from, to, e))
+}
+
+/// [`cast`] before rounding to a half type.
+fn convert(from: DType, to: DType, e: &str) -> String {
     let (f, t) = (compute_ty(from), compute_ty(to));
-    let v = match (f, t) {
+    match (f, t) {
         _ if f == t => e.to_string(),
         ("f32", "i32") => format!("f2i_({e})"),
         ("f32", "u32") => format!("f2u_({e})"),
@@ -190,8 +217,7 @@ pub(crate) fn cast(from: DType, to: DType, e: &str) -> String {
         ("u32", "bool") => format!("({e} != 0u)"),
         ("bool", _) => format!("select({t}(0), {t}(1), {e})"),
         _ => format!("{t}({e})"),
-    };
-    round_to(to, &v)
+    }
 }
 
 /// A shader under construction: bindings with their accessors, and the body.
@@ -518,11 +544,43 @@ pub(crate) fn emit_expr(out: &mut String, sh: &mut Shader, ix: &mut Indexer, exp
 /// [`emit_expr`] with some loads replaced by given WGSL values (a matmul
 /// epilogue's product).
 pub(crate) fn emit_expr_with(out: &mut String, sh: &mut Shader, ix: &mut Indexer, expr: &Expr, values: &[(usize, String)]) -> Result<String> {
+    emit_expr_stored(out, sh, ix, expr, values, &[])
+}
+
+/// [`emit_expr_with`] for a kernel that writes instructions `stored` to
+/// buffers of their own dtype and nothing else: where the device's f16
+/// stores round as the CPU does (`Caps::half_math`), an f16 result that no
+/// other instruction reads is left to the store's conversion.
+///
+/// Half-precision results are otherwise rounded as each op makes them, so
+/// a fused chain gives the bits of the same ops run one by one: on the bits
+/// in software (`f16r_`, `bf16r_`), or, for f16 additions, subtractions and
+/// multiplications under `half_math`, by the device's own f16 arithmetic.
+/// A product that an addition reads keeps the software rounding: a
+/// compiler may contract the two into one fused multiply-add, which rounds
+/// once instead of twice. Ops whose result is always one of the values of
+/// their dtype (`exact` in the op table: max, neg, floor, ...) need no
+/// rounding.
+pub(crate) fn emit_expr_stored(out: &mut String, sh: &mut Shader, ix: &mut Indexer, expr: &Expr, values: &[(usize, String)], stored: &[usize]) -> Result<String> {
+    let half_math = sh.caps.half_math;
+    // Which values other instructions read, and which an addition may
+    // contract with (a negation or a cast may stand between them).
+    let mut read = vec![false; expr.instrs.len()];
+    let mut feeds_add = vec![false; expr.instrs.len()];
+    for (ins, _) in &expr.instrs {
+        let adds = matches!(ins, Instr::Map(MapOp::Binary(BinaryOp::Add | BinaryOp::Sub) | MapOp::Unary(UnaryOp::Neg) | MapOp::Cast, _));
+        for &a in ins.operands() {
+            read[a] = true;
+            feeds_add[a] |= adds;
+        }
+    }
     let mut names: Vec<String> = Vec::with_capacity(expr.instrs.len());
     for (i, (ins, dt)) in expr.instrs.iter().enumerate() {
         let name = format!("v{i}");
         let ty = compute_ty(*dt);
         let operand_dt = |a: usize| expr.instrs[a].1;
+        let left_to_store = half_math && *dt == DType::F16 && !read[i] && stored.contains(&i);
+        let round = |e: String| if left_to_store { e } else { round_to(*dt, &e) };
         let val = match ins {
             Instr::Load(l) if values.iter().any(|(i, _)| i == l) => values.iter().find(|(i, _)| i == l).map(|(_, v)| v.clone()).expect("found"),
             Instr::Load(l) => {
@@ -550,9 +608,19 @@ pub(crate) fn emit_expr_with(out: &mut String, sh: &mut Shader, ix: &mut Indexer
                     MapOp::Unary(crate::primitive::UnaryOp::Abs) if ty == "u32" => arg(0).to_string(),
                     MapOp::Unary(op) => {
                         let t = if ty == "f32" { op.wgsl() } else { op.wgsl_int() };
-                        round_to(*dt, &t.replace("{T}", ty).replace("{x}", arg(0)))
+                        let v = t.replace("{T}", ty).replace("{x}", arg(0));
+                        if op.exact() {
+                            v
+                        } else {
+                            round(v)
+                        }
                     }
-                    MapOp::Binary(op) => binary_expr(*op, *dt, arg(0), arg(1)),
+                    MapOp::Binary(op) if op.exact() => binary_unrounded(*op, *dt, arg(0), arg(1)),
+                    MapOp::Binary(op) if half_math && *dt == DType::F16 && native_half(*op) && !(*op == BinaryOp::Mul && feeds_add[i]) => {
+                        // The operands hold f16 values: their conversions are exact.
+                        format!("f32({})", binary_unrounded(*op, *dt, &format!("f16({})", arg(0)), &format!("f16({})", arg(1))))
+                    }
+                    MapOp::Binary(op) => round(binary_unrounded(*op, *dt, arg(0), arg(1))),
                     MapOp::Cmp(op) => {
                         let (x, y) = (arg(0), arg(1));
                         let odt = operand_dt(args[0]);
@@ -565,7 +633,8 @@ pub(crate) fn emit_expr_with(out: &mut String, sh: &mut Shader, ix: &mut Indexer
                         }
                     }
                     MapOp::Where => format!("select({}, {}, {})", arg(2), arg(1), arg(0)),
-                    MapOp::Cast => cast(operand_dt(args[0]), *dt, arg(0)),
+                    MapOp::Cast if operand_dt(args[0]) == *dt => arg(0).to_string(),
+                    MapOp::Cast => round(convert(operand_dt(args[0]), *dt, arg(0))),
                 }
             }
         };

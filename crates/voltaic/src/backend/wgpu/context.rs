@@ -12,6 +12,11 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct Caps {
     /// `SHADER_F16`: f16 storage and arithmetic in shaders.
     pub f16: bool,
+    /// The device's own f16 additions, subtractions, multiplications and
+    /// stores round to nearest even with subnormals kept, as the CPU does
+    /// (checked by `halfmath::probe` when the device opens): kernels use
+    /// them instead of rounding every half result on its bits.
+    pub half_math: bool,
     /// `TIMESTAMP_QUERY`: per-kernel GPU times for `VOLTAIC_PROFILE`.
     pub timestamps: bool,
     /// Largest byte range one storage binding may cover.
@@ -305,11 +310,23 @@ pub(crate) struct GpuContext {
     /// Where the driver's pipeline cache is kept between runs.
     pipeline_cache_file: Option<std::path::PathBuf>,
     last_cache_save: Mutex<Option<web_time::Instant>>,
+    /// Why half results are rounded in software here, if they are (the
+    /// outcome of `halfmath::probe`; `Caps::half_math` when `Ok`).
+    pub half_probe: std::result::Result<(), String>,
     /// Pipelines compiled, submissions and dispatches so far (for tests and profiles).
     pub compiled: AtomicU64,
     pub submissions: AtomicU64,
     pub dispatches: AtomicU64,
     pub bind_groups: AtomicU64,
+}
+
+/// Say why a device keeps rounding half results in software, once, where
+/// the compile log is on (the probe's refusal is a property of the driver,
+/// not an error).
+fn log_half_probe(index: usize, info: &wgpu::AdapterInfo, why: &str) {
+    if compile_log() {
+        eprintln!("voltaic: gpu:{index} ({}): f16 results rounded in software: {why}", info.name);
+    }
 }
 
 /// Whether Voltaic runs f16 products on the adapter's tensor cores: through
@@ -368,8 +385,20 @@ impl GpuContext {
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
             u2.lock().unwrap_or_else(|p| p.into_inner()).push(e.to_string());
         }));
+        let f16 = features.contains(wgpu::Features::SHADER_F16);
+        // A browser answers only through promises, which this opener does
+        // not wait for: there the software rounding stays.
+        #[cfg(not(target_arch = "wasm32"))]
+        let half_probe = if f16 { super::halfmath::probe(&device, &queue) } else { Err("no SHADER_F16".into()) };
+        #[cfg(target_arch = "wasm32")]
+        let half_probe: std::result::Result<(), String> = Err("not probed in a browser".into());
+        if let Err(why) = &half_probe {
+            log_half_probe(index, &info, why);
+        }
+        let half_math = half_probe.is_ok();
         let caps = Caps {
-            f16: features.contains(wgpu::Features::SHADER_F16),
+            f16,
+            half_math,
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
             max_buffer: limits.max_buffer_size,
@@ -418,6 +447,7 @@ impl GpuContext {
             pipeline_cache_file,
             last_cache_save: Mutex::new(None),
             index,
+            half_probe,
             pool: Arc::new(Mutex::new(Pool::new(caps.max_buffer))),
             device,
             queue,

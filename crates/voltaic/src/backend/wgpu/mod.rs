@@ -11,6 +11,7 @@ pub(crate) mod autotune;
 pub(crate) mod codegen;
 pub(crate) mod context;
 pub(crate) mod exec;
+mod halfmath;
 pub(crate) mod kernels;
 pub(crate) mod matmul;
 pub(crate) mod pool;
@@ -224,9 +225,14 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
                 (true, _) => "products on tensor cores, rows and columns scaled into f16's range (cooperative matrices, f32 accumulation)",
                 _ => "products on the shader cores, f32 accumulation",
             };
+            // How f16 results round is known once the device is open (its probe).
+            let half_math = reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).get(&index).map(|c| match &c.half_probe {
+                Ok(()) => "; arithmetic in the device's own f16 (its probe rounds as the CPU does)".to_string(),
+                Err(why) => format!("; results rounded in software ({why})"),
+            });
             let precision = vec![
                 ("f32", "4 bytes; products on the shader cores".to_string()),
-                ("f16", format!("2 bytes, {}; {}", if f16 { "native (SHADER_F16)" } else { "packed in 32-bit words" }, products("f16"))),
+                ("f16", format!("2 bytes, {}{}; {}", if f16 { "native (SHADER_F16)" } else { "packed in 32-bit words" }, half_math.unwrap_or_default(), products("f16"))),
                 ("bf16", format!("2 bytes, packed in 32-bit words, computed in f32; {}", products("bf16"))),
             ];
             if f.contains(wgpu::Features::SUBGROUP) {

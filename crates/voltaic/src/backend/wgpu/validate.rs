@@ -18,6 +18,7 @@ use crate::{DType, Device, Tensor};
 fn lavapipe() -> Caps {
     Caps {
         f16: false,
+        half_math: false,
         timestamps: false,
         max_binding: 128 << 20,
         max_buffer: 1 << 31,
@@ -35,6 +36,7 @@ fn lavapipe() -> Caps {
 fn h100() -> Caps {
     Caps {
         f16: true,
+        half_math: true,
         timestamps: true,
         max_binding: (2 << 30) - 4,
         max_buffer: 4 << 30,
@@ -235,7 +237,8 @@ fn every_kernel_family_generates_valid_wgsl() {
     // kernels must not need the f16 capability.
     // Folds with and without subgroup shuffles (8 and 32 lanes; none).
     let all = || vec![DType::F32, DType::F16, DType::BF16];
-    for (caps, dtypes) in [(lavapipe(), all()), (h100(), all()), (Caps { subgroup: None, ..h100() }, all())] {
+    // And f16 by the device's own arithmetic (`half_math`) or rounded on its bits.
+    for (caps, dtypes) in [(lavapipe(), all()), (h100(), all()), (Caps { subgroup: None, half_math: false, ..h100() }, all())] {
         for dt in dtypes {
             for t in graphs(dt) {
                 modules += check(&t, &caps, &mut seen);
@@ -276,4 +279,40 @@ fn a_broken_template_is_caught() {
     let caps = lavapipe();
     let bad = "@compute @workgroup_size(64) fn main() { let x: f32 = 1u; }";
     assert!(std::panic::catch_unwind(|| validate("bad", bad, &caps)).is_err());
+}
+
+/// The one elementwise kernel of `t`, rendered for `caps`: its `main`.
+fn elementwise_main(t: &Tensor, caps: &Caps) -> String {
+    let ks = kernels(t);
+    assert_eq!(ks.len(), 1, "one kernel expected: {:?}", ks.iter().map(|(k, _)| k.ops.join(" ")).collect::<Vec<_>>());
+    let (k, inputs) = &ks[0];
+    let p = program(caps, k, inputs, None).unwrap();
+    let src = &p.dispatches[0].source;
+    src[src.find("fn main").expect("a main")..].to_string()
+}
+
+#[test]
+fn half_results_round_once_each_by_the_device_or_on_the_bits() {
+    let (a, b, c) = (randn(&[300], DType::F16), randn(&[300], DType::F16), randn(&[300], DType::F16));
+    // A product an addition reads, the sum, a maximum (exact) and the store
+    // (three inputs: the most `kernels` fuses).
+    let chain = a.mul(&b).unwrap().add(&c).unwrap().maximum(&a).unwrap();
+    let rounds = |s: &str| s.matches("f16r_(").count();
+    let native = elementwise_main(&chain, &h100());
+    // Under half_math only the product rounds on its bits (a compiler may
+    // contract a product an addition reads into one fused multiply-add);
+    // the sum is the device's f16 addition; the maximum needs no rounding.
+    assert_eq!(rounds(&native), 1, "{native}");
+    assert!(native.contains("f16r_((v0 * v1))") && native.contains("f32((f16(v2) + f16(v3)))"), "{native}");
+    let software = elementwise_main(&chain, &Caps { half_math: false, ..h100() });
+    assert_eq!(rounds(&software), 2, "the product and the sum, not the maximum nor the store: {software}");
+    // A product nothing adds to is the device's own; so is a sum.
+    let alone = elementwise_main(&a.mul(&b).unwrap().mul(&c).unwrap(), &h100());
+    assert_eq!(rounds(&alone), 0, "{alone}");
+    // An f32 result cast to f16 and only stored is rounded by the store.
+    let x = randn(&[300], DType::F32);
+    let stored = elementwise_main(&x.exp().unwrap().to_dtype(DType::F16).unwrap(), &h100());
+    assert_eq!(rounds(&stored), 0, "{stored}");
+    let kept = elementwise_main(&x.exp().unwrap().to_dtype(DType::F16).unwrap().exp().unwrap(), &h100());
+    assert_eq!(rounds(&kept), 1, "a cast another op reads is rounded on its bits, the exp of it by the store: {kept}");
 }

@@ -2,7 +2,7 @@
 //! for large contiguous work over 32-bit types and native f16.
 
 use super::{groups, Gen, PER, WG};
-use crate::backend::wgpu::codegen::{cast, emit_expr, emit_expr_with, from_storage, storage_ty, to_storage, Dispatch, Indexer, Src};
+use crate::backend::wgpu::codegen::{cast, emit_expr_stored, from_storage, storage_ty, to_storage, Dispatch, Indexer, Src};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ir::Expr;
@@ -22,6 +22,12 @@ impl Gen<'_> {
             .collect()
     }
 
+    /// The instructions of `stores` written only to outputs of their own
+    /// dtype, whose rounding a store may do (see `emit_expr_stored`).
+    fn stored_as_is(expr: &Expr, stores: &[usize], outs: &[(Src, String, DType)]) -> Vec<usize> {
+        stores.iter().copied().filter(|&i| stores.iter().zip(outs).all(|(&s, o)| s != i || o.2 == expr.instrs[i].1)).collect()
+    }
+
     /// Large elementwise kernels whose loads are contiguous (or single
     /// broadcast values) move four elements per thread as a vec4, which
     /// reaches the memory bandwidth where scalar accesses fall short: 32-bit
@@ -38,6 +44,7 @@ impl Gen<'_> {
         };
         let fits = |numel: usize, dt: DType| bytes(dt).is_some_and(|b| numel as u64 * b <= self.caps.chunk_bytes());
         let outs = self.outputs(expr, stores);
+        let as_is = Self::stored_as_is(expr, stores, &outs);
         if !n.is_multiple_of(4) || n < 1 << 16 || !outs.iter().all(|o| fits(n, o.2)) {
             return Ok(None);
         }
@@ -102,7 +109,7 @@ impl Gen<'_> {
                     .collect();
                 let _ = writeln!(b, "    {{");
                 let mut ix = Indexer::new(&[n], "i");
-                emit_expr_with(&mut b, &mut sh, &mut ix, expr, &overrides)?;
+                emit_expr_stored(&mut b, &mut sh, &mut ix, expr, &overrides, &as_is)?;
                 for (j, &ins) in stores.iter().enumerate() {
                     let _ = writeln!(b, "    r{j}[{lane}] = {};", to_storage(self.caps, outs[j].2, &cast(expr.instrs[ins].1, outs[j].2, &format!("v{ins}"))));
                 }
@@ -127,6 +134,7 @@ impl Gen<'_> {
         let used: Vec<usize> = (0..self.inputs.len()).collect();
         self.bind_inputs(&mut sh, &used);
         let outs = self.outputs(expr, stores);
+        let as_is = Self::stored_as_is(expr, stores, &outs);
         for (src, name, dt) in &outs {
             sh.array(*src, name, *dt, self.out.1, true);
         }
@@ -140,7 +148,7 @@ impl Gen<'_> {
         for k in 0..per {
             let _ = writeln!(b, "    {{\n    let i = group * {}u + {}u + lid;\n    if (i < {n}u) {{", WG * per, WG * k);
             let mut ix = Indexer::new(shape, "i");
-            emit_expr(&mut b, &mut sh, &mut ix, expr)?;
+            emit_expr_stored(&mut b, &mut sh, &mut ix, expr, &[], &as_is)?;
             for (&ins, (_, name, dt)) in stores.iter().zip(&outs) {
                 let _ = writeln!(b, "    st_{name}(i, {});", cast(expr.instrs[ins].1, *dt, &format!("v{ins}")));
             }

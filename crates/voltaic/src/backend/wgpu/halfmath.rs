@@ -1,0 +1,229 @@
+//! Whether a device's own f16 arithmetic may stand in for the software
+//! rounding of half-precision results (`Caps::half_math`).
+//!
+//! The generated kernels compute in f32 and round each half-precision
+//! result to f16 with integer operations (`f16r_`), because some compilers
+//! drop an f32 -> f16 -> f32 round trip as a no-op. That costs about a
+//! dozen instructions per op, so a fused f16 chain ran at about half the
+//! speed of its f32 twin on an H200. Vulkan and WGSL leave the rounding mode
+//! of f16 arithmetic and conversions to the implementation, and some GPUs
+//! flush subnormals; where a device rounds to nearest even, keeps
+//! subnormals and overflows to infinity, its `f16` additions, subtractions
+//! and multiplications give the very bits the CPU gives (each rounds once),
+//! and so does the conversion when a result is stored to an f16 buffer.
+//! This module checks exactly that once per device, with the forms the code
+//! generator emits, on edge cases (ties, subnormals, overflow, the largest
+//! finite half) and on a spread of ordinary values; any difference keeps
+//! the software rounding. `VOLTAIC_HALF_MATH=0` keeps it too (to measure).
+
+use half::f16;
+
+/// The probe's kernel: per case `(a, b)`, the forms `codegen` emits for a
+/// native sum, a difference that depends on the sum having been rounded,
+/// a product, and stores of f32 values (scalar and through a vec4).
+const PROBE: &str = "enable f16;
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> h: array<f16>;
+@group(0) @binding(2) var<storage, read_write> h4: array<vec4<f16>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&x) / 2u) { return; }
+    let a = x[2u * i];
+    let b = x[2u * i + 1u];
+    let s: f32 = f32(f16(a) + f16(b));
+    let d: f32 = f32(f16(s) - f16(a));
+    let p: f32 = f32(f16(a) * f16(b));
+    h[4u * i] = f16(s);
+    h[4u * i + 1u] = f16(d);
+    h[4u * i + 2u] = f16(p);
+    h[4u * i + 3u] = f16(a * b);
+    var r: vec4<f16>;
+    r[0] = f16(a);
+    r[1] = f16(a + b);
+    r[2] = f16(a - b);
+    r[3] = f16(b);
+    h4[i] = r;
+}
+";
+
+/// The cases: edge values, then pairs spread over the exponent range.
+fn cases() -> Vec<(f32, f32)> {
+    let p = |e: i32| 2f32.powi(e);
+    let mut c = vec![
+        // Ties to even: 1 + 2^-11 is halfway between 1 and 1 + 2^-10.
+        (1.0, p(-11)),
+        (1.0 + p(-10), p(-11)),
+        (1.0, p(-11) + p(-20)),
+        (1.0 + p(-10), 1.0 + p(-10)),
+        (-1.5, p(-12)),
+        // Subnormals: 2^-25 is halfway between 0 and the smallest one.
+        (p(-12), p(-12)),
+        (p(-13), p(-12)),
+        (3.0 * p(-13), p(-13)),
+        (p(-24), p(-25)),
+        (3.0 * p(-25), p(-14)),
+        (-p(-20), p(-8)),
+        (6.0e-5, -6.1e-5),
+        // Overflow: 65520 is halfway between 65504 and 65536 (infinity).
+        (65504.0, 2.0),
+        (65504.0, 16.0),
+        (65519.0, 1.0),
+        (65520.0, 1.0),
+        (-70000.0, 1.0),
+        (1.0e6, -1.0e6),
+        (f32::INFINITY, 1.0),
+    ];
+    // Ordinary values of every magnitude a half holds, from a fixed sequence.
+    let mut s = 0x2545_f491u32;
+    for _ in 0..192 {
+        s ^= s << 13;
+        s ^= s >> 17;
+        s ^= s << 5;
+        let v = |bits: u32| {
+            let m = (bits & 0xffff) as f32 / 65536.0 + 1.0;
+            let e = ((bits >> 16) % 40) as i32 - 26;
+            let sign = if bits & (1 << 30) != 0 { -1.0 } else { 1.0 };
+            sign * m * p(e)
+        };
+        c.push((v(s), v(s.rotate_left(11))));
+    }
+    c
+}
+
+/// What the probe must give for each case, in the kernel's order: the bits
+/// of `[s, d, p, round(a*b)]` and of the vec4 `[a, a+b, a-b, b]`, each
+/// rounded once to nearest even, as the CPU computes them.
+fn expected(cases: &[(f32, f32)]) -> (Vec<u16>, Vec<u16>) {
+    let r = |v: f32| f16::from_f32(v);
+    let (mut h, mut h4) = (vec![], vec![]);
+    for &(a, b) in cases {
+        let (ha, hb) = (r(a).to_f32(), r(b).to_f32());
+        let s = r(ha + hb);
+        let d = r(s.to_f32() - ha);
+        let p = r(ha * hb);
+        h.extend([s, d, p, r(a * b)].map(f16::to_bits));
+        h4.extend([r(a), r(a + b), r(a - b), r(b)].map(f16::to_bits));
+    }
+    (h, h4)
+}
+
+/// Run the probe on a device with SHADER_F16: `Ok` when every result has
+/// the CPU's bits, else a line naming the first case that differs.
+#[cfg(not(target_arch = "wasm32"))]
+pub(crate) fn probe(device: &wgpu::Device, queue: &wgpu::Queue) -> std::result::Result<(), String> {
+    use wgpu::util::DeviceExt;
+    if std::env::var("VOLTAIC_HALF_MATH").is_ok_and(|v| v == "0") {
+        return Err("VOLTAIC_HALF_MATH=0".into());
+    }
+    let cases = cases();
+    let n = cases.len();
+    let input: Vec<f32> = cases.iter().flat_map(|&(a, b)| [a, b]).collect();
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor { label: Some("voltaic half probe"), source: wgpu::ShaderSource::Wgsl(PROBE.into()) });
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some("voltaic half probe"),
+        layout: None,
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+    let x = device.create_buffer_init(&wgpu::util::BufferInitDescriptor { label: None, contents: bytemuck::cast_slice(&input), usage: wgpu::BufferUsages::STORAGE });
+    let out = |bytes: u64| device.create_buffer(&wgpu::BufferDescriptor { label: None, size: bytes, usage: storage, mapped_at_creation: false });
+    let (h, h4) = (out(8 * n as u64), out(8 * n as u64));
+    let staging = device.create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 16 * n as u64,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &[
+            wgpu::BindGroupEntry { binding: 0, resource: x.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 1, resource: h.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 2, resource: h4.as_entire_binding() },
+        ],
+    });
+    let mut enc = device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &bind, &[]);
+        pass.dispatch_workgroups(n.div_ceil(64) as u32, 1, 1);
+    }
+    enc.copy_buffer_to_buffer(&h, 0, &staging, 0, 8 * n as u64);
+    enc.copy_buffer_to_buffer(&h4, 0, &staging, 8 * n as u64, 8 * n as u64);
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(format!("the probe kernel was refused: {e}"));
+    }
+    queue.submit([enc.finish()]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    staging.map_async(wgpu::MapMode::Read, .., move |r| {
+        let _ = tx.send(r);
+    });
+    device.poll(wgpu::PollType::Wait { submission_index: None, timeout: None }).map_err(|e| format!("the probe did not finish: {e}"))?;
+    rx.recv().map_err(|e| e.to_string())?.map_err(|e| format!("the probe's results could not be read: {e}"))?;
+    let got: Vec<u16> = {
+        let view = staging.get_mapped_range(..).map_err(|e| format!("the probe's results could not be mapped: {e:?}"))?;
+        view.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+    };
+    staging.unmap();
+    compare(&cases, &got)
+}
+
+/// `Ok` when `got` (the probe's `h` then `h4`) has the expected bits.
+fn compare(cases: &[(f32, f32)], got: &[u16]) -> std::result::Result<(), String> {
+    let (h, h4) = expected(cases);
+    let names = ["f16(a) + f16(b)", "f16(sum) - f16(a)", "f16(a) * f16(b)", "a * b stored", "a stored in a vec4", "a + b stored in a vec4", "a - b stored in a vec4", "b stored in a vec4"];
+    let want: Vec<u16> = h.into_iter().chain(h4).collect();
+    // NaN's payload is the hardware's choice (inf - inf); any NaN is one.
+    let nan = |b: u16| b & 0x7fff > 0x7c00;
+    match want.iter().zip(got).position(|(&w, &g)| w != g && !(nan(w) && nan(g))) {
+        None if got.len() == want.len() => Ok(()),
+        None => Err(format!("the probe gave {} results, not {}", got.len(), want.len())),
+        Some(k) => {
+            let (form, case) = if k < 4 * cases.len() { (names[k % 4], k / 4) } else { (names[4 + (k - 4 * cases.len()) % 4], (k - 4 * cases.len()) / 4) };
+            let (a, b) = cases[case];
+            Err(format!("{form} with a = {a:e}, b = {b:e} gave f16 bits {:#06x}, not {:#06x}", got[k], want[k]))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_expected_bits_round_once_to_nearest_even() {
+        let cases = cases();
+        let (h, h4) = expected(&cases);
+        let at = |i: usize, j: usize| f16::from_bits(h[4 * i + j]).to_f64();
+        // 1 + 2^-11 ties to 1; 1 + 3 * 2^-11 ties up to 1 + 2^-9.
+        assert_eq!(at(0, 0), 1.0);
+        assert_eq!(at(1, 0), 1.0 + 2f64.powi(-9));
+        // The sum rounded first: (1 + 2^-11 + 2^-20) - 1 is 2^-10, not b.
+        assert_eq!(at(2, 1), 2f64.powi(-10));
+        // 2^-25, half the smallest subnormal, ties to 0; 3 * 2^-26 rounds
+        // up to 2^-24.
+        assert_eq!(at(6, 2), 0.0);
+        assert_eq!(at(7, 2), 2f64.powi(-24));
+        // 65504 * 2 overflows; 65519 stays finite, 65520 does not.
+        assert!(at(12, 2).is_infinite());
+        assert_eq!(f16::from_bits(h4[4 * 14]).to_f64(), 65504.0);
+        assert!(f16::from_bits(h4[4 * 15]).to_f64().is_infinite());
+        // The comparison names the first difference.
+        let mut got: Vec<u16> = h.iter().chain(&h4).copied().collect();
+        assert_eq!(compare(&cases, &got), Ok(()));
+        got[4 * 6 + 2] = 0x0001;
+        let e = compare(&cases, &got).unwrap_err();
+        assert!(e.contains("f16(a) * f16(b)") && e.contains("0x0001"), "{e}");
+        got[4 * 6 + 2] = h[4 * 6 + 2];
+        got[4 * cases.len() + 4 * 15] = 0x7bff;
+        let e = compare(&cases, &got).unwrap_err();
+        assert!(e.contains("a stored in a vec4") && e.contains("6.552e4"), "{e}");
+    }
+}
