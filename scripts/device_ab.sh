@@ -9,9 +9,10 @@
 #   binaries and four test binaries under the 64 MiB carry), Fashion-MNIST
 #   in .bin/data
 # then call with carry [".gl", ".bin"]:
-#   ROUNDS=2 bash scripts/device_ab.sh ab        (then: peer,tests)
+#   ROUNDS=2 bash scripts/device_ab.sh ab        (then: peer,profile,tests)
 # FILTER narrows the rows (a substring of their names, or several separated
-# by spaces, each run in turn; all but cold_ rows when empty).
+# by spaces, each run in turn; all but cold_ rows when empty). TUNE=1 gives
+# each binary a cache of its own, tuned before the rounds.
 set -uo pipefail
 source .gl/env.sh
 export RUST_BACKTRACE=1 VOLTAIC_FASHION_MNIST=$PWD/.bin/data
@@ -23,30 +24,53 @@ what="${1:-ab,peer,tests}"
 filters=("${FILTER:-}")
 [ -n "${FILTER:-}" ] && read -r -a filters <<< "$FILTER"
 rounds="${ROUNDS:-2}"
+# The cache directory binary $1 runs with: its own with TUNE=1, else the default.
+cache() { if [ -n "${TUNE:-}" ]; then echo "/tmp/cache-$1"; else echo "${VOLTAIC_CACHE_DIR:-$HOME/.cache/voltaic}"; fi; }
 .bin/voltaic devices > "$OUT/devices.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv >> "$OUT/devices.txt"
 for pattern in "${filters[@]}"; do
     filter=()
     [ -n "$pattern" ] && filter=(--filter "$pattern")
     if [[ "$what" == *ab* ]]; then
-        # Warm the caches of both (pipelines, tuned plans) before timing.
+        # Warm the caches of both (pipelines, tuned plans) before timing;
+        # with TUNE=1 each binary has a cache of its own and measures every
+        # product's candidates first (VOLTAIC_AUTOTUNE=sync), so that the
+        # rounds compare tuned kernels, not a background tuner's progress.
         for b in voltaic-prev voltaic; do
-            .bin/$b bench --suite train "${filter[@]}" --no-peer --runs 1 > /dev/null 2>> "$OUT/ab.err"
+            env VOLTAIC_CACHE_DIR="$(cache "$b")" ${TUNE:+VOLTAIC_AUTOTUNE=sync} .bin/$b bench --suite train "${filter[@]}" --no-peer --runs 1 > /dev/null 2>> "$OUT/ab.err"
         done
         for r in $(seq "$rounds"); do
             for b in voltaic-prev voltaic; do
-                .bin/$b bench --suite train "${filter[@]}" --no-peer --json 2>> "$OUT/ab.err" | sed "s/^/{\"bin\":\"$b\",\"round\":$r} /" | tee -a "$OUT/ab.jsonl"
+                VOLTAIC_CACHE_DIR=$(cache "$b") .bin/$b bench --suite train "${filter[@]}" --no-peer --json 2>> "$OUT/ab.err" | sed "s/^/{\"bin\":\"$b\",\"round\":$r} /" | tee -a "$OUT/ab.jsonl"
             done
         done
     fi
     if [[ "$what" == *peer* ]]; then
-        .bin/voltaic bench --suite train "${filter[@]}" --json 2>> "$OUT/peer.err" | tee -a "$OUT/peer.jsonl"
+        VOLTAIC_CACHE_DIR=$(cache voltaic) .bin/voltaic bench --suite train "${filter[@]}" --json 2>> "$OUT/peer.err" | tee -a "$OUT/peer.jsonl"
     fi
 done
+if [[ "$what" == *profile* ]]; then
+    # The new binary's encoder steps kernel by kernel (a pass per kernel)
+    # and as whole passes, summed over the last realizations
+    # (PROFILE_ROWS, default f32 f16).
+    for p in ${PROFILE_ROWS:-f32 f16}; do
+        VOLTAIC_CACHE_DIR=$(cache voltaic) VOLTAIC_PROFILE=1 .bin/voltaic bench --suite train --filter encoder_$p --runs 1 --no-peer > /dev/null 2> "$OUT/kernels-$p.txt"
+        python3 scripts/profile_sum.py "$OUT/kernels-$p.txt" --last 12 --top 40 > "$OUT/kernels-$p.sum" 2>&1
+        VOLTAIC_CACHE_DIR=$(cache voltaic) VOLTAIC_PROFILE=pass .bin/voltaic bench --suite train --filter encoder_$p --runs 1 --no-peer > /dev/null 2> "$OUT/pass-$p.txt"
+        python3 scripts/profile_sum.py "$OUT/pass-$p.txt" --last 12 > "$OUT/pass-$p.sum" 2>&1
+        head -3 "$OUT/kernels-$p.sum" "$OUT/pass-$p.sum"
+    done
+fi
 if [[ "$what" == *tests* ]]; then
-    for t in lib gpu opinfo nn grad train mixed_precision; do
-        [ -x ".bin/$t" ] && ".bin/$t" --test-threads=4 >> "$OUT/tests.txt" 2>&1
+    # TESTS: binaries to run, each optionally NAME:FILTER (lib:every_plan).
+    for spec in ${TESTS:-lib gpu opinfo nn grad train mixed_precision matmul elementwise}; do
+        t=${spec%%:*}
+        f=()
+        [[ "$spec" == *:* ]] && f=("${spec#*:}")
+        [ -x ".bin/$t" ] && ".bin/$t" --test-threads=4 "${f[@]}" >> "$OUT/tests.txt" 2>&1
     done
     grep -E "test result|panicked|FAILED" "$OUT/tests.txt"
 fi
+# The plans the new binary's tuner chose (what `tuned/` ships for an adapter).
+cat "$(cache voltaic)"/matmul-2-*.txt > "$OUT/tuned-plans.txt" 2>/dev/null
 (cd "$OUT" && tar czf /tmp/voltaic-out.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/voltaic-out.tgz "$OUT/all.tgz")

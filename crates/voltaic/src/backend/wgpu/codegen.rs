@@ -549,7 +549,7 @@ pub(crate) fn emit_expr_with(out: &mut String, sh: &mut Shader, ix: &mut Indexer
 
 /// [`emit_expr_with`] for a kernel that writes instructions `stored` to
 /// buffers of their own dtype and nothing else: where the device's f16
-/// stores round as the CPU does (`Caps::half_math`), an f16 result that no
+/// stores round as the CPU does (`Caps::half_store`), an f16 result that no
 /// other instruction reads is left to the store's conversion.
 ///
 /// Half-precision results are otherwise rounded as each op makes them, so
@@ -562,7 +562,7 @@ pub(crate) fn emit_expr_with(out: &mut String, sh: &mut Shader, ix: &mut Indexer
 /// their dtype (`exact` in the op table: max, neg, floor, ...) need no
 /// rounding.
 pub(crate) fn emit_expr_stored(out: &mut String, sh: &mut Shader, ix: &mut Indexer, expr: &Expr, values: &[(usize, String)], stored: &[usize]) -> Result<String> {
-    let half_math = sh.caps.half_math;
+    let (half_math, half_store) = (sh.caps.half_math, sh.caps.half_store);
     // Which values other instructions read, and which an addition may
     // contract with (a negation or a cast may stand between them).
     let mut read = vec![false; expr.instrs.len()];
@@ -579,7 +579,7 @@ pub(crate) fn emit_expr_stored(out: &mut String, sh: &mut Shader, ix: &mut Index
         let name = format!("v{i}");
         let ty = compute_ty(*dt);
         let operand_dt = |a: usize| expr.instrs[a].1;
-        let left_to_store = half_math && *dt == DType::F16 && !read[i] && stored.contains(&i);
+        let left_to_store = half_store && *dt == DType::F16 && !read[i] && stored.contains(&i);
         let round = |e: String| if left_to_store { e } else { round_to(*dt, &e) };
         let val = match ins {
             Instr::Load(l) if values.iter().any(|(i, _)| i == l) => values.iter().find(|(i, _)| i == l).map(|(_, v)| v.clone()).expect("found"),

@@ -12,10 +12,14 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct Caps {
     /// `SHADER_F16`: f16 storage and arithmetic in shaders.
     pub f16: bool,
-    /// The device's own f16 additions, subtractions, multiplications and
-    /// stores round to nearest even with subnormals kept, as the CPU does
-    /// (checked by `halfmath::probe` when the device opens): kernels use
-    /// them instead of rounding every half result on its bits.
+    /// The device's stores of f32 values to f16 buffers (scalar and vec4)
+    /// round to nearest even with subnormals kept and overflow to infinity,
+    /// as the CPU does (checked by `halfmath::probe` when the device
+    /// opens): an f16 result that is only stored is rounded by the store.
+    pub half_store: bool,
+    /// The device's own f16 additions, subtractions and multiplications of
+    /// halves held in f32 values round as the CPU does (the same probe):
+    /// kernels use them instead of rounding the result on its bits.
     pub half_math: bool,
     /// `TIMESTAMP_QUERY`: per-kernel GPU times for `VOLTAIC_PROFILE`.
     pub timestamps: bool,
@@ -310,9 +314,9 @@ pub(crate) struct GpuContext {
     /// Where the driver's pipeline cache is kept between runs.
     pipeline_cache_file: Option<std::path::PathBuf>,
     last_cache_save: Mutex<Option<web_time::Instant>>,
-    /// Why half results are rounded in software here, if they are (the
-    /// outcome of `halfmath::probe`; `Caps::half_math` when `Ok`).
-    pub half_probe: std::result::Result<(), String>,
+    /// What `halfmath::probe` found (`Caps::half_store`, `Caps::half_math`),
+    /// with why each is refused.
+    pub half_probe: super::halfmath::HalfProbe,
     /// Pipelines compiled, submissions and dispatches so far (for tests and profiles).
     pub compiled: AtomicU64,
     pub submissions: AtomicU64,
@@ -323,9 +327,9 @@ pub(crate) struct GpuContext {
 /// Say why a device keeps rounding half results in software, once, where
 /// the compile log is on (the probe's refusal is a property of the driver,
 /// not an error).
-fn log_half_probe(index: usize, info: &wgpu::AdapterInfo, why: &str) {
+fn log_half_probe(index: usize, info: &wgpu::AdapterInfo, what: &str, why: &str) {
     if compile_log() {
-        eprintln!("voltaic: gpu:{index} ({}): f16 results rounded in software: {why}", info.name);
+        eprintln!("voltaic: gpu:{index} ({}): f16 {what} rounded in software: {why}", info.name);
     }
 }
 
@@ -389,16 +393,18 @@ impl GpuContext {
         // A browser answers only through promises, which this opener does
         // not wait for: there the software rounding stays.
         #[cfg(not(target_arch = "wasm32"))]
-        let half_probe = if f16 { super::halfmath::probe(&device, &queue) } else { Err("no SHADER_F16".into()) };
+        let half_probe = if f16 { super::halfmath::probe(&device, &queue) } else { super::halfmath::HalfProbe::refused("no SHADER_F16") };
         #[cfg(target_arch = "wasm32")]
-        let half_probe: std::result::Result<(), String> = Err("not probed in a browser".into());
-        if let Err(why) = &half_probe {
-            log_half_probe(index, &info, why);
+        let half_probe = super::halfmath::HalfProbe::refused("not probed in a browser");
+        for (what, r) in [("stores", &half_probe.stores), ("arithmetic", &half_probe.math)] {
+            if let Err(why) = r {
+                log_half_probe(index, &info, what, why);
+            }
         }
-        let half_math = half_probe.is_ok();
         let caps = Caps {
             f16,
-            half_math,
+            half_store: half_probe.stores.is_ok(),
+            half_math: half_probe.math.is_ok(),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
             max_buffer: limits.max_buffer_size,

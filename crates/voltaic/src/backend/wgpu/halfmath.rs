@@ -25,6 +25,8 @@ const PROBE: &str = "enable f16;
 @group(0) @binding(0) var<storage, read> x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> h: array<f16>;
 @group(0) @binding(2) var<storage, read_write> h4: array<vec4<f16>>;
+@group(0) @binding(3) var<storage, read> xh: array<f16>;
+@group(0) @binding(4) var<storage, read_write> ht: array<f16>;
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let i = gid.x;
@@ -44,6 +46,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     r[2] = f16(a - b);
     r[3] = f16(b);
     h4[i] = r;
+    // The same sum, difference and product on f16 values throughout (for
+    // the report only: the kernels' values are f32s holding halves).
+    let ah = xh[2u * i];
+    let bh = xh[2u * i + 1u];
+    let sh = ah + bh;
+    ht[3u * i] = sh;
+    ht[3u * i + 1u] = sh - ah;
+    ht[3u * i + 2u] = ah * bh;
 }
 ";
 
@@ -108,15 +118,50 @@ fn expected(cases: &[(f32, f32)]) -> (Vec<u16>, Vec<u16>) {
     (h, h4)
 }
 
-/// Run the probe on a device with SHADER_F16: `Ok` when every result has
-/// the CPU's bits, else a line naming the first case that differs.
+/// What the probe found: whether the device's f16 stores round as the CPU
+/// does (`Caps::half_store`), and whether its f16 additions, subtractions
+/// and multiplications on halves held in f32 values do (`Caps::half_math`);
+/// each `Err` says why not.
+pub(crate) struct HalfProbe {
+    pub stores: std::result::Result<(), String>,
+    pub math: std::result::Result<(), String>,
+}
+
+impl HalfProbe {
+    /// Both refused, for the same reason.
+    pub(crate) fn refused(why: &str) -> HalfProbe {
+        HalfProbe { stores: Err(why.to_string()), math: Err(why.to_string()) }
+    }
+}
+
+/// Run the probe on a device with SHADER_F16.
 #[cfg(not(target_arch = "wasm32"))]
-pub(crate) fn probe(device: &wgpu::Device, queue: &wgpu::Queue) -> std::result::Result<(), String> {
-    use wgpu::util::DeviceExt;
+pub(crate) fn probe(device: &wgpu::Device, queue: &wgpu::Queue) -> HalfProbe {
     if std::env::var("VOLTAIC_HALF_MATH").is_ok_and(|v| v == "0") {
-        return Err("VOLTAIC_HALF_MATH=0".into());
+        return HalfProbe::refused("VOLTAIC_HALF_MATH=0");
     }
     let cases = cases();
+    match run(device, queue, &cases) {
+        Err(why) => HalfProbe::refused(&why),
+        Ok(got) => {
+            let n = cases.len();
+            let (forms, typed) = got.split_at(8 * n);
+            let (h, h4) = forms.split_at(4 * n);
+            HalfProbe {
+                stores: compare_stores(&cases, h, h4),
+                math: compare_math(&cases, h).map_err(|why| match compare_typed(&cases, &typed[..3 * n]) {
+                    Ok(()) => format!("{why}; on f16 values throughout it rounds as the CPU does"),
+                    Err(e) => format!("{why}; on f16 values throughout too: {e}"),
+                }),
+            }
+        }
+    }
+}
+
+/// The probe kernel's results: `h`, `h4`, then `ht`, as f16 bits.
+#[cfg(not(target_arch = "wasm32"))]
+fn run(device: &wgpu::Device, queue: &wgpu::Queue, cases: &[(f32, f32)]) -> std::result::Result<Vec<u16>, String> {
+    use wgpu::util::DeviceExt;
     let n = cases.len();
     let input: Vec<f32> = cases.iter().flat_map(|&(a, b)| [a, b]).collect();
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -131,11 +176,15 @@ pub(crate) fn probe(device: &wgpu::Device, queue: &wgpu::Queue) -> std::result::
     });
     let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
     let x = device.create_buffer_init(&wgpu::util::BufferInitDescriptor { label: None, contents: bytemuck::cast_slice(&input), usage: wgpu::BufferUsages::STORAGE });
+    let halves: Vec<u16> = input.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    let xh = device.create_buffer_init(&wgpu::util::BufferInitDescriptor { label: None, contents: bytemuck::cast_slice(&halves), usage: wgpu::BufferUsages::STORAGE });
     let out = |bytes: u64| device.create_buffer(&wgpu::BufferDescriptor { label: None, size: bytes, usage: storage, mapped_at_creation: false });
-    let (h, h4) = (out(8 * n as u64), out(8 * n as u64));
+    // ht's 6 bytes a case, rounded up to whole words.
+    let ht_bytes = (6 * n as u64).div_ceil(4) * 4;
+    let (h, h4, ht) = (out(8 * n as u64), out(8 * n as u64), out(ht_bytes));
     let staging = device.create_buffer(&wgpu::BufferDescriptor {
         label: None,
-        size: 16 * n as u64,
+        size: 16 * n as u64 + ht_bytes,
         usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
     });
@@ -146,6 +195,8 @@ pub(crate) fn probe(device: &wgpu::Device, queue: &wgpu::Queue) -> std::result::
             wgpu::BindGroupEntry { binding: 0, resource: x.as_entire_binding() },
             wgpu::BindGroupEntry { binding: 1, resource: h.as_entire_binding() },
             wgpu::BindGroupEntry { binding: 2, resource: h4.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 3, resource: xh.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 4, resource: ht.as_entire_binding() },
         ],
     });
     let mut enc = device.create_command_encoder(&Default::default());
@@ -157,6 +208,7 @@ pub(crate) fn probe(device: &wgpu::Device, queue: &wgpu::Queue) -> std::result::
     }
     enc.copy_buffer_to_buffer(&h, 0, &staging, 0, 8 * n as u64);
     enc.copy_buffer_to_buffer(&h4, 0, &staging, 8 * n as u64, 8 * n as u64);
+    enc.copy_buffer_to_buffer(&ht, 0, &staging, 16 * n as u64, ht_bytes);
     if let Some(e) = pollster::block_on(scope.pop()) {
         return Err(format!("the probe kernel was refused: {e}"));
     }
@@ -172,25 +224,59 @@ pub(crate) fn probe(device: &wgpu::Device, queue: &wgpu::Queue) -> std::result::
         view.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
     };
     staging.unmap();
-    compare(&cases, &got)
+    if got.len() < 11 * n {
+        return Err(format!("the probe gave {} results, not {}", got.len(), 11 * n));
+    }
+    Ok(got)
 }
 
-/// `Ok` when `got` (the probe's `h` then `h4`) has the expected bits.
-fn compare(cases: &[(f32, f32)], got: &[u16]) -> std::result::Result<(), String> {
-    let (h, h4) = expected(cases);
-    let names = ["f16(a) + f16(b)", "f16(sum) - f16(a)", "f16(a) * f16(b)", "a * b stored", "a stored in a vec4", "a + b stored in a vec4", "a - b stored in a vec4", "b stored in a vec4"];
-    let want: Vec<u16> = h.into_iter().chain(h4).collect();
-    // NaN's payload is the hardware's choice (inf - inf); any NaN is one.
+/// Equal bits, or both NaN (NaN's payload is the hardware's choice: inf - inf).
+fn same(w: u16, g: u16) -> bool {
     let nan = |b: u16| b & 0x7fff > 0x7c00;
-    match want.iter().zip(got).position(|(&w, &g)| w != g && !(nan(w) && nan(g))) {
-        None if got.len() == want.len() => Ok(()),
-        None => Err(format!("the probe gave {} results, not {}", got.len(), want.len())),
-        Some(k) => {
-            let (form, case) = if k < 4 * cases.len() { (names[k % 4], k / 4) } else { (names[4 + (k - 4 * cases.len()) % 4], (k - 4 * cases.len()) / 4) };
-            let (a, b) = cases[case];
-            Err(format!("{form} with a = {a:e}, b = {b:e} gave f16 bits {:#06x}, not {:#06x}", got[k], want[k]))
+    w == g || (nan(w) && nan(g))
+}
+
+/// The first of `forms` (name, expected bits, got bits) per case that differs.
+fn first_difference(cases: &[(f32, f32)], forms: &[(&str, Vec<u16>, &[u16])]) -> std::result::Result<(), String> {
+    for (c, &(a, b)) in cases.iter().enumerate() {
+        for (name, want, got) in forms {
+            let per = want.len() / cases.len();
+            for j in 0..per {
+                let (w, g) = (want[per * c + j], got[per * c + j]);
+                if !same(w, g) {
+                    let name = name.split('|').nth(j).unwrap_or(name);
+                    return Err(format!("{name} with a = {a:e}, b = {b:e} gave f16 bits {g:#06x}, not {w:#06x}"));
+                }
+            }
         }
     }
+    Ok(())
+}
+
+/// `Ok` when the stores of f32 values (`h`'s fourth of each case, all of
+/// `h4`) have the expected bits.
+fn compare_stores(cases: &[(f32, f32)], h: &[u16], h4: &[u16]) -> std::result::Result<(), String> {
+    let (wh, wh4) = expected(cases);
+    let pick = |v: &[u16]| v.chunks(4).map(|c| c[3]).collect::<Vec<u16>>();
+    let (want_ab, got_ab) = (pick(&wh), pick(h));
+    first_difference(cases, &[("a * b stored", want_ab, &got_ab), ("a stored in a vec4|a + b stored in a vec4|a - b stored in a vec4|b stored in a vec4", wh4, h4)])
+}
+
+/// `Ok` when the arithmetic forms (`h`'s first three of each case) have the
+/// expected bits.
+fn compare_math(cases: &[(f32, f32)], h: &[u16]) -> std::result::Result<(), String> {
+    let (wh, _) = expected(cases);
+    let three = |v: &[u16]| v.chunks(4).flat_map(|c| c[..3].to_vec()).collect::<Vec<u16>>();
+    let got = three(h);
+    first_difference(cases, &[("f16(a) + f16(b)|f16(sum) - f16(a)|f16(a) * f16(b)", three(&wh), &got)])
+}
+
+/// `Ok` when the sums, differences and products on f16 values throughout
+/// (`ht`, three a case) have the expected bits.
+fn compare_typed(cases: &[(f32, f32)], got: &[u16]) -> std::result::Result<(), String> {
+    let (wh, _) = expected(cases);
+    let want: Vec<u16> = wh.chunks(4).flat_map(|c| c[..3].to_vec()).collect();
+    first_difference(cases, &[("a + b|(a + b) - a|a * b", want, got)])
 }
 
 #[cfg(test)]
@@ -215,15 +301,35 @@ mod tests {
         assert!(at(12, 2).is_infinite());
         assert_eq!(f16::from_bits(h4[4 * 14]).to_f64(), 65504.0);
         assert!(f16::from_bits(h4[4 * 15]).to_f64().is_infinite());
-        // The comparison names the first difference.
-        let mut got: Vec<u16> = h.iter().chain(&h4).copied().collect();
-        assert_eq!(compare(&cases, &got), Ok(()));
-        got[4 * 6 + 2] = 0x0001;
-        let e = compare(&cases, &got).unwrap_err();
+    }
+
+    #[test]
+    fn each_check_names_the_first_difference_in_its_own_forms() {
+        let cases = cases();
+        let (h, h4) = expected(&cases);
+        assert_eq!(compare_stores(&cases, &h, &h4), Ok(()));
+        assert_eq!(compare_math(&cases, &h), Ok(()));
+        // A product off by one ulp fails the arithmetic, not the stores.
+        let mut bad = h.clone();
+        bad[4 * 6 + 2] = 0x0001;
+        assert_eq!(compare_stores(&cases, &bad, &h4), Ok(()));
+        let e = compare_math(&cases, &bad).unwrap_err();
         assert!(e.contains("f16(a) * f16(b)") && e.contains("0x0001"), "{e}");
-        got[4 * 6 + 2] = h[4 * 6 + 2];
-        got[4 * cases.len() + 4 * 15] = 0x7bff;
-        let e = compare(&cases, &got).unwrap_err();
+        // A vec4 store clamped to 65504 fails the stores, not the arithmetic.
+        let mut bad4 = h4.clone();
+        bad4[4 * 15] = 0x7bff;
+        assert_eq!(compare_math(&cases, &h), Ok(()));
+        let e = compare_stores(&cases, &h, &bad4).unwrap_err();
         assert!(e.contains("a stored in a vec4") && e.contains("6.552e4"), "{e}");
+        // NaN payloads may differ.
+        let mut nan = h.clone();
+        let k = nan.iter().position(|&b| b & 0x7fff > 0x7c00).expect("inf - inf is a NaN");
+        nan[k] ^= 0x0100;
+        assert_eq!(compare_math(&cases, &nan), Ok(()));
+        // The f16-throughout forms: three a case, the first three of `h`'s.
+        let mut typed: Vec<u16> = h.chunks(4).flat_map(|c| c[..3].to_vec()).collect();
+        assert_eq!(compare_typed(&cases, &typed), Ok(()));
+        typed[3 * 2 + 1] = 0x1000;
+        assert!(compare_typed(&cases, &typed).unwrap_err().contains("(a + b) - a"));
     }
 }

@@ -679,10 +679,12 @@ impl Gen<'_> {
         let out_ty = compute_ty(self.out.0);
         let Some(e) = epi else {
             // The accumulator is in the output's compute type (exact for integers).
-            // An f16 store rounds by itself (to nearest even, as Vulkan
-            // converts); rounding on the bits first cost the tensor-core
+            // An f16 store rounds by itself where the probe shows it rounds as
+            // the CPU does (`Caps::half_store`), and a packed one always
+            // (on its bits); rounding on the bits first cost the tensor-core
             // kernel a sixth of its instructions.
-            let rounded = if self.out.0 == DType::F16 { "acc".to_string() } else { round_to(self.out.0, "acc") };
+            let store_rounds = self.out.0 == DType::F16 && (self.caps.half_store || !self.caps.f16);
+            let rounded = if store_rounds { "acc".to_string() } else { round_to(self.out.0, "acc") };
             sh.decl(&format!("fn epi(lin: u32, acc: {out_ty}) -> {out_ty} {{ return {rounded}; }}"));
             return Ok(());
         };

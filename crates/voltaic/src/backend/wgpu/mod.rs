@@ -226,9 +226,12 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
                 _ => "products on the shader cores, f32 accumulation",
             };
             // How f16 results round is known once the device is open (its probe).
-            let half_math = reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).get(&index).map(|c| match &c.half_probe {
-                Ok(()) => "; arithmetic in the device's own f16 (its probe rounds as the CPU does)".to_string(),
-                Err(why) => format!("; results rounded in software ({why})"),
+            let half_math = reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).get(&index).map(|c| {
+                let say = |what: &str, r: &std::result::Result<(), String>| match r {
+                    Ok(()) => format!("; {what} by the device (its probe rounds as the CPU does)"),
+                    Err(why) => format!("; {what} rounded in software ({why})"),
+                };
+                format!("{}{}", say("stores", &c.half_probe.stores), say("add, sub and mul", &c.half_probe.math))
             });
             let precision = vec![
                 ("f32", "4 bytes; products on the shader cores".to_string()),

@@ -18,6 +18,7 @@ use crate::{DType, Device, Tensor};
 fn lavapipe() -> Caps {
     Caps {
         f16: false,
+        half_store: false,
         half_math: false,
         timestamps: false,
         max_binding: 128 << 20,
@@ -36,6 +37,7 @@ fn lavapipe() -> Caps {
 fn h100() -> Caps {
     Caps {
         f16: true,
+        half_store: true,
         half_math: true,
         timestamps: true,
         max_binding: (2 << 30) - 4,
@@ -238,7 +240,7 @@ fn every_kernel_family_generates_valid_wgsl() {
     // Folds with and without subgroup shuffles (8 and 32 lanes; none).
     let all = || vec![DType::F32, DType::F16, DType::BF16];
     // And f16 by the device's own arithmetic (`half_math`) or rounded on its bits.
-    for (caps, dtypes) in [(lavapipe(), all()), (h100(), all()), (Caps { subgroup: None, half_math: false, ..h100() }, all())] {
+    for (caps, dtypes) in [(lavapipe(), all()), (h100(), all()), (Caps { subgroup: None, half_math: false, half_store: false, ..h100() }, all())] {
         for dt in dtypes {
             for t in graphs(dt) {
                 modules += check(&t, &caps, &mut seen);
