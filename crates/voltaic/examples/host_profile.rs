@@ -75,6 +75,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..steps {
         step()?;
     }
+    // The wall time includes the last step's device work (and the process
+    // does not exit with work in flight, which lavapipe has crashed on).
+    dev.synchronize()?;
     let p1 = voltaic::host_profile();
     let s1 = dev.stats()?;
     let per = |a: u64, b: u64| (b - a) as f64 / steps as f64;
