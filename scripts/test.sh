@@ -25,7 +25,8 @@ ls /usr/share/glvnd/egl_vendor.d/*mesa*.json >/dev/null 2>&1 || need+=(libegl1 l
 # Data-parallel training across processes: Open MPI (mpirun, and the
 # library rsmpi binds to, which needs clang to generate its bindings).
 command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev openmpi-bin)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(clang libclang-dev)
+# libclang itself (bindgen loads it), not libclang-cpp, which Mesa pulls in.
+ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(clang libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
