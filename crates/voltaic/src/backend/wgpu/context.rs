@@ -660,10 +660,14 @@ impl GpuContext {
     }
 
     /// Start the thread that submits full batches (see [`Submitter`]); on
-    /// a browser, or with `VOLTAIC_SUBMIT_THREAD=0`, batches are submitted
-    /// by the thread that fills them.
+    /// a browser, on wgpu's GL backend, or with `VOLTAIC_SUBMIT_THREAD=0`,
+    /// batches are submitted by the thread that fills them. GL puts every
+    /// call through one context lock per adapter and panics when a thread
+    /// waits for it over a second ("Could not lock adapter context"): a
+    /// submitting thread could only contend with the recording one (a
+    /// pipeline compiling while a batch ran on llvmpipe failed a CI run).
     pub(crate) fn start_submitter(self: &Arc<Self>) {
-        if cfg!(target_arch = "wasm32") || std::env::var("VOLTAIC_SUBMIT_THREAD").is_ok_and(|v| v == "0") {
+        if cfg!(target_arch = "wasm32") || self.info.backend == wgpu::Backend::Gl || std::env::var("VOLTAIC_SUBMIT_THREAD").is_ok_and(|v| v == "0") {
             return;
         }
         let (jobs, queue) = std::sync::mpsc::sync_channel::<Pending>(1);
