@@ -16,11 +16,14 @@
 //! finite half) and on a spread of ordinary values; any difference keeps
 //! the software rounding. `VOLTAIC_HALF_MATH=0` keeps it too (to measure).
 
+// A browser does not run the probe (it answers only through promises).
+#[cfg(not(target_arch = "wasm32"))]
 use half::f16;
 
 /// The probe's kernel: per case `(a, b)`, the forms `codegen` emits for a
 /// native sum, a difference that depends on the sum having been rounded,
 /// a product, and stores of f32 values (scalar and through a vec4).
+#[cfg(not(target_arch = "wasm32"))]
 const PROBE: &str = "enable f16;
 @group(0) @binding(0) var<storage, read> x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> h: array<f16>;
@@ -58,6 +61,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 ";
 
 /// The cases: edge values, then pairs spread over the exponent range.
+#[cfg(not(target_arch = "wasm32"))]
 fn cases() -> Vec<(f32, f32)> {
     let p = |e: i32| 2f32.powi(e);
     let mut c = vec![
@@ -104,6 +108,7 @@ fn cases() -> Vec<(f32, f32)> {
 /// What the probe must give for each case, in the kernel's order: the bits
 /// of `[s, d, p, round(a*b)]` and of the vec4 `[a, a+b, a-b, b]`, each
 /// rounded once to nearest even, as the CPU computes them.
+#[cfg(not(target_arch = "wasm32"))]
 fn expected(cases: &[(f32, f32)]) -> (Vec<u16>, Vec<u16>) {
     let r = |v: f32| f16::from_f32(v);
     let (mut h, mut h4) = (vec![], vec![]);
@@ -231,12 +236,14 @@ fn run(device: &wgpu::Device, queue: &wgpu::Queue, cases: &[(f32, f32)]) -> std:
 }
 
 /// Equal bits, or both NaN (NaN's payload is the hardware's choice: inf - inf).
+#[cfg(not(target_arch = "wasm32"))]
 fn same(w: u16, g: u16) -> bool {
     let nan = |b: u16| b & 0x7fff > 0x7c00;
     w == g || (nan(w) && nan(g))
 }
 
 /// The first of `forms` (name, expected bits, got bits) per case that differs.
+#[cfg(not(target_arch = "wasm32"))]
 fn first_difference(cases: &[(f32, f32)], forms: &[(&str, Vec<u16>, &[u16])]) -> std::result::Result<(), String> {
     for (c, &(a, b)) in cases.iter().enumerate() {
         for (name, want, got) in forms {
@@ -255,6 +262,7 @@ fn first_difference(cases: &[(f32, f32)], forms: &[(&str, Vec<u16>, &[u16])]) ->
 
 /// `Ok` when the stores of f32 values (`h`'s fourth of each case, all of
 /// `h4`) have the expected bits.
+#[cfg(not(target_arch = "wasm32"))]
 fn compare_stores(cases: &[(f32, f32)], h: &[u16], h4: &[u16]) -> std::result::Result<(), String> {
     let (wh, wh4) = expected(cases);
     let pick = |v: &[u16]| v.chunks(4).map(|c| c[3]).collect::<Vec<u16>>();
@@ -264,6 +272,7 @@ fn compare_stores(cases: &[(f32, f32)], h: &[u16], h4: &[u16]) -> std::result::R
 
 /// `Ok` when the arithmetic forms (`h`'s first three of each case) have the
 /// expected bits.
+#[cfg(not(target_arch = "wasm32"))]
 fn compare_math(cases: &[(f32, f32)], h: &[u16]) -> std::result::Result<(), String> {
     let (wh, _) = expected(cases);
     let three = |v: &[u16]| v.chunks(4).flat_map(|c| c[..3].to_vec()).collect::<Vec<u16>>();
@@ -273,6 +282,7 @@ fn compare_math(cases: &[(f32, f32)], h: &[u16]) -> std::result::Result<(), Stri
 
 /// `Ok` when the sums, differences and products on f16 values throughout
 /// (`ht`, three a case) have the expected bits.
+#[cfg(not(target_arch = "wasm32"))]
 fn compare_typed(cases: &[(f32, f32)], got: &[u16]) -> std::result::Result<(), String> {
     let (wh, _) = expected(cases);
     let want: Vec<u16> = wh.chunks(4).flat_map(|c| c[..3].to_vec()).collect();
