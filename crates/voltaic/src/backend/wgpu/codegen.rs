@@ -633,8 +633,8 @@ pub(crate) fn emit_expr_stored(out: &mut String, sh: &mut Shader, ix: &mut Index
                         }
                     }
                     MapOp::Where => format!("select({}, {}, {})", arg(2), arg(1), arg(0)),
-                    MapOp::Cast if operand_dt(args[0]) == *dt => arg(0).to_string(),
-                    MapOp::Cast => round(convert(operand_dt(args[0]), *dt, arg(0))),
+                    MapOp::Cast if left_to_store => convert(operand_dt(args[0]), *dt, arg(0)),
+                    MapOp::Cast => cast(operand_dt(args[0]), *dt, arg(0)),
                 }
             }
         };

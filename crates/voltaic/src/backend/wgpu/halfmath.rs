@@ -270,23 +270,25 @@ fn compare_stores(cases: &[(f32, f32)], h: &[u16], h4: &[u16]) -> std::result::R
     first_difference(cases, &[("a * b stored", want_ab, &got_ab), ("a stored in a vec4|a + b stored in a vec4|a - b stored in a vec4|b stored in a vec4", wh4, h4)])
 }
 
+/// The sum, difference and product of each case: the first three of each
+/// four in `h`'s order.
+#[cfg(not(target_arch = "wasm32"))]
+fn arithmetic(h: &[u16]) -> Vec<u16> {
+    h.chunks(4).flat_map(|c| c[..3].to_vec()).collect()
+}
+
 /// `Ok` when the arithmetic forms (`h`'s first three of each case) have the
 /// expected bits.
 #[cfg(not(target_arch = "wasm32"))]
 fn compare_math(cases: &[(f32, f32)], h: &[u16]) -> std::result::Result<(), String> {
-    let (wh, _) = expected(cases);
-    let three = |v: &[u16]| v.chunks(4).flat_map(|c| c[..3].to_vec()).collect::<Vec<u16>>();
-    let got = three(h);
-    first_difference(cases, &[("f16(a) + f16(b)|f16(sum) - f16(a)|f16(a) * f16(b)", three(&wh), &got)])
+    first_difference(cases, &[("f16(a) + f16(b)|f16(sum) - f16(a)|f16(a) * f16(b)", arithmetic(&expected(cases).0), &arithmetic(h))])
 }
 
 /// `Ok` when the sums, differences and products on f16 values throughout
 /// (`ht`, three a case) have the expected bits.
 #[cfg(not(target_arch = "wasm32"))]
 fn compare_typed(cases: &[(f32, f32)], got: &[u16]) -> std::result::Result<(), String> {
-    let (wh, _) = expected(cases);
-    let want: Vec<u16> = wh.chunks(4).flat_map(|c| c[..3].to_vec()).collect();
-    first_difference(cases, &[("a + b|(a + b) - a|a * b", want, got)])
+    first_difference(cases, &[("a + b|(a + b) - a|a * b", arithmetic(&expected(cases).0), got)])
 }
 
 #[cfg(test)]
@@ -337,7 +339,7 @@ mod tests {
         nan[k] ^= 0x0100;
         assert_eq!(compare_math(&cases, &nan), Ok(()));
         // The f16-throughout forms: three a case, the first three of `h`'s.
-        let mut typed: Vec<u16> = h.chunks(4).flat_map(|c| c[..3].to_vec()).collect();
+        let mut typed = arithmetic(&h);
         assert_eq!(compare_typed(&cases, &typed), Ok(()));
         typed[3 * 2 + 1] = 0x1000;
         assert!(compare_typed(&cases, &typed).unwrap_err().contains("(a + b) - a"));

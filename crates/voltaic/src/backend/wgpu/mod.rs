@@ -226,7 +226,7 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
                 _ => "products on the shader cores, f32 accumulation",
             };
             // How f16 results round is known once the device is open (its probe).
-            let half_math = reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).get(&index).map(|c| {
+            let half_rounding = reg.contexts.lock().unwrap_or_else(|e| e.into_inner()).get(&index).map(|c| {
                 let say = |what: &str, r: &std::result::Result<(), String>| match r {
                     Ok(()) => format!("; {what} by the device (its probe rounds as the CPU does)"),
                     Err(why) => format!("; {what} rounded in software ({why})"),
@@ -235,7 +235,7 @@ fn reports(reg: &Registry) -> Vec<AdapterReport> {
             });
             let precision = vec![
                 ("f32", "4 bytes; products on the shader cores".to_string()),
-                ("f16", format!("2 bytes, {}{}; {}", if f16 { "native (SHADER_F16)" } else { "packed in 32-bit words" }, half_math.unwrap_or_default(), products("f16"))),
+                ("f16", format!("2 bytes, {}{}; {}", if f16 { "native (SHADER_F16)" } else { "packed in 32-bit words" }, half_rounding.unwrap_or_default(), products("f16"))),
                 ("bf16", format!("2 bytes, packed in 32-bit words, computed in f32; {}", products("bf16"))),
             ];
             if f.contains(wgpu::Features::SUBGROUP) {

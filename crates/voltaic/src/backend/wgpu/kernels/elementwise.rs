@@ -44,10 +44,10 @@ impl Gen<'_> {
         };
         let fits = |numel: usize, dt: DType| bytes(dt).is_some_and(|b| numel as u64 * b <= self.caps.chunk_bytes());
         let outs = self.outputs(expr, stores);
-        let as_is = Self::stored_as_is(expr, stores, &outs);
         if !n.is_multiple_of(4) || n < 1 << 16 || !outs.iter().all(|o| fits(n, o.2)) {
             return Ok(None);
         }
+        let as_is = Self::stored_as_is(expr, stores, &outs);
         enum Src4 {
             Vec(usize),
             Scalar(usize),
