@@ -13,7 +13,7 @@
 
 use super::codegen::elem_bytes;
 use super::context::GpuContext;
-use super::matmul::{default_variant, Tile, Variant, TILES};
+use super::matmul::{default_variant, CoopTile, Tile, Variant, COOP_TILES, TILES};
 use super::pool::alloc;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -49,6 +49,7 @@ fn plan_text(p: &Variant) -> String {
         Variant::Coop => "coop".into(),
         Variant::CoopWide => "coopwide".into(),
         Variant::CoopSplitK { splits } => format!("coopsplitk {splits}"),
+        Variant::CoopTiles(t) => format!("cooptile {} {} {} {}", t.bm, t.bn, t.fm, t.fn_),
         Variant::SplitK { tile: t, splits } => format!("splitk {} {} {} {} {} {splits}{}", t.bm, t.bn, t.bk, t.tm, t.tn, tile_flags(t)),
     }
 }
@@ -75,6 +76,7 @@ fn parse_line(line: &str) -> Option<(Key, Variant)> {
         "coop" => Variant::Coop,
         "coopwide" => Variant::CoopWide,
         "coopsplitk" => Variant::CoopSplitK { splits: num(8)?.max(1) },
+        "cooptile" => Variant::CoopTiles(Some(CoopTile { bm: num(8)?, bn: num(9)?, fm: num(10)?, fn_: num(11)? }).filter(CoopTile::valid)?),
         "splitk" => Variant::SplitK { tile: Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
         _ => return None,
     };
@@ -289,7 +291,7 @@ fn log_choice(key: &Key, best: &Variant) {
 fn is_heavy(v: &Variant) -> bool {
     match v {
         Variant::Tiled(t) | Variant::SplitK { tile: t, .. } => t.tm * t.tn > 16 || t.double,
-        Variant::Coop | Variant::CoopWide | Variant::CoopSplitK { .. } => true,
+        Variant::Coop | Variant::CoopWide | Variant::CoopSplitK { .. } | Variant::CoopTiles(_) => true,
         Variant::Columns { .. } => false,
     }
 }
@@ -422,18 +424,33 @@ fn enqueue(ctx: &GpuContext, job: Job) {
 
 fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
     let mut c = vec![default];
-    if matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16 {
+    let tensor_cores = matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16;
+    if tensor_cores {
         c.push(Variant::Coop);
         c.push(Variant::CoopWide);
+        // Smaller tiles where 128x128 ones are too few to fill a large GPU
+        // several times over; the narrow ones only for a narrow output.
+        let base_tiles = key.batch * key.m.div_ceil(128) * key.n.div_ceil(128);
+        let fits = |t: &CoopTile| match (t.bm, t.bn) {
+            (_, 32) => key.n <= 64,
+            (32, _) => key.m <= 64,
+            (bm, bn) if bm * bn < 128 * 128 => base_tiles < 528,
+            _ => key.m >= 128 && key.n >= 128,
+        };
+        c.extend(COOP_TILES.iter().filter(|t| fits(t)).map(|&t| Variant::CoopTiles(t)));
         // bf16 products split their scaling passes, not the product: f16 only.
-        let tiles = key.batch * key.m.div_ceil(128) * key.n.div_ceil(128);
         for s in [2, 4, 8, 16] {
-            if key.dtype == DType::F16 && tiles < 132 && key.k / s >= 128 {
+            if key.dtype == DType::F16 && base_tiles < 264 && key.k / s >= 128 {
                 c.push(Variant::CoopSplitK { splits: s });
             }
         }
     }
-    for t in TILES {
+    // Beside the tensor cores only the shader-core tiles that came closest
+    // to them on an H200 (3x slower or more at the encoder's shapes): each
+    // candidate costs a compile.
+    let near = [TILES[4], TILES[6], Tile::warps(128, 64, 16, 8, 4), Tile::warps(64, 64, 16, 4, 4)];
+    let tiles: &[Tile] = if tensor_cores { &near } else { TILES };
+    for t in tiles {
         let threads = (t.bm / t.tm) * (t.bn / t.tn);
         let shared = t.shared_bytes();
         if threads as u32 <= 1024 && shared as u32 <= ctx.caps.workgroup_storage {
@@ -458,7 +475,8 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
             }
         }
     }
-    c.dedup();
+    let mut seen = HashSet::new();
+    c.retain(|v| seen.insert(*v));
     c
 }
 

@@ -97,6 +97,47 @@ fn bf16x4_scaled(w: vec2<u32>, s: vec4<f32>) -> vec4<f16> {
     return vec4<f16>(v * s);
 }";
 
+/// A tensor-core tile: `bm` x `bn` outputs per workgroup, each subgroup
+/// of 32 owning `fm` x `fn_` of its 16x16 matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct CoopTile {
+    pub bm: usize,
+    pub bn: usize,
+    pub fm: usize,
+    pub fn_: usize,
+}
+
+impl CoopTile {
+    /// [`Variant::Coop`]'s tile: 8 subgroups of 64x32.
+    pub(crate) const BASE: CoopTile = CoopTile { bm: 128, bn: 128, fm: 4, fn_: 2 };
+    /// [`Variant::CoopWide`]'s tile: 8 subgroups of 64x64.
+    pub(crate) const WIDE: CoopTile = CoopTile { bm: 256, bn: 128, fm: 4, fn_: 4 };
+    /// Subgroups per workgroup.
+    pub(crate) fn warps(&self) -> usize {
+        (self.bm / (self.fm * 16)) * (self.bn / (self.fn_ * 16))
+    }
+    /// Whether the subgroups cover the tile exactly, within 1024 threads.
+    pub(crate) fn valid(&self) -> bool {
+        self.fm > 0 && self.fn_ > 0 && self.bm.is_multiple_of(self.fm * 16) && self.bn.is_multiple_of(self.fn_ * 16) && (1..=32).contains(&self.warps())
+    }
+}
+
+/// More tensor-core tiles the autotuner tries: smaller ones of 4
+/// subgroups for mid-sized products (a 4096x384 output is only 96 tiles of
+/// 128x128 for an H200's 132 SMs) and attention's per-head products (128 x
+/// 32 heads, where most of a 128x128 tile would be padding); and the usual
+/// tiles with 16 subgroups of 32x32 or 64x32, more subgroups per SM to hide
+/// the latency of the loads where there are few tiles.
+pub(crate) const COOP_TILES: &[CoopTile] = &[
+    CoopTile { bm: 64, bn: 64, fm: 2, fn_: 2 },
+    CoopTile { bm: 128, bn: 64, fm: 4, fn_: 2 },
+    CoopTile { bm: 64, bn: 128, fm: 2, fn_: 4 },
+    CoopTile { bm: 128, bn: 32, fm: 2, fn_: 2 },
+    CoopTile { bm: 32, bn: 128, fm: 2, fn_: 2 },
+    CoopTile { bm: 128, bn: 128, fm: 2, fn_: 2 },
+    CoopTile { bm: 256, bn: 128, fm: 4, fn_: 2 },
+];
+
 /// Which kernel a matmul uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Variant {
@@ -114,6 +155,9 @@ pub(crate) enum Variant {
     /// gradients (a 384x384 output over 4096 tokens is 9 tiles, for 132
     /// SMs on an H100).
     CoopSplitK { splits: usize },
+    /// Tensor cores on another tile (see [`COOP_TILES`]); partial tiles
+    /// take the bounds-checked loads.
+    CoopTiles(CoopTile),
     /// Tiles whose inner dim is cut into `splits` chunks, each its own
     /// workgroup, then a pass that adds the partial products: small outputs
     /// with a long inner dim (a Linear layer on a small batch) fill the GPU.
@@ -190,9 +234,14 @@ impl Gen<'_> {
             // The plan follows the output's dtype; the tensor cores need f16
             // operands, or bf16 ones scaled into f16 (a fused cast can make
             // an f32 product's output 16-bit).
-            Variant::Coop | Variant::CoopWide | Variant::CoopSplitK { .. } if !(self.inputs[a.input].0 == DType::F16 && self.inputs[b.input].0 == DType::F16) => {
+            Variant::Coop | Variant::CoopWide | Variant::CoopSplitK { .. } | Variant::CoopTiles(_) if !(self.inputs[a.input].0 == DType::F16 && self.inputs[b.input].0 == DType::F16) => {
                 if self.bf16_on_tensor_cores(a, b, epi) {
-                    self.matmul_bf16_coop(p, a, b, m, k, n, epi, plan == Variant::CoopWide)?
+                    let tile = match plan {
+                        Variant::CoopWide => CoopTile::WIDE,
+                        Variant::CoopTiles(t) => t,
+                        _ => CoopTile::BASE,
+                    };
+                    self.matmul_bf16_coop(p, a, b, m, k, n, epi, tile)?
                 } else {
                     // A plain conversion to f16 would lose range: the shader cores.
                     let r = b.layout.dims().len();
@@ -201,26 +250,30 @@ impl Gen<'_> {
                     self.matmul(p, a, b, m, k, n, default_variant(batch, m, k, n, sbn == 1 || sbk != 1), epi)?
                 }
             }
-            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None, false, None)?),
-            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, true, None, false, None)?),
+            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, CoopTile::BASE, None, false, None)?),
+            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, CoopTile::WIDE, None, false, None)?),
+            Variant::CoopTiles(t) => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, t, None, false, None)?),
             Variant::CoopSplitK { splits } if splits > 1 => {
                 let batch: usize = a.layout.dims()[..a.layout.dims().len() - 2].iter().product();
                 p.scratch.push((DType::F32, batch * splits * m * n));
                 let part = p.scratch.len() - 1;
-                p.dispatches.push(self.matmul_coop(a, b, m, k, n, None, false, None, false, Some((splits, part)))?);
+                p.dispatches.push(self.matmul_coop(a, b, m, k, n, None, CoopTile::BASE, None, false, Some((splits, part)))?);
                 p.dispatches.push(self.split_sum(part, batch, m, n, splits, epi)?);
             }
-            Variant::CoopSplitK { .. } => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, false, None, false, None)?),
+            Variant::CoopSplitK { .. } => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, CoopTile::BASE, None, false, None)?),
         }
         Ok(())
     }
 
     /// f16 x f16 -> f32 on cooperative matrices. Tiles of A and B go through
-    /// shared memory as f16; each of the 8 subgroups owns a 64x32 block of C
-    /// (4x2 matrices of 16x16) of a 128x128 tile, or with `wide` a 64x64
-    /// block (4x4: 8 loads from shared memory per 16 products, not 6 per 8)
-    /// of a 256x128 tile; results leave through a per-subgroup 16x16 f32
-    /// staging tile so the epilogue sees single values.
+    /// shared memory as f16; each subgroup owns `tile.fm` x `tile.fn_`
+    /// matrices of 16x16 of C: 4x2 of a 128x128 tile ([`CoopTile::BASE`]),
+    /// 4x4 of a 256x128 one ([`CoopTile::WIDE`]: 8 loads from shared memory
+    /// per 16 products, not 6 per 8; partial tiles take the 128x128 kernel),
+    /// or one of [`COOP_TILES`]. Results leave through per-subgroup 16x16 f32
+    /// staging tiles so the epilogue sees single values: as many of a
+    /// subgroup's matrices at a time as the workgroup memory left over holds,
+    /// each round costing two workgroup barriers.
     ///
     /// `scales`: scratch buffers of the largest magnitudes of A's rows and
     /// B's columns (see [`Gen::matmul_bf16_coop`]); each product is scaled
@@ -240,13 +293,16 @@ impl Gen<'_> {
         k: usize,
         n: usize,
         epi: Option<&Epilogue>,
-        wide: bool,
+        tile: CoopTile,
         scales: Option<(usize, usize)>,
         fused_bf16: bool,
         split: Option<(usize, usize)>,
     ) -> Result<Dispatch> {
+        if !tile.valid() {
+            return Err(crate::error::Error::Backend(format!("internal: tensor-core tile {tile:?} is not covered by subgroups of 16x16 matrices")));
+        }
         // Subgroups and the 16x16 matrices of C each owns (fm x fn_).
-        let (warps, fm, fn_) = if wide { (8usize, 4usize, 4usize) } else { (8, 4, 2) };
+        let (warps, fm, fn_) = (tile.warps(), tile.fm, tile.fn_);
         let threads = warps * 32;
         let mut sh = Shader::new(self.caps);
         self.bind_inputs(&mut sh, &[a.input, bv.input]);
@@ -262,7 +318,7 @@ impl Gen<'_> {
             }
             Some((_, part)) => sh.array(Src::Scratch(part), "part", DType::F32, batch * splits * m * n, true),
         }
-        let (bm, bn) = if wide { (256usize, 128usize) } else { (128, 128) };
+        let (bm, bn) = (tile.bm, tile.bn);
         let (tiles_m, tiles_n) = (m.div_ceil(bm), n.div_ceil(bn));
         let total = batch * splits * tiles_m * tiles_n;
         let (sam, sak) = (la.strides()[r - 2], la.strides()[r - 1]);
@@ -279,25 +335,39 @@ impl Gen<'_> {
         // the tensor cores load those tiles column-major.
         let a_t = sam == 1 && sak % 8 == 0 && sak != 1;
         let b_t = sbk == 1 && sbn % 8 == 0 && sbn != 1;
-        let shared = |bk: usize| {
+        // Bytes of the shared tiles of A and B, then with one staging tile per subgroup.
+        let tiles_bytes = |bk: usize| {
             let a_tile = if a_t { bk * (bm + 8) } else { bm * (bk + 8) };
             let b_tile = if b_t { bn * (bk + 8) } else { bk * (bn + 8) };
-            (a_tile + b_tile) * 2 + warps * 256 * 4
+            (a_tile + b_tile) * 2
         };
+        let shared = |bk: usize| tiles_bytes(bk) + warps * 256 * 4;
         let fast = self.coop_whole_tiles(a, bv, m, k, n, bm, bn);
-        if fused_bf16 && !fast && !wide {
+        if fused_bf16 && !fast && tile != CoopTile::WIDE {
             return Err(crate::error::Error::Backend(format!("internal: bf16 tiles scaled as they load need whole {bm}x{bn} tiles, got {m}x{k}x{n}")));
         }
         let (a_t, b_t) = (a_t && fast, b_t && fast);
-        let bk = if fast && k.is_multiple_of(64) && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
+        // Each thread moves a whole number of vec4s (fast) or of halves per step.
+        let even = |bk: usize| {
+            let unit = if fast { 4 } else { 1 };
+            (bm * bk / unit).is_multiple_of(threads) && (bk * bn / unit).is_multiple_of(threads) && bm * bk / unit >= threads && bk * bn / unit >= threads
+        };
+        let bk = if fast && k.is_multiple_of(64) && even(64) && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
+        if !even(bk) {
+            return Err(crate::error::Error::Backend(format!("internal: tensor-core tile {tile:?} does not spread its loads evenly over {threads} threads")));
+        }
+        // Staging tiles per subgroup: as many of its matrices as fit beside
+        // the shared tiles (each round of staging costs two barriers).
+        let room = (self.caps.workgroup_storage as usize).saturating_sub(tiles_bytes(bk)) / (warps * 1024);
+        let slots = room.clamp(1, fm * fn_);
         // Row strides of the shared tiles (padded by 8 halves against bank conflicts).
         let lda = if a_t { bm + 8 } else { bk + 8 };
         let ldb = if b_t { bk + 8 } else { bn + 8 };
         let (a_rows, b_rows) = (if a_t { bk } else { bm }, if b_t { bn } else { bk });
         sh.enable("wgpu_cooperative_matrix");
-        if wide && !fast {
+        if tile == CoopTile::WIDE && !fast {
             // Not whole 256-row tiles: 128x128 tiles.
-            return self.matmul_coop(a, bv, m, k, n, epi, false, scales, fused_bf16, split);
+            return self.matmul_coop(a, bv, m, k, n, epi, CoopTile::BASE, scales, fused_bf16, split);
         }
         // Whole tiles: shared tiles of vec4<f16> (cooperative loads read them
         // with strides in vec4s: the pointer may be to a vector of the
@@ -308,7 +378,7 @@ impl Gen<'_> {
             "var<workgroup> As: array<{elem}, {}>;\nvar<workgroup> Bs: array<{elem}, {}>;\nvar<workgroup> Cs: array<f32, {}>;",
             a_rows * lda / unit,
             b_rows * ldb / unit,
-            warps * 256
+            warps * slots * 256
         ));
         // Each split covers a whole number of k-steps (of 64 at most).
         let chunk = k.div_ceil(splits).div_ceil(64) * 64;
@@ -399,24 +469,32 @@ impl Gen<'_> {
             load(&mut s, &format!("(kt + {bk}u)"));
             let _ = writeln!(s, "    }}");
         } else {
-            // 128x32 of A and 32x128 of B: 16 elements of each per thread, loaded
-            // into registers one step ahead so their latency hides behind the
-            // tensor-core work of the current step.
+            // bm x 32 of A and 32 x bn of B (16 elements of each per thread
+            // on 128x128 tiles), loaded into registers one step ahead so
+            // their latency hides behind the tensor-core work of the current
+            // step.
+            let (per_a, per_b) = (bm * bk / threads, bk * bn / threads);
             let mut coords = String::new();
-            for q in 0..bm * bk / threads {
+            for q in 0..per_a {
                 let e = format!("(lid + {}u)", q * threads);
                 let (ar, ak) = if a_kfast { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) } else { (format!("({e} % {bm}u)"), format!("({e} / {bm}u)")) };
+                let _ = writeln!(coords, "    let ar{q} = {ar};\n    let ak{q} = {ak};\n    var ra{q} = f16(0.0);");
+            }
+            for q in 0..per_b {
+                let e = format!("(lid + {}u)", q * threads);
                 let (bc, bkk) = if b_nfast { (format!("({e} % {bn}u)"), format!("({e} / {bn}u)")) } else { (format!("({e} / {bk}u)"), format!("({e} % {bk}u)")) };
-                let _ = writeln!(coords, "    let ar{q} = {ar};\n    let ak{q} = {ak};\n    let bc{q} = {bc};\n    let bk{q} = {bkk};\n    var ra{q} = f16(0.0);\n    var rb{q} = f16(0.0);");
+                let _ = writeln!(coords, "    let bc{q} = {bc};\n    let bk{q} = {bkk};\n    var rb{q} = f16(0.0);");
             }
             s.push_str(&coords);
             let load = |s: &mut String, kt: &str| {
-                for q in 0..bm * bk / threads {
+                for q in 0..per_a {
                     let _ = writeln!(
                         s,
                         "    ra{q} = f16(0.0);\n    if (row0 + ar{q} < {m}u && {kt} + ak{q} < k1) {{ ra{q} = f16(ld_in{ai}(abase + (row0 + ar{q}) * {sam}u + ({kt} + ak{q}) * {sak}u)); }}",
                         ai = a.input
                     );
+                }
+                for q in 0..per_b {
                     let _ = writeln!(
                         s,
                         "    rb{q} = f16(0.0);\n    if ({kt} + bk{q} < k1 && col0 + bc{q} < {n}u) {{ rb{q} = f16(ld_in{bi}(bbase + ({kt} + bk{q}) * {sbk}u + (col0 + bc{q}) * {sbn}u)); }}",
@@ -426,8 +504,11 @@ impl Gen<'_> {
             };
             load(&mut s, "k0");
             let _ = writeln!(s, "    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{");
-            for q in 0..bm * bk / threads {
-                let _ = writeln!(s, "    As[ar{q} * {lda}u + ak{q}] = ra{q};\n    Bs[bk{q} * {ldb}u + bc{q}] = rb{q};");
+            for q in 0..per_a {
+                let _ = writeln!(s, "    As[ar{q} * {lda}u + ak{q}] = ra{q};");
+            }
+            for q in 0..per_b {
+                let _ = writeln!(s, "    Bs[bk{q} * {ldb}u + bc{q}] = rb{q};");
             }
             let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < k1) {{");
             load(&mut s, &format!("(kt + {bk}u)"));
@@ -451,8 +532,8 @@ impl Gen<'_> {
             }
         }
         let _ = writeln!(s, "    workgroupBarrier();\n    }}");
-        // Each subgroup stages one 16x16 result at a time and its 32 threads store it.
-        let _ = writeln!(s, "    let lane = lid % 32u;\n    let cbase = warp * 256u;");
+        // Each subgroup stages `slots` 16x16 results at a time and its 32 threads store them.
+        let _ = writeln!(s, "    let lane = lid % 32u;\n    let cbase = warp * {}u;", slots * 256);
         // The product at staged element `e` of column `gj`.
         let product = |e: &str, gj: &str| match scales {
             None => format!("Cs[cbase + {e}]"),
@@ -471,9 +552,18 @@ impl Gen<'_> {
             None => format!("let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {p}));", m * n),
             Some(_) => format!("st_part((z * {splits}u + ks) * {}u + gi * {n}u + gj, {p});", m * n),
         };
-        for i in 0..fm {
-            for j in 0..fn_ {
-                let _ = writeln!(s, "    coopStoreT(c{i}{j}, &Cs[cbase], 16u);\n    workgroupBarrier();");
+        let mats: Vec<(usize, usize)> = (0..fm).flat_map(|i| (0..fn_).map(move |j| (i, j))).collect();
+        for (round, group) in mats.chunks(slots).enumerate() {
+            if round > 0 {
+                // The previous round's staging tiles are read by now.
+                let _ = writeln!(s, "    workgroupBarrier();");
+            }
+            for (slot, (i, j)) in group.iter().enumerate() {
+                let _ = writeln!(s, "    coopStoreT(c{i}{j}, &Cs[cbase + {}u], 16u);", slot * 256);
+            }
+            let _ = writeln!(s, "    workgroupBarrier();");
+            for (slot, (i, j)) in group.iter().enumerate() {
+                let at = |e: &str| format!("{}u + {e}", slot * 256);
                 if pairs {
                     let _ = writeln!(
                         s,
@@ -486,8 +576,8 @@ impl Gen<'_> {
                         i * 16,
                         j * 16,
                         m * n,
-                        product("e", "gj"),
-                        product("e + 1u", "gj + 1u")
+                        product(&at("e"), "gj"),
+                        product(&at("e + 1u"), "gj + 1u")
                     );
                 } else {
                     let _ = writeln!(
@@ -500,13 +590,17 @@ impl Gen<'_> {
     }}",
                         i * 16,
                         j * 16,
-                        store(&product("e", "gj"))
+                        store(&product(&at("e"), "gj"))
                     );
                 }
-                let _ = writeln!(s, "    workgroupBarrier();");
             }
         }
-        Ok(sh.finish(format!("matmul_coop{} {batch}x{m}x{k}x{n}", if wide { " wide" } else { "" }), threads as u32, total as u64, &s))
+        let name = match tile {
+            CoopTile::BASE => String::new(),
+            CoopTile::WIDE => " wide".into(),
+            t => format!(" {}x{}", t.bm, t.bn),
+        };
+        Ok(sh.finish(format!("matmul_coop{name} {batch}x{m}x{k}x{n}"), threads as u32, total as u64, &s))
     }
 
     /// Whether the tensor-core kernel on `bm x bn` tiles takes its fast
@@ -543,7 +637,7 @@ impl Gen<'_> {
     /// bf16 range works, where a plain conversion to f16 would overflow
     /// beyond 65504 and flush below 2^-24.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_bf16_coop(&self, p: &mut WgslProgram, a: &View, b: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, wide: bool) -> Result<()> {
+    fn matmul_bf16_coop(&self, p: &mut WgslProgram, a: &View, b: &View, m: usize, k: usize, n: usize, epi: Option<&Epilogue>, tile: CoopTile) -> Result<()> {
         let r = a.layout.dims().len();
         let bdims = a.layout.dims()[..r - 2].to_vec();
         let batch: usize = bdims.iter().product();
@@ -559,11 +653,13 @@ impl Gen<'_> {
         // Whole tiles: the product reads the bf16 operands and scales them
         // as its tiles go to shared memory; no f16 copies (on the H100,
         // 4096^3: 0.844 ms against 0.865 with the copies, in one call).
-        let wide_fits = wide && self.coop_whole_tiles(a, b, m, k, n, 256, 128);
-        if wide_fits || self.coop_whole_tiles(a, b, m, k, n, 128, 128) {
+        // Wide tiles that are not whole take 128x128 ones, whole or not.
+        let whole = |t: CoopTile| self.coop_whole_tiles(a, b, m, k, n, t.bm, t.bn);
+        let fused = if tile == CoopTile::WIDE && !whole(tile) { CoopTile::BASE } else { tile };
+        if whole(fused) {
             self.line_maxima(p, a, a_lines, a_len, sa, "rows of A");
             self.line_maxima(p, b, b_lines, b_len, sb, "columns of B");
-            let mut d = self.matmul_coop(a, b, m, k, n, epi, wide_fits, Some((sa, sb)), true, None)?;
+            let mut d = self.matmul_coop(a, b, m, k, n, epi, fused, Some((sa, sb)), true, None)?;
             d.label = format!("bf16 {}", d.label);
             p.dispatches.push(d);
             return Ok(());
@@ -578,7 +674,7 @@ impl Gen<'_> {
         let dims = |x: usize, y: usize| bdims.iter().copied().chain([x, y]).collect::<Vec<_>>();
         let a2 = View { input: a.input, layout: Layout::contiguous(&dims(m, k)) };
         let b2 = View { input: b.input, layout: Layout::contiguous(&dims(k, n)) };
-        let mut d = g.matmul_coop(&a2, &b2, m, k, n, epi, wide, Some((sa, sb)), false, None)?;
+        let mut d = g.matmul_coop(&a2, &b2, m, k, n, epi, tile, Some((sa, sb)), false, None)?;
         for bind in &mut d.binds {
             if bind.src == Src::Input(a.input) {
                 bind.src = Src::Scratch(a16);
@@ -1203,7 +1299,14 @@ mod tests {
             FORCE.with(|c| c.set(None));
             assert_eq!(got.unwrap(), want, "columns of a view at offset {off}, {splits} splits");
         }
-        // Tensor cores where the adapter has them (not lavapipe).
+    }
+
+    /// Tensor cores where the adapter has them (not lavapipe: there this
+    /// only checks that an adapter is found).
+    #[test]
+    fn every_tensor_core_plan_matches_the_cpu() {
+        assert!(!crate::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+        let shapes: &[(&[usize], &[usize])] = &[(&[3, 5], &[5, 7]), (&[2, 33, 17], &[2, 17, 70]), (&[130, 40], &[40, 129])];
         if crate::backend::wgpu::context(0).unwrap().caps.coop_f16 {
             for &(da, db) in shapes {
                 for (ta, tb) in [(false, false), (true, true)] {
@@ -1225,6 +1328,24 @@ mod tests {
             for (da, db) in [(&[128usize, 64][..], &[64usize, 256][..]), (&[2, 256, 96], &[2, 96, 128]), (&[130, 40], &[40, 129]), (&[512, 64], &[64, 128])] {
                 check(Variant::CoopWide, da, db, false, false, DType::F16);
             }
+            // The smaller tiles: partial ones (bounds-checked loads), whole
+            // ones plain and transposed, attention's per-head shapes batched
+            // (several staging rounds where 128x64 holds 5 of its 8
+            // matrices at a time), bf16 scaled as it loads and through copies.
+            for &t in COOP_TILES {
+                let plan = Variant::CoopTiles(t);
+                check(plan, &[2, 130, 70], &[70, 200], false, true, DType::F16);
+                check(plan, &[3, 5], &[5, 7], true, true, DType::F16);
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    check(plan, &[2, 128, 64], &[2, 64, 128], ta, tb, DType::F16);
+                }
+                check(plan, &[3, 128, 32], &[3, 32, 128], false, true, DType::F16);
+                check(plan, &[3, 128, 128], &[3, 128, 32], true, false, DType::F16);
+                check(plan, &[3, 32, 128], &[3, 128, 128], true, false, DType::F16);
+                check(plan, &[2, 128, 64], &[2, 64, 128], false, true, DType::BF16);
+                check(plan, &[130, 70], &[70, 129], false, false, DType::BF16);
+                bf16_wide_range(plan, 128, 64, 128, (-40, 40), (-40, 40));
+            }
             // The inner dim in chunks: ragged (k = 300), whole tiles with
             // A = x^T (a weight gradient), and more splits than chunks.
             check(Variant::CoopSplitK { splits: 3 }, &[130, 300], &[300, 129], false, false, DType::F16);
@@ -1240,6 +1361,17 @@ mod tests {
             FORCE.with(|c| c.set(None));
             for (g, w) in got.unwrap().iter().zip(&want) {
                 assert!((g - w).abs() < 2e-2 * (1.0 + w.abs()), "split tensor-core product with an epilogue: {g} vs {w}");
+            }
+            // ...and on every tile, each staged result read by the epilogue once.
+            let (x, w) = (x.narrow(0, 0, 128).unwrap().narrow(1, 0, 256).unwrap().contiguous().unwrap(), w.narrow(0, 0, 256).unwrap().narrow(1, 0, 128).unwrap().contiguous().unwrap());
+            let want = f(&x, &w).to_f64_vec().unwrap();
+            for plan in [Variant::Coop, Variant::CoopWide].into_iter().chain(COOP_TILES.iter().map(|&t| Variant::CoopTiles(t))) {
+                FORCE.with(|c| c.set(Some(plan)));
+                let got = f(&x.to_device(Device::Gpu(0)).unwrap(), &w.to_device(Device::Gpu(0)).unwrap()).to_f64_vec();
+                FORCE.with(|c| c.set(None));
+                for (g, w) in got.unwrap().iter().zip(&want) {
+                    assert!((g - w).abs() < 2e-2 * (1.0 + w.abs()), "{plan:?} with an epilogue: {g} vs {w}");
+                }
             }
             // bf16, scaled into f16 for the tensor cores: exact on small integers...
             for &(da, db) in shapes {

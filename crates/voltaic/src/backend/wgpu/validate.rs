@@ -104,6 +104,7 @@ fn check(t: &Tensor, caps: &Caps, seen: &mut Vec<&'static str>) -> usize {
                 variants.push(Some(Variant::Coop));
                 variants.push(Some(Variant::CoopWide));
                 variants.push(Some(Variant::CoopSplitK { splits: 3 }));
+                variants.extend(super::matmul::COOP_TILES.iter().map(|&t| Some(Variant::CoopTiles(t))));
             }
         }
         for v in variants {
