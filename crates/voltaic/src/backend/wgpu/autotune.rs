@@ -249,19 +249,29 @@ pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)
         return Ok(Some(*p));
     }
     // bf16 too: scaled to f16 for the tensor cores (matmul.rs, matmul_bf16_coop).
-    let coop = matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16 && key.m >= 64 && key.n >= 64;
+    let coop = matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16 && key.m >= 32 && key.n >= 32;
+    // Attention's per-head products (128 x 32 on a head of 32) on 128x32
+    // or 32x128 tiles: on an H200, 42-50 us against 110-160 us for
+    // 128x128 tensor-core tiles or the best shader-core tile.
+    let narrow = match (key.m < 64, key.n < 64) {
+        (false, true) => Some(COOP_TILES[3]),
+        (true, false) => Some(COOP_TILES[4]),
+        (true, true) => Some(COOP_TILES[0]),
+        (false, false) => None,
+    };
     // 256x128 tiles pay off only with many of them: on the H100 a
     // 4096x384 output ran in 112 us on them against 58 on 128x128 tiles
     // (4096x1536: 233 against 176), while 4096x4096 wants the wide ones.
     let wide_tiles = key.batch * key.m.div_ceil(256) * key.n.div_ceil(128);
-    let default = match coop {
-        true if wide_tiles >= 256 => Variant::CoopWide,
-        true => match super::matmul::coop_splits(key.batch, key.m, key.k, key.n) {
+    let default = match (coop, narrow) {
+        (true, Some(t)) => Variant::CoopTiles(t),
+        (true, None) if wide_tiles >= 256 => Variant::CoopWide,
+        (true, None) => match super::matmul::coop_splits(key.batch, key.m, key.k, key.n) {
             _ if key.dtype != DType::F16 => Variant::Coop,
             1 => Variant::Coop,
             splits => Variant::CoopSplitK { splits },
         },
-        false => default_variant(key.batch, key.m, key.k, key.n, key.b_nfast),
+        (false, _) => default_variant(key.batch, key.m, key.k, key.n, key.b_nfast),
     };
     let flops = 2.0 * (key.batch * key.m * key.k * key.n) as f64;
     let mode = ctx.tuner.mode();
@@ -480,8 +490,40 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
     c
 }
 
-/// Time every candidate on scratch buffers; the fastest wins if it also
-/// beats the default when the two are timed in turn (see [`confirms`]).
+/// Compile every plan, several at a time where the platform has threads:
+/// the driver spends 100-250 ms on each tensor-core or large-tile kernel,
+/// so one shape's 30 candidates took seconds one after another.
+fn compile_all(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], plans: &[Variant]) -> Vec<Result<std::sync::Arc<super::exec::Compiled>>> {
+    let one = |p: Variant| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| super::exec::compile(ctx, k, inputs, Some(p))))
+            .unwrap_or_else(|_| Err(Error::Backend(format!("compiling {} panicked", plan_text(&p)))))
+    };
+    let width = if cfg!(target_arch = "wasm32") { 1 } else { std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8) };
+    if width == 1 {
+        return plans.iter().map(|&p| one(p)).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done: Vec<Mutex<Option<Result<_>>>> = plans.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..width.min(plans.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= plans.len() || stopping() {
+                    return;
+                }
+                let r = one(plans[i]);
+                *done[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            });
+        }
+    });
+    done.into_iter()
+        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| Err(Error::Backend("the process is exiting: tuning stopped".into()))))
+        .collect()
+}
+
+/// Time every candidate on scratch buffers, each just after the default
+/// (a ratio to it, see below); the fastest wins if it also beats the
+/// default when the two are timed in turn again (see [`confirms`]).
 fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, default: Variant) -> Result<Variant> {
     let bufs: Vec<super::pool::GpuBuf> =
         inputs.iter().map(|&(dt, n)| alloc(ctx, dt, n, n as u64 * elem_bytes(&ctx.caps, dt))).collect::<Result<_>>()?;
@@ -496,12 +538,13 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     let consts = k.kind.consts();
     let mut runs = vec![];
     let stopped = || Error::Backend("the process is exiting: tuning stopped".into());
-    for plan in candidates(ctx, key, default) {
+    let plans = candidates(ctx, key, default);
+    for (plan, compiled) in plans.iter().copied().zip(compile_all(ctx, k, inputs, &plans)) {
         if stopping() {
             return Err(stopped());
         }
         // A candidate the driver refuses is skipped; only the default must compile.
-        let compiled = match super::exec::compile(ctx, k, inputs, Some(plan)) {
+        let compiled = match compiled {
             Ok(c) => c,
             Err(e) if plan != default => {
                 if std::env::var_os("VOLTAIC_AUTOTUNE_LOG").is_some() {
@@ -550,28 +593,35 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
         let first = time(&r.1, 1)?;
         r.3 = ((0.002 / first.max(1e-6)) as usize).clamp(2, 100);
     }
-    // Rounds over every candidate, each keeping its best time: a clock that
-    // ramps or a neighbour's burst during one candidate's turn does not decide.
+    let Some(base) = runs.iter().position(|r| r.0 == default) else { return Err(Error::Backend(format!("the autotuner's default {} did not compile", plan_text(&default)))) };
+    // Rounds over every candidate, each timed just after the default and
+    // scored by the median of its ratios to it: on an H200 the GPU's clock
+    // moved so much within one shape's rounds that a tensor-core kernel's
+    // best time was 230 us in them and 50 us timed in turn just after.
+    let mut ratios = vec![vec![]; runs.len()];
     for _ in 0..3 {
-        for r in runs.iter_mut() {
+        for (i, ratio) in ratios.iter_mut().enumerate() {
             if stopping() {
                 return Err(stopped());
             }
-            r.2 = r.2.min(time(&r.1, r.3)?);
+            let d = time(&runs[base].1, runs[base].3)?;
+            let t = if i == base { d } else { time(&runs[i].1, runs[i].3)? };
+            runs[i].2 = runs[i].2.min(t);
+            ratio.push(t / d.max(1e-12));
         }
     }
-    let mut best = (f64::INFINITY, 0);
-    // VOLTAIC_AUTOTUNE_LOG=2 also lists every candidate's time.
+    let mut best = (f64::INFINITY, base);
+    // VOLTAIC_AUTOTUNE_LOG=2 also lists every candidate's time and ratio.
     let detail = std::env::var("VOLTAIC_AUTOTUNE_LOG").is_ok_and(|v| v == "2");
     for (i, r) in runs.iter().enumerate() {
+        let score = median(&ratios[i]);
         if detail {
-            eprintln!("voltaic autotune: {}   {:<28} {:>10.1} us", key.line(), plan_text(&r.0), r.2 * 1e6);
+            eprintln!("voltaic autotune: {}   {:<28} {:>10.1} us  {:>6.3}x the default", key.line(), plan_text(&r.0), r.2 * 1e6, score);
         }
-        if r.2 < best.0 {
-            best = (r.2, i);
+        if score < best.0 {
+            best = (score, i);
         }
     }
-    let Some(base) = runs.iter().position(|r| r.0 == default) else { return Ok(runs[best.1].0) };
     if best.1 == base {
         return Ok(default);
     }
@@ -599,17 +649,19 @@ fn measure(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)], key: &Key, d
     Ok(if confirmed { runs[best.1].0 } else { default })
 }
 
+/// The middle value (the upper of the two middle ones); NaN for none.
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// Timings in turn of the fastest candidate and the default (see `measure`).
 const CONFIRM_PAIRS: usize = 5;
 
 /// Whether a candidate timed in turn with the default (`won[i]` just
 /// before `lost[i]`) is faster in most pairs and by 5% in the median.
 fn confirms(won: &[f64], lost: &[f64]) -> bool {
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let faster = won.iter().zip(lost).filter(|(w, l)| w < l).count();
     !won.is_empty() && 2 * faster > won.len() && median(won) < 0.95 * median(lost)
 }
