@@ -149,6 +149,7 @@ pub(crate) fn device_tag(info: &wgpu::AdapterInfo) -> String {
 /// backend: a fresh machine with one of these starts with tuned kernels.
 const SHIPPED: &[(&str, wgpu::Backend, &str)] = &[
     ("NVIDIA H100", wgpu::Backend::Vulkan, include_str!("tuned/nvidia-h100-vulkan.txt")),
+    ("NVIDIA H200", wgpu::Backend::Vulkan, include_str!("tuned/nvidia-h200-vulkan.txt")),
 ];
 
 /// The shipped plans for an adapter, if any.
