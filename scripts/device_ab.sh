@@ -10,9 +10,16 @@
 #   in .bin/data
 # then call with carry [".gl", ".bin"]:
 #   ROUNDS=2 bash scripts/device_ab.sh ab        (then: peer,profile,tests)
+# BINS: the binaries of the rounds (default "voltaic-prev voltaic").
 # FILTER narrows the rows (a substring of their names, or several separated
 # by spaces, each run in turn; all but cold_ rows when empty). TUNE=1 gives
-# each binary a cache of its own, tuned before the rounds.
+# each binary a cache of its own, tuned before the rounds. The step tunelog
+# (before ab) has the new binary time every candidate of the products of
+# the rows matching each of TUNE_ROWS (default encoder_f16) in its own
+# cache, logging each time (VOLTAIC_AUTOTUNE=sync, VOLTAIC_AUTOTUNE_LOG=2)
+# within TUNE_SECS (default 240) each; the other binary then tunes in the
+# background as usual. tuned-plans.txt holds what the new binary's cache
+# ends with (what `tuned/` ships for an adapter).
 set -uo pipefail
 source .gl/env.sh
 export RUST_BACKTRACE=1 VOLTAIC_FASHION_MNIST=$PWD/.bin/data
@@ -25,9 +32,15 @@ filters=("${FILTER:-}")
 [ -n "${FILTER:-}" ] && read -r -a filters <<< "$FILTER"
 rounds="${ROUNDS:-2}"
 # The cache directory binary $1 runs with: its own with TUNE=1, else the default.
-cache() { if [ -n "${TUNE:-}" ]; then echo "/tmp/cache-$1"; else echo "${VOLTAIC_CACHE_DIR:-$HOME/.cache/voltaic}"; fi; }
+cache() { if [ -n "${TUNE:-}" ] || [[ "$what" == *tunelog* ]]; then echo "/tmp/cache-$1"; else echo "${VOLTAIC_CACHE_DIR:-$HOME/.cache/voltaic}"; fi; }
 .bin/voltaic devices > "$OUT/devices.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv >> "$OUT/devices.txt"
+if [[ "$what" == *tunelog* ]]; then
+    for p in ${TUNE_ROWS:-encoder_f16}; do
+        timeout "${TUNE_SECS:-240}" env VOLTAIC_CACHE_DIR="$(cache voltaic)" VOLTAIC_AUTOTUNE=sync VOLTAIC_AUTOTUNE_LOG=2 .bin/voltaic bench --suite train --filter "$p" --runs 1 --no-peer > /dev/null 2> "$OUT/tune-$p.txt"
+        echo "tunelog $p: rc $?, $(grep -c 'in turn\|->' "$OUT/tune-$p.txt") choices"
+    done
+fi
 for pattern in "${filters[@]}"; do
     filter=()
     [ -n "$pattern" ] && filter=(--filter "$pattern")
@@ -37,11 +50,13 @@ for pattern in "${filters[@]}"; do
         # product's candidates first (VOLTAIC_AUTOTUNE=sync); for the three
         # encoder rows that did not end within 9.5 minutes on an H200
         # (2026-12-01): give it one row, or tune offline.
-        for b in voltaic-prev voltaic; do
-            env VOLTAIC_CACHE_DIR="$(cache "$b")" ${TUNE:+VOLTAIC_AUTOTUNE=sync} .bin/$b bench --suite train "${filter[@]}" --no-peer --runs 1 > /dev/null 2>> "$OUT/ab.err"
+        # The tuner's choices go to ab.err; the new binary's plans are kept at once.
+        for b in ${BINS:-voltaic-prev voltaic}; do
+            env VOLTAIC_CACHE_DIR="$(cache "$b")" VOLTAIC_AUTOTUNE_LOG=1 ${TUNE:+VOLTAIC_AUTOTUNE=sync} .bin/$b bench --suite train "${filter[@]}" --no-peer --runs 1 > /dev/null 2>> "$OUT/ab.err"
         done
+        cat "$(cache voltaic)"/matmul-2-*.txt > "$OUT/tuned-plans.txt" 2>/dev/null
         for r in $(seq "$rounds"); do
-            for b in voltaic-prev voltaic; do
+            for b in ${BINS:-voltaic-prev voltaic}; do
                 VOLTAIC_CACHE_DIR=$(cache "$b") .bin/$b bench --suite train "${filter[@]}" --no-peer --json 2>> "$OUT/ab.err" | sed "s/^/{\"bin\":\"$b\",\"round\":$r} /" | tee -a "$OUT/ab.jsonl"
             done
         done
