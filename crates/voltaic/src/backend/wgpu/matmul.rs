@@ -333,8 +333,16 @@ impl Gen<'_> {
         // weight gradient, B = W^T of a Linear layer) are read four halves at
         // a time along that dim and kept in shared memory as they lie, and
         // the tensor cores load those tiles column-major.
-        let a_t = sam == 1 && sak % 8 == 0 && sak != 1;
-        let b_t = sbk == 1 && sbn % 8 == 0 && sbn != 1;
+        let fast = self.coop_whole_tiles(a, bv, m, k, n, bm, bn);
+        if tile == CoopTile::WIDE && !fast {
+            // Not whole 256-row tiles: 128x128 tiles.
+            return self.matmul_coop(a, bv, m, k, n, epi, CoopTile::BASE, scales, fused_bf16, split);
+        }
+        if fused_bf16 && !fast {
+            return Err(crate::error::Error::Backend(format!("internal: bf16 tiles scaled as they load need whole {bm}x{bn} tiles, got {m}x{k}x{n}")));
+        }
+        let a_t = fast && sam == 1 && sak % 8 == 0 && sak != 1;
+        let b_t = fast && sbk == 1 && sbn % 8 == 0 && sbn != 1;
         // Bytes of the shared tiles of A and B, then with one staging tile per subgroup.
         let tiles_bytes = |bk: usize| {
             let a_tile = if a_t { bk * (bm + 8) } else { bm * (bk + 8) };
@@ -342,19 +350,17 @@ impl Gen<'_> {
             (a_tile + b_tile) * 2
         };
         let shared = |bk: usize| tiles_bytes(bk) + warps * 256 * 4;
-        let fast = self.coop_whole_tiles(a, bv, m, k, n, bm, bn);
-        if fused_bf16 && !fast && tile != CoopTile::WIDE {
-            return Err(crate::error::Error::Backend(format!("internal: bf16 tiles scaled as they load need whole {bm}x{bn} tiles, got {m}x{k}x{n}")));
-        }
-        let (a_t, b_t) = (a_t && fast, b_t && fast);
         // Each thread moves a whole number of vec4s (fast) or of halves per step.
         let even = |bk: usize| {
             let unit = if fast { 4 } else { 1 };
             (bm * bk / unit).is_multiple_of(threads) && (bk * bn / unit).is_multiple_of(threads) && bm * bk / unit >= threads && bk * bn / unit >= threads
         };
         let bk = if fast && k.is_multiple_of(64) && even(64) && shared(64) as u32 <= self.caps.workgroup_storage { 64 } else { 32 };
-        if !even(bk) {
-            return Err(crate::error::Error::Backend(format!("internal: tensor-core tile {tile:?} does not spread its loads evenly over {threads} threads")));
+        if !even(bk) || shared(bk) as u32 > self.caps.workgroup_storage {
+            return Err(crate::error::Error::Backend(format!(
+                "internal: tensor-core tile {tile:?} does not spread its loads evenly over {threads} threads or needs more than {} bytes of workgroup memory",
+                self.caps.workgroup_storage
+            )));
         }
         // Staging tiles per subgroup: as many of its matrices as fit beside
         // the shared tiles (each round of staging costs two barriers).
@@ -365,10 +371,6 @@ impl Gen<'_> {
         let ldb = if b_t { bk + 8 } else { bn + 8 };
         let (a_rows, b_rows) = (if a_t { bk } else { bm }, if b_t { bn } else { bk });
         sh.enable("wgpu_cooperative_matrix");
-        if tile == CoopTile::WIDE && !fast {
-            // Not whole 256-row tiles: 128x128 tiles.
-            return self.matmul_coop(a, bv, m, k, n, epi, CoopTile::BASE, scales, fused_bf16, split);
-        }
         // Whole tiles: shared tiles of vec4<f16> (cooperative loads read them
         // with strides in vec4s: the pointer may be to a vector of the
         // matrix's element type); packed u32 tiles are refused by NVIDIA's
