@@ -76,7 +76,9 @@ fn parse_line(line: &str) -> Option<(Key, Variant)> {
         "coop" => Variant::Coop,
         "coopwide" => Variant::CoopWide,
         "coopsplitk" => Variant::CoopSplitK { splits: num(8)?.max(1) },
-        "cooptile" => Variant::CoopTiles(Some(CoopTile { bm: num(8)?, bn: num(9)?, fm: num(10)?, fn_: num(11)? }).filter(CoopTile::valid)?),
+        // Only the tiles this build has (a cache from another build, or a
+        // damaged one, must not name a tile the kernel cannot lay out).
+        "cooptile" => Variant::CoopTiles(Some(CoopTile { bm: num(8)?, bn: num(9)?, fm: num(10)?, fn_: num(11)? }).filter(|t| COOP_TILES.contains(t))?),
         "splitk" => Variant::SplitK { tile: Tile { double, warps, ..Tile::new(num(8)?, num(9)?, num(10)?, num(11)?, num(12)?) }, splits: num(13)?.max(1) },
         _ => return None,
     };
@@ -683,6 +685,16 @@ mod tests {
         // One lucky pair does not decide.
         assert!(!confirms(&[10e-6, 100e-6, 100e-6], &[80e-6, 80e-6, 80e-6]));
         assert!(!confirms(&[], &[]));
+    }
+
+    #[test]
+    fn a_cached_tensor_core_tile_must_be_one_this_build_has() {
+        let line = |t: &str| parse_line(&format!("1 4096 384 384 1 0 f16 cooptile {t}")).map(|(_, p)| plan_text(&p));
+        assert_eq!(line("128 32 2 2").as_deref(), Some("cooptile 128 32 2 2"));
+        // Covered by subgroups, but not a tile the kernel is tested on.
+        assert_eq!(line("32 32 2 2"), None);
+        assert_eq!(line("128 128 3 2"), None);
+        assert_eq!(line("128 32"), None);
     }
 
     #[test]
