@@ -240,6 +240,12 @@ impl Tuner {
     }
 }
 
+/// Whether a product of `key`'s dtype can run on the adapter's tensor
+/// cores: f16, or bf16 scaled to f16 (matmul.rs, `matmul_bf16_coop`).
+fn tensor_cores(ctx: &GpuContext, key: &Key) -> bool {
+    matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16
+}
+
 /// The plan for matmul kernel `k`: remembered, or the shape heuristic (and,
 /// for work large enough to repay it, measured in the background or, with
 /// `VOLTAIC_AUTOTUNE=sync`, now).
@@ -251,15 +257,14 @@ pub(crate) fn variant_for(ctx: &GpuContext, k: &Kernel, inputs: &[(DType, usize)
     if let Some(p) = ctx.tuner.plans.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok(Some(*p));
     }
-    // bf16 too: scaled to f16 for the tensor cores (matmul.rs, matmul_bf16_coop).
-    let coop = matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16 && key.m >= 32 && key.n >= 32;
+    let coop = tensor_cores(ctx, &key) && key.m >= 32 && key.n >= 32;
     // Attention's per-head products (128 x 32 on a head of 32) on 128x32
     // or 32x128 tiles: on an H200, 42-50 us against 110-160 us for
     // 128x128 tensor-core tiles or the best shader-core tile.
     let narrow = match (key.m < 64, key.n < 64) {
-        (false, true) => Some(COOP_TILES[3]),
-        (true, false) => Some(COOP_TILES[4]),
-        (true, true) => Some(COOP_TILES[0]),
+        (false, true) => Some(CoopTile::TALL),
+        (true, false) => Some(CoopTile::FLAT),
+        (true, true) => Some(CoopTile::SMALL),
         (false, false) => None,
     };
     // 256x128 tiles pay off only with many of them: on the H100 a
@@ -437,8 +442,8 @@ fn enqueue(ctx: &GpuContext, job: Job) {
 
 fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
     let mut c = vec![default];
-    let tensor_cores = matches!(key.dtype, DType::F16 | DType::BF16) && ctx.caps.coop_f16;
-    if tensor_cores {
+    let coop = tensor_cores(ctx, key);
+    if coop {
         c.push(Variant::Coop);
         c.push(Variant::CoopWide);
         // Smaller tiles where 128x128 ones are too few to fill a large GPU
@@ -462,7 +467,7 @@ fn candidates(ctx: &GpuContext, key: &Key, default: Variant) -> Vec<Variant> {
     // to them on an H200 (3x slower or more at the encoder's shapes): each
     // candidate costs a compile.
     let near = [TILES[4], TILES[6], Tile::warps(128, 64, 16, 8, 4), Tile::warps(64, 64, 16, 4, 4)];
-    let tiles: &[Tile] = if tensor_cores { &near } else { TILES };
+    let tiles: &[Tile] = if coop { &near } else { TILES };
     for t in tiles {
         let threads = (t.bm / t.tm) * (t.bn / t.tn);
         let shared = t.shared_bytes();

@@ -112,6 +112,12 @@ impl CoopTile {
     pub(crate) const BASE: CoopTile = CoopTile { bm: 128, bn: 128, fm: 4, fn_: 2 };
     /// [`Variant::CoopWide`]'s tile: 8 subgroups of 64x64.
     pub(crate) const WIDE: CoopTile = CoopTile { bm: 256, bn: 128, fm: 4, fn_: 4 };
+    /// For outputs under 64 wide (attention's heads of 32): 4 subgroups of 32x32.
+    pub(crate) const TALL: CoopTile = CoopTile { bm: 128, bn: 32, fm: 2, fn_: 2 };
+    /// For outputs under 64 high: 4 subgroups of 32x32.
+    pub(crate) const FLAT: CoopTile = CoopTile { bm: 32, bn: 128, fm: 2, fn_: 2 };
+    /// For outputs under 64 each way: 4 subgroups of 32x32.
+    pub(crate) const SMALL: CoopTile = CoopTile { bm: 64, bn: 64, fm: 2, fn_: 2 };
     /// Subgroups per workgroup.
     pub(crate) fn warps(&self) -> usize {
         (self.bm / (self.fm * 16)) * (self.bn / (self.fn_ * 16))
@@ -129,11 +135,11 @@ impl CoopTile {
 /// tiles with 16 subgroups of 32x32 or 64x32, more subgroups per SM to hide
 /// the latency of the loads where there are few tiles.
 pub(crate) const COOP_TILES: &[CoopTile] = &[
-    CoopTile { bm: 64, bn: 64, fm: 2, fn_: 2 },
+    CoopTile::SMALL,
     CoopTile { bm: 128, bn: 64, fm: 4, fn_: 2 },
     CoopTile { bm: 64, bn: 128, fm: 2, fn_: 4 },
-    CoopTile { bm: 128, bn: 32, fm: 2, fn_: 2 },
-    CoopTile { bm: 32, bn: 128, fm: 2, fn_: 2 },
+    CoopTile::TALL,
+    CoopTile::FLAT,
     CoopTile { bm: 128, bn: 128, fm: 2, fn_: 2 },
     CoopTile { bm: 256, bn: 128, fm: 4, fn_: 2 },
 ];
@@ -162,6 +168,19 @@ pub(crate) enum Variant {
     /// workgroup, then a pass that adds the partial products: small outputs
     /// with a long inner dim (a Linear layer on a small batch) fill the GPU.
     SplitK { tile: Tile, splits: usize },
+}
+
+impl Variant {
+    /// The tensor-core tile the plan runs on (`Coop` and its split-K on
+    /// 128x128), or `None` for the shader-core kernels.
+    pub(crate) fn coop_tile(&self) -> Option<CoopTile> {
+        match self {
+            Variant::Coop | Variant::CoopSplitK { .. } => Some(CoopTile::BASE),
+            Variant::CoopWide => Some(CoopTile::WIDE),
+            Variant::CoopTiles(t) => Some(*t),
+            Variant::Tiled(_) | Variant::Columns { .. } | Variant::SplitK { .. } => None,
+        }
+    }
 }
 
 /// The kernel for a problem when nothing better is known: big tiles when
@@ -231,16 +250,22 @@ impl Gen<'_> {
             Variant::Tiled(t) => self.matmul_tiled(p, a, b, m, k, n, t, 1, epi)?,
             Variant::SplitK { tile, splits } => self.matmul_tiled(p, a, b, m, k, n, tile, splits, epi)?,
             Variant::Columns { splits } => self.matmul_columns(p, a, b, m, k, n, splits, epi)?,
-            // The plan follows the output's dtype; the tensor cores need f16
-            // operands, or bf16 ones scaled into f16 (a fused cast can make
-            // an f32 product's output 16-bit).
-            Variant::Coop | Variant::CoopWide | Variant::CoopSplitK { .. } | Variant::CoopTiles(_) if !(self.inputs[a.input].0 == DType::F16 && self.inputs[b.input].0 == DType::F16) => {
-                if self.bf16_on_tensor_cores(a, b, epi) {
-                    let tile = match plan {
-                        Variant::CoopWide => CoopTile::WIDE,
-                        Variant::CoopTiles(t) => t,
-                        _ => CoopTile::BASE,
-                    };
+            // The inner dim in chunks, then a pass adding them (f16 operands only).
+            Variant::CoopSplitK { splits } if splits > 1 && self.both_f16(a, b) => {
+                let batch: usize = a.layout.dims()[..a.layout.dims().len() - 2].iter().product();
+                p.scratch.push((DType::F32, batch * splits * m * n));
+                let part = p.scratch.len() - 1;
+                p.dispatches.push(self.matmul_coop(a, b, m, k, n, None, CoopTile::BASE, None, false, Some((splits, part)))?);
+                p.dispatches.push(self.split_sum(part, batch, m, n, splits, epi)?);
+            }
+            Variant::Coop | Variant::CoopWide | Variant::CoopSplitK { .. } | Variant::CoopTiles(_) => {
+                let tile = plan.coop_tile().unwrap_or(CoopTile::BASE);
+                if self.both_f16(a, b) {
+                    p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, tile, None, false, None)?);
+                } else if self.bf16_on_tensor_cores(a, b, epi) {
+                    // The plan follows the output's dtype; the tensor cores need f16
+                    // operands, or bf16 ones scaled into f16 (a fused cast can make
+                    // an f32 product's output 16-bit).
                     self.matmul_bf16_coop(p, a, b, m, k, n, epi, tile)?
                 } else {
                     // A plain conversion to f16 would lose range: the shader cores.
@@ -250,19 +275,13 @@ impl Gen<'_> {
                     self.matmul(p, a, b, m, k, n, default_variant(batch, m, k, n, sbn == 1 || sbk != 1), epi)?
                 }
             }
-            Variant::Coop => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, CoopTile::BASE, None, false, None)?),
-            Variant::CoopWide => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, CoopTile::WIDE, None, false, None)?),
-            Variant::CoopTiles(t) => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, t, None, false, None)?),
-            Variant::CoopSplitK { splits } if splits > 1 => {
-                let batch: usize = a.layout.dims()[..a.layout.dims().len() - 2].iter().product();
-                p.scratch.push((DType::F32, batch * splits * m * n));
-                let part = p.scratch.len() - 1;
-                p.dispatches.push(self.matmul_coop(a, b, m, k, n, None, CoopTile::BASE, None, false, Some((splits, part)))?);
-                p.dispatches.push(self.split_sum(part, batch, m, n, splits, epi)?);
-            }
-            Variant::CoopSplitK { .. } => p.dispatches.push(self.matmul_coop(a, b, m, k, n, epi, CoopTile::BASE, None, false, None)?),
         }
         Ok(())
+    }
+
+    /// Whether both operands are f16, as the tensor cores take them.
+    fn both_f16(&self, a: &View, b: &View) -> bool {
+        self.inputs[a.input].0 == DType::F16 && self.inputs[b.input].0 == DType::F16
     }
 
     /// f16 x f16 -> f32 on cooperative matrices. Tiles of A and B go through
