@@ -42,6 +42,10 @@ pub(crate) struct GradNode {
     inputs: Vec<GradInput>,
     /// `None` for a leaf.
     backward: Option<BackwardFn>,
+    /// For `narrow` (`dim`, `start`): the gradient is the input's slice at
+    /// `start`, kept apart until the input's gradient is complete so that
+    /// the slices of one tensor become one `cat` (see [`Pending`]).
+    slice: Option<(usize, usize)>,
     /// A leaf's accumulated gradient.
     grad: Mutex<Option<Tensor>>,
 }
@@ -124,7 +128,7 @@ impl Tensor {
             bail!(DType, "requires_grad", "only float tensors can require gradients, got {}", self.dtype());
         }
         let mut t = self.clone();
-        t.grad = Some(Arc::new(GradNode { id: NEXT.fetch_add(1, Ordering::Relaxed), inputs: vec![], backward: None, grad: Mutex::new(None) }));
+        t.grad = Some(Arc::new(GradNode { id: NEXT.fetch_add(1, Ordering::Relaxed), inputs: vec![], backward: None, slice: None, grad: Mutex::new(None) }));
         Ok(t)
     }
 
@@ -177,14 +181,26 @@ impl Tensor {
     /// Record that `self` was computed from `inputs` by an op whose gradient
     /// `backward` gives; does nothing when no input is tracked or recording
     /// is off. Each differentiable op calls this where it is defined.
-    pub(crate) fn track(mut self, inputs: &[&Tensor], backward: impl Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static) -> Tensor {
+    pub(crate) fn track(self, inputs: &[&Tensor], backward: impl Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static) -> Tensor {
+        self.track_node(inputs, Box::new(backward), None)
+    }
+
+    /// [`Tensor::track`] for `narrow` of `input` at `start` of `dim`: its
+    /// gradient is a slice of the input's (`backward` still gives it as a
+    /// whole tensor, for a reader of the node alone).
+    pub(crate) fn track_slice(self, input: &Tensor, dim: usize, start: usize, backward: impl Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static) -> Tensor {
+        self.track_node(&[input], Box::new(backward), Some((dim, start)))
+    }
+
+    fn track_node(mut self, inputs: &[&Tensor], backward: BackwardFn, slice: Option<(usize, usize)>) -> Tensor {
         if !is_grad_enabled() || !inputs.iter().any(|t| t.grad.is_some()) {
             return self;
         }
         self.grad = Some(Arc::new(GradNode {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             inputs: inputs.iter().map(|t| GradInput::of(t)).collect(),
-            backward: Some(Box::new(backward)),
+            backward: Some(backward),
+            slice,
             grad: Mutex::new(None),
         }));
         self
@@ -212,10 +228,11 @@ impl Tensor {
         // Each gradient runs in the types of its forward pass (ops/autocast.rs).
         let _a = crate::ops::autocast::AutocastGuard::new(None);
         let order = topo_order(root);
-        let mut grads: HashMap<u64, Tensor> = HashMap::new();
-        grads.insert(root.id, grad.to_dtype(self.dtype())?.detach());
+        let mut grads: HashMap<u64, Pending> = HashMap::new();
+        grads.insert(root.id, Pending::dense(grad.to_dtype(self.dtype())?.detach(), self.dims()));
         for node in order.iter().rev() {
             let Some(g) = grads.remove(&node.id) else { continue };
+            let g = g.sum()?;
             match &node.backward {
                 None => {
                     let mut acc = node.grad.lock().unwrap_or_else(|e| e.into_inner());
@@ -225,6 +242,11 @@ impl Tensor {
                     });
                 }
                 Some(f) => {
+                    if let (Some((dim, start)), [GradInput { grad: Some(n), dtype, dims }]) = (node.slice, &node.inputs[..]) {
+                        let g = if g.dtype() != *dtype { g.to_dtype(*dtype)? } else { g };
+                        grads.entry(n.id).or_insert_with(|| Pending::empty(dims)).add_slice(dim, start, g)?;
+                        continue;
+                    }
                     let needs: Vec<bool> = node.inputs.iter().map(|t| t.grad.is_some()).collect();
                     let in_grads = f(&g, &needs)?;
                     for ((input, ig), need) in node.inputs.iter().zip(in_grads).zip(needs) {
@@ -233,11 +255,7 @@ impl Tensor {
                         if ig.dims() != input.dims {
                             bail!(Shape, "backward", "internal: a gradient of shape {:?} for an input of shape {:?}", ig.dims(), input.dims);
                         }
-                        let sum = match grads.remove(&n.id) {
-                            Some(prev) => prev.add(&ig)?,
-                            None => ig,
-                        };
-                        grads.insert(n.id, sum);
+                        grads.entry(n.id).or_insert_with(|| Pending::empty(&input.dims)).add(ig)?;
                     }
                 }
             }
@@ -259,6 +277,96 @@ impl Tensor {
             }
         }
         self.sum(&axes, true)?.reshape_dims(dims)
+    }
+}
+
+/// A gradient being summed over the ops that read a tensor: the sum of the
+/// whole contributions, and apart from it the slices that `narrow`s of the
+/// tensor gave. Slices that do not overlap become one `cat` (with zeros in
+/// the gaps) when the gradient is complete. Summed one by one, each slice
+/// would be a zero-padded copy of the whole tensor and an add: queries, keys
+/// and values narrowed from one stacked product cost three full-size
+/// copies and two full-size adds a layer instead of one copy.
+struct Pending {
+    dims: Vec<usize>,
+    whole: Option<Tensor>,
+    /// The slices' dim, and each slice's start along it.
+    slices: Option<(usize, Vec<(usize, Tensor)>)>,
+}
+
+impl Pending {
+    fn empty(dims: &[usize]) -> Pending {
+        Pending { dims: dims.to_vec(), whole: None, slices: None }
+    }
+
+    fn dense(t: Tensor, dims: &[usize]) -> Pending {
+        Pending { dims: dims.to_vec(), whole: Some(t), slices: None }
+    }
+
+    fn add(&mut self, t: Tensor) -> Result<()> {
+        self.whole = Some(match self.whole.take() {
+            Some(prev) => prev.add(&t)?,
+            None => t,
+        });
+        Ok(())
+    }
+
+    /// Add the gradient of the slice of `dim` at `start`; slices along
+    /// another dim than the first one's are added whole.
+    fn add_slice(&mut self, dim: usize, start: usize, g: Tensor) -> Result<()> {
+        match &mut self.slices {
+            None => self.slices = Some((dim, vec![(start, g)])),
+            Some((d, parts)) if *d == dim => parts.push((start, g)),
+            Some(_) => {
+                let whole = g.embed(dim, start, 1, self.dims[dim])?;
+                self.add(whole)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The complete gradient.
+    fn sum(self) -> Result<Tensor> {
+        let Pending { dims, whole, slices } = self;
+        let Some((dim, mut parts)) = slices else {
+            return whole.map_or_else(|| bail!(Value, "backward", "internal: an empty gradient"), Ok);
+        };
+        parts.sort_by_key(|(start, _)| *start);
+        let like = parts[0].1.clone();
+        let zeros = |n: usize| {
+            let mut d = dims.clone();
+            d[dim] = n;
+            Tensor::zeros(&d, like.dtype(), like.device())
+        };
+        // Slices in order, each starting at or after the end of the last one
+        // kept; one that overlaps it is added whole.
+        let (mut row, mut overlapping, mut end) = (vec![], vec![], 0);
+        for (start, g) in parts {
+            let len = g.dims()[dim];
+            if len == 0 {
+                continue;
+            }
+            if start < end {
+                overlapping.push((start, g));
+                continue;
+            }
+            if start > end {
+                row.push(zeros(start - end)?);
+            }
+            row.push(g);
+            end = start + len;
+        }
+        if end < dims[dim] || row.is_empty() {
+            row.push(zeros(dims[dim] - end)?);
+        }
+        let mut total = if row.len() == 1 { row.pop().expect("one part") } else { Tensor::cat(&row.iter().collect::<Vec<_>>(), dim as isize)? };
+        for (start, g) in overlapping {
+            total = total.add(&g.embed(dim, start, 1, dims[dim])?)?;
+        }
+        match whole {
+            Some(w) => w.add(&total),
+            None => Ok(total),
+        }
     }
 }
 

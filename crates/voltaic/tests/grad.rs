@@ -166,6 +166,36 @@ fn view_gradients() {
     check("same input twice", &[&[4]], &normal, &|x| x[0].mul(&x[0])?.add(&x[0].sin()?));
 }
 
+/// Slices of one tensor have their gradients joined when it is complete
+/// (one cat with zeros in the gaps): every arrangement must still give the
+/// gradient of the whole.
+#[test]
+fn gradients_of_many_slices_of_one_tensor() {
+    let mix = |parts: Vec<Tensor>| -> Result<Tensor> {
+        let mut total = parts[0].sum_all()?;
+        for (i, p) in parts.iter().enumerate() {
+            total = total.add(&p.sqr()?.mul(1.0 + i as f64)?.sum_all()?)?;
+        }
+        Ok(total)
+    };
+    // Three that tile dim 1 (queries, keys and values of a stacked product).
+    check("slices tiling a dim", &[&[2, 9]], &normal, &|x| mix(vec![x[0].narrow(1, 0, 3)?, x[0].narrow(1, 6, 3)?, x[0].narrow(1, 3, 3)?]));
+    // Gaps before, between and after, out of order.
+    check("slices with gaps", &[&[11, 2]], &normal, &|x| mix(vec![x[0].narrow(0, 7, 2)?, x[0].narrow(0, 1, 3)?]));
+    // Overlapping slices, the same slice twice, an empty one and a whole use.
+    check("overlapping slices", &[&[3, 8]], &normal, &|x| {
+        mix(vec![x[0].narrow(1, 0, 5)?, x[0].narrow(1, 3, 4)?, x[0].narrow(1, 3, 4)?, x[0].narrow(1, 8, 0)?, x[0].exp()?])
+    });
+    // Slices along two dims of one tensor, and a slice of a slice.
+    check("slices along two dims", &[&[4, 6]], &normal, &|x| {
+        mix(vec![x[0].narrow(0, 1, 2)?, x[0].narrow(1, 2, 3)?, x[0].narrow(0, 0, 3)?.narrow(1, 1, 4)?, x[0].narrow(0, 3, 1)?])
+    });
+    // Only empty slices: the gradient is zero, of the tensor's shape.
+    let x = Tensor::from_vec(vec![1f64, 2., 3.], &[3], Device::Cpu).unwrap().requires_grad().unwrap();
+    x.narrow(0, 1, 0).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), vec![0.0; 3]);
+}
+
 #[test]
 fn linear_algebra_gradients() {
     let cases: &[(&[usize], &[usize])] = &[(&[4], &[4]), (&[3], &[3, 2]), (&[2, 3], &[3]), (&[2, 3], &[3, 4]), (&[2, 1, 3, 4], &[3, 4, 2]), (&[5, 2, 3], &[3, 1])];
@@ -291,7 +321,10 @@ fn gpu_gradients_match_cpu() {
         let h = p[0].conv2d(&p[1], Some(&p[2]), Conv2dOpts { padding: [1, 1], ..Default::default() }).unwrap();
         let h = h.relu().unwrap().max_pool2d([2, 2], None, [0, 0]).unwrap().flatten(1, -1).unwrap();
         let h = h.layer_norm(&[12], None, None, 1e-5).unwrap();
-        let loss = h.matmul(&p[3]).unwrap().cross_entropy(&target.to_device(dev).unwrap(), 0.1, Reduction::Mean).unwrap();
+        // The product in two halves: slices of h and of w2, whose gradients are joined.
+        let half = |t: &Tensor, d: isize, i: usize| t.narrow(d, 6 * i, 6).unwrap();
+        let logits = half(&h, 1, 0).matmul(&half(&p[3], 0, 0)).unwrap().add(&half(&h, 1, 1).matmul(&half(&p[3], 0, 1)).unwrap()).unwrap();
+        let loss = logits.cross_entropy(&target.to_device(dev).unwrap(), 0.1, Reduction::Mean).unwrap();
         loss.backward().unwrap();
         let mut out = vec![loss.to_vec::<f32>().unwrap()];
         out.extend(p.iter().map(|v| v.grad().unwrap().to_vec::<f32>().unwrap()));
