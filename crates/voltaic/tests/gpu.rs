@@ -373,6 +373,14 @@ fn indexing_ops_match_cpu() {
     same("index_select u32 index", &[x.clone(), u], 0.0, 0.0, |t| t[0].index_select(0, &t[1]));
     let parts = [randn(&mut rng, &[2, 3], DType::F32), transposed(&mut rng, &[2, 5], DType::F32), randn(&mut rng, &[2, 0], DType::F32)];
     same("cat", &parts, 0.0, 0.0, |t| Tensor::cat(&[&t[0], &t[1], &t[2]], 1));
+    // 16-bit parts of odd widths: neighbouring halves of one word come from
+    // different parts (bf16 is stored two to a word on every adapter, f16
+    // where the adapter lacks shader-f16).
+    for dt in [DType::BF16, DType::F16] {
+        let halves = [randn(&mut rng, &[3, 3], dt), transposed(&mut rng, &[3, 5], dt), randn(&mut rng, &[3, 1], dt), randn(&mut rng, &[3, 0], dt)];
+        same(&format!("cat {dt}"), &halves, 0.0, 0.0, |t| Tensor::cat(&[&t[0], &t[1], &t[2], &t[3], &t[0]], 1));
+        same(&format!("cat {dt} along dim 0"), &halves[..1], 0.0, 0.0, |t| Tensor::cat(&[&t[0], &t[0].narrow(0, 1, 1)?], 0));
+    }
     same("stack", &[parts[0].clone(), parts[0].mul(2.0).unwrap()], 0.0, 0.0, |t| Tensor::stack(&[&t[0], &t[1]], 1));
     same("split+chunk", &[x.clone()], 0.0, 0.0, |t| {
         let s = t[0].split(3, 1)?;

@@ -34,13 +34,8 @@ impl Gen<'_> {
             }
             IndexOp::Cumsum { dim } => self.cumsum(p, dim, &args[0]),
             IndexOp::Cat { dim } => {
-                let total: usize = args.iter().map(|v| v.layout.dims()[dim]).sum();
-                let mut at = 0;
-                for part in args {
-                    if part.layout.numel() > 0 {
-                        p.dispatches.push(self.cat_part(dim, part, at, total));
-                    }
-                    at += part.layout.dims()[dim];
+                if args.iter().any(|a| a.layout.numel() > 0) {
+                    p.dispatches.push(self.cat(dim, args));
                 }
             }
             IndexOp::Unfold { params, pad, by_tap } => p.dispatches.push(self.unfold(&args[0], &params, pad, by_tap)),
@@ -584,20 +579,33 @@ impl Gen<'_> {
         sh.finish(format!("cumsum_blocks {blocks}x{SCAN}"), WG, (lines * blocks) as u64, &b)
     }
 
-    fn cat_part(&self, dim: usize, part: &View, at: usize, total: usize) -> Dispatch {
+    /// All parts of a cat in one dispatch: each part has a run of
+    /// workgroups (a thread per element of the part), so the parts do not
+    /// wait on each other's barriers as a dispatch per part did.
+    fn cat(&self, dim: usize, parts: &[View]) -> Dispatch {
         let mut sh = self.shader();
-        self.bind_inputs(&mut sh, &[part.input]);
+        self.bind_inputs(&mut sh, &parts.iter().map(|p| p.input).collect::<Vec<_>>());
         self.bind_out(&mut sh);
-        let pd = part.layout.dims();
-        let n = part.layout.numel();
-        let mut od = pd.to_vec();
-        od[dim] = total;
-        let ostr = crate::shape::Shape::new(&od).contiguous_strides();
-        let mut b = format!("    let i = group * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n");
-        let d = unravel(&mut b, &mut sh, "i", pd);
-        let out_l = Layout { shape: crate::shape::Shape::new(&od), strides: ostr.clone(), offset: at * ostr[dim] };
-        let _ = writeln!(b, "    st_out({}, ld_in{}({}));", strided_all(&d, &out_l), part.input, strided(&d, &part.layout));
-        sh.finish("cat".into(), WG, groups(n, WG), &b)
+        let total: usize = parts.iter().map(|v| v.layout.dims()[dim]).sum();
+        let (mut b, mut at, mut first) = (String::new(), 0, 0u64);
+        for part in parts {
+            let pd = part.layout.dims();
+            let n = part.layout.numel();
+            let mut od = pd.to_vec();
+            od[dim] = total;
+            let ostr = crate::shape::Shape::new(&od).contiguous_strides();
+            let out_l = Layout { shape: crate::shape::Shape::new(&od), strides: ostr.clone(), offset: at * ostr[dim] };
+            at += pd[dim];
+            if n == 0 {
+                continue;
+            }
+            let end = first + groups(n, WG);
+            let _ = writeln!(b, "    if (group < {end}u) {{\n    let i = (group - {first}u) * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}");
+            let d = unravel(&mut b, &mut sh, "i", pd);
+            let _ = writeln!(b, "    st_out({}, ld_in{}({}));\n    return;\n    }}", strided_all(&d, &out_l), part.input, strided(&d, &part.layout));
+            first = end;
+        }
+        sh.finish("cat".into(), WG, first, &b)
     }
 
     /// im2col (see `IndexOp::Unfold`): a thread per patch entry.
