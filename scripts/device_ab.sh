@@ -66,15 +66,19 @@ for pattern in "${filters[@]}"; do
     fi
 done
 if [[ "$what" == *profile* ]]; then
-    # The new binary's encoder steps kernel by kernel (a pass per kernel)
-    # and as whole passes, summed over the last realizations
-    # (PROFILE_ROWS, default f32 f16).
+    # The new binary's encoder steps under each of PROFILE_MODES (default
+    # "dispatch pass": a stamp after each kernel in the step's one pass, and
+    # the pass as a whole; "1" is a pass per kernel), summed over the last
+    # realizations (PROFILE_ROWS, default f32 f16); dispatch logs are also
+    # summed by whole label.
     for p in ${PROFILE_ROWS:-f32 f16}; do
-        VOLTAIC_CACHE_DIR=$(cache voltaic) VOLTAIC_PROFILE=1 .bin/voltaic bench --suite train --filter encoder_$p --runs 1 --no-peer > /dev/null 2> "$OUT/kernels-$p.txt"
-        python3 scripts/profile_sum.py "$OUT/kernels-$p.txt" --last 12 --top 40 > "$OUT/kernels-$p.sum" 2>&1
-        VOLTAIC_CACHE_DIR=$(cache voltaic) VOLTAIC_PROFILE=pass .bin/voltaic bench --suite train --filter encoder_$p --runs 1 --no-peer > /dev/null 2> "$OUT/pass-$p.txt"
-        python3 scripts/profile_sum.py "$OUT/pass-$p.txt" --last 12 > "$OUT/pass-$p.sum" 2>&1
-        head -3 "$OUT/kernels-$p.sum" "$OUT/pass-$p.sum"
+        for m in ${PROFILE_MODES:-dispatch pass}; do
+            VOLTAIC_CACHE_DIR=$(cache voltaic) VOLTAIC_PROFILE=$m .bin/voltaic bench --suite train --filter encoder_$p --runs 1 --no-peer > /dev/null 2> "$OUT/prof-$m-$p.txt"
+            python3 scripts/profile_sum.py "$OUT/prof-$m-$p.txt" --last 12 --top 40 > "$OUT/prof-$m-$p.sum" 2>&1
+            [ "$m" = dispatch ] && python3 scripts/profile_sum.py "$OUT/prof-$m-$p.txt" --last 12 --top 80 --labels > "$OUT/prof-$m-$p.labels" 2>&1
+            head -3 "$OUT/prof-$m-$p.sum"
+            gzip -f "$OUT/prof-$m-$p.txt"
+        done
     done
 fi
 if [[ "$what" == *tests* ]]; then

@@ -2,12 +2,14 @@
 """Sum a `VOLTAIC_PROFILE=1` log (stderr) by kind of kernel.
 
     VOLTAIC_PROFILE=1 voltaic bench ... 2> prof.txt
-    python3 scripts/profile_sum.py prof.txt [--last N] [--top K]
+    python3 scripts/profile_sum.py prof.txt [--last N] [--top K] [--labels]
 
 `--last N` keeps the last N realizations (a realization's kernel block is
 followed by its `voltaic host` line), e.g. the realizations of the last few
 steps. Prints GPU time per kernel kind (the label's first word; products by
-their shape), the share of each, and the host time per phase.
+their shape), the share of each, and the host time per phase. `--labels`
+groups by whole label and element count instead (which reduction, which
+cat), for `VOLTAIC_PROFILE=dispatch` logs especially.
 """
 import re
 import sys
@@ -20,7 +22,8 @@ def realizations(lines):
     for line in lines:
         m = re.match(r"\s+([\d.]+) us\s+(\d+) elements\s+(.*)$", line)
         if m:
-            kernels.append((float(m.group(1)), m.group(3).strip()))
+            label = m.group(3).strip()
+            kernels.append((float(m.group(1)), f"{label} <{m.group(2)}>" if LABELS else label))
             continue
         if line.startswith("voltaic host"):
             host = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", line.split("us:", 1)[1])}
@@ -29,7 +32,12 @@ def realizations(lines):
     return out
 
 
+LABELS = "--labels" in sys.argv
+
+
 def kind(label):
+    if LABELS:
+        return label
     if label.startswith("matmul") or label.startswith("coop"):
         return " ".join(label.split()[:2])
     return label.split()[0] if label else "?"

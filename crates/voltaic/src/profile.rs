@@ -29,6 +29,12 @@ pub(crate) enum GpuTiming {
     /// they run unprofiled, bracketed once: what the device really spends
     /// on the realization, launches and barriers between kernels included.
     Pass,
+    /// `VOLTAIC_PROFILE=dispatch`: the kernels in one pass as they run
+    /// unprofiled, with a timestamp after each kernel (where the adapter
+    /// has `TIMESTAMP_QUERY_INSIDE_PASSES`; a pass per kernel elsewhere). A
+    /// kernel's time runs from the end of the one before it, so it holds its
+    /// launch and the barrier it waits on, and the times add up to the pass's.
+    Dispatch,
 }
 
 /// The timing `VOLTAIC_PROFILE` asks for, if any (read once).
@@ -37,6 +43,7 @@ pub(crate) fn mode() -> Option<GpuTiming> {
     *MODE.get_or_init(|| match std::env::var("VOLTAIC_PROFILE").ok()?.as_str() {
         "" | "0" => None,
         "pass" => Some(GpuTiming::Pass),
+        "dispatch" => Some(GpuTiming::Dispatch),
         _ => Some(GpuTiming::PerKernel),
     })
 }

@@ -359,6 +359,7 @@ impl GpuContext {
             | wgpu::Features::SUBGROUP
             | wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES
             | wgpu::Features::PIPELINE_CACHE;
         let mut features = have & wanted;
         if coop {

@@ -531,9 +531,36 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
     // Profiling: a pass per kernel (`VOLTAIC_PROFILE=1`) or all kernels in
     // one pass as they run unprofiled (`=pass`), each pass bracketed by
     // timestamps, submitted and read back at once.
-    let per_kernel = crate::profile::mode() != Some(crate::profile::GpuTiming::Pass);
-    let passes = if per_kernel { plan.kernels.len() } else { 1 };
+    let mode = crate::profile::mode();
     let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
+    if mode == Some(crate::profile::GpuTiming::Dispatch) && ctx.device.features().contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES) {
+        // Stamp 0 at the pass's start and stamp k + 1 after kernel k (the
+        // Timing's pairs are only storage here: n + 1 stamps, rounded up to
+        // pairs, every one written).
+        let n = plan.kernels.len();
+        let t = super::transfer::Timing::new(ctx, (n + 1).div_ceil(2));
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+            pass.write_timestamp(t.set(), 0);
+            let mut next = encoded.iter().peekable();
+            for k in 0..n {
+                while let Some((e, _)) = next.next_if(|(_, ek)| *ek == k) {
+                    dispatch(&mut pass, e);
+                }
+                pass.write_timestamp(t.set(), k as u32 + 1);
+            }
+            for q in n + 1..2 * (n + 1).div_ceil(2) {
+                pass.write_timestamp(t.set(), q as u32);
+            }
+        }
+        t.resolve(&mut encoder);
+        let idx = ctx.submit(encoder.finish())?;
+        let rows: Vec<(String, usize)> = plan.kernels.iter().zip(&labels).map(|(k, l)| (l.clone(), k.numel)).collect();
+        t.report_stamps(ctx, idx, &rows)?;
+        return Ok(outs);
+    }
+    let per_kernel = mode != Some(crate::profile::GpuTiming::Pass);
+    let passes = if per_kernel { plan.kernels.len() } else { 1 };
     let t = super::transfer::Timing::new(ctx, passes);
     for pi in 0..passes {
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {

@@ -627,9 +627,35 @@ impl Timing {
         Ok((0..self.n).map(|i| ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period / 1e9).collect())
     }
 
+    /// The query set, for timestamps written inside a pass.
+    pub(crate) fn set(&self) -> &wgpu::QuerySet {
+        &self.set
+    }
+
+    /// Wait for submission `idx` and return the raw stamps in seconds.
+    fn stamps(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex) -> Result<Vec<f64>> {
+        let bytes = map_read(ctx, &self.staging, idx, 16 * self.n)?;
+        let period = ctx.queue.get_timestamp_period() as f64;
+        Ok(bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as f64 * period / 1e9).collect())
+    }
+
+    /// [`Timing::report`] for stamps written in one pass: stamp 0 at its
+    /// start and stamp k + 1 after kernel k.
+    pub(crate) fn report_stamps(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex, rows: &[(String, usize)]) -> Result<()> {
+        let stamps = self.stamps(ctx, idx)?;
+        let secs: Vec<f64> = (0..rows.len()).map(|k| (stamps[k + 1] - stamps[k]).max(0.0)).collect();
+        self.print(ctx, rows, &secs);
+        Ok(())
+    }
+
     /// Wait for the realization and print one line per kernel to stderr.
     pub(crate) fn report(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex, rows: &[(String, usize)]) -> Result<()> {
         let secs = self.seconds(ctx, idx)?;
+        self.print(ctx, rows, &secs);
+        Ok(())
+    }
+
+    fn print(&self, ctx: &GpuContext, rows: &[(String, usize)], secs: &[f64]) {
         let mut total = 0.0;
         eprintln!("voltaic profile (gpu:{}, {}):", ctx.index, ctx.info.name);
         for (i, (label, numel)) in rows.iter().enumerate() {
@@ -640,7 +666,6 @@ impl Timing {
         if rows.len() > 1 {
             eprintln!("  {total:>10.1} us  total over {} kernels", rows.len());
         }
-        Ok(())
     }
 }
 
