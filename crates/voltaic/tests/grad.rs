@@ -255,6 +255,12 @@ fn nn_gradients() {
     check("max_pool2d", &[&[1, 2, 5, 5]], &normal, &|x| x[0].max_pool2d([2, 3], Some([2, 1]), [1, 1]));
     check("avg_pool2d", &[&[2, 1, 4, 6]], &normal, &|x| x[0].avg_pool2d([2, 2], None, [0, 0]));
     check("layer_norm", &[&[3, 6], &[6], &[6]], &normal, &|x| x[0].layer_norm(&[6], Some(&x[1]), Some(&x[2]), 1e-5));
+    // Its gradient is one formula: over two trailing dims, without the
+    // weight or the bias, over a whole 1-d input, and fed a transposed view.
+    check("layer_norm over two dims", &[&[2, 3, 4], &[3, 4]], &normal, &|x| x[0].layer_norm(&[3, 4], Some(&x[1]), None, 1e-5));
+    check("layer_norm, bias only", &[&[4, 5], &[5]], &normal, &|x| x[0].layer_norm(&[5], None, Some(&x[1]), 1e-3));
+    check("layer_norm of a vector", &[&[7]], &normal, &|x| x[0].layer_norm(&[7], None, None, 1e-5)?.exp());
+    check("layer_norm of a view", &[&[5, 3], &[5]], &normal, &|x| x[0].t()?.layer_norm(&[5], Some(&x[1]), None, 1e-5)?.sqr());
     let target = Tensor::from_vec(vec![2i32, 0, 4], &[3], Device::Cpu).unwrap();
     for (ls, red) in [(0.0, Reduction::Mean), (0.1, Reduction::Sum), (0.2, Reduction::None)] {
         check(&format!("cross_entropy {ls} {red:?}"), &[&[3, 5]], &normal, &|x| x[0].cross_entropy(&target, ls, red));
