@@ -301,6 +301,14 @@ fn long_and_strided_reductions_use_every_strategy() {
     same("count over split columns", &[ties], 0.0, 0.0, |v| v[0].gt(0.5)?.sum(&[0], false));
     let h = randn(&mut rng, &[4096, 24], DType::F16);
     same("f16 sum over split columns", &[h], 2e-3, 2e-2, |v| v[0].sum(&[0], false));
+    // The most splits (runs of 16 rows, at most 256), folded by a workgroup
+    // per column: more columns than a workgroup, and long columns.
+    let wide = randn(&mut rng, &[4100, 300], DType::F32);
+    same("sum over 257 runs of 300 columns", &[wide.clone()], 1e-5, 1e-4, |v| v[0].sum(&[0], false));
+    same("argmax over 257 runs of 300 columns", &[wide], 0.0, 0.0, |v| v[0].argmax(Some(0), false));
+    let long = randn(&mut rng, &[40_000, 3], DType::F32);
+    same("sum over 256 splits of long columns", &[long.clone()], 1e-5, 1e-3, |v| v[0].sum(&[0], false));
+    same("max over 256 splits of long columns", &[long], 0.0, 0.0, |v| v[0].max(&[0], false));
     // Medium rows: a workgroup per output.
     same("softmax rows", &[cols.clone()], 1e-5, 1e-7, |v| v[0].softmax(-1));
     same("log_softmax rows", &[cols.clone()], 1e-5, 1e-5, |v| v[0].log_softmax(-1));

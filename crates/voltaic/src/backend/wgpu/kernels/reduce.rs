@@ -11,6 +11,13 @@ use crate::ir::Expr;
 use crate::primitive::ReduceOp;
 use std::fmt::Write;
 
+/// Rows one thread of a column reduction folds (see [`Gen::reduce`]).
+const COL_RUN: usize = 16;
+/// At most this many splits of a column reduction's rows.
+const MAX_COL_SPLITS: usize = 256;
+/// At most this many partials of a split reduction (scratch elements).
+const MAX_PARTIALS: usize = 1 << 22;
+
 impl Gen<'_> {
     pub(crate) fn reduce(&self, p: &mut WgslProgram, op: ReduceOp, expr: &Expr, shape: &[usize], outer: usize, inner: usize) -> Result<()> {
         let vdt = expr.dtype();
@@ -35,12 +42,14 @@ impl Gen<'_> {
             // Strided rows (a bias gradient: a sum over the rows of [4096,
             // 1536], each output a column): a thread per output still, so
             // that neighbours read neighbouring memory, but with the reduced
-            // dim split over workgroups until some 32k threads run. One
-            // workgroup per output read 2 bytes per 32-byte sector (16 us for
-            // [4096, 384] on the H100); 1536 threads alone waited on 4096
-            // loads each (56 us for [4096, 1536]).
-            let lanes = outer.div_ceil(WG as usize) * WG as usize;
-            let splits = ((32 * 1024) / lanes).clamp(1, 64).min(inner.div_ceil(32));
+            // dim split over workgroups into runs of COL_RUN rows, whose
+            // partials a workgroup per output then folds. One workgroup per
+            // output read 2 bytes per 32-byte sector (16 us for [4096, 384]
+            // on the H100); 1536 threads alone waited on 4096 loads each (56
+            // us for [4096, 1536]); runs of 195 rows (21 splits, some 32k
+            // threads) still waited on their loads one trip after another
+            // (28 us on an H200).
+            let splits = inner.div_ceil(COL_RUN).clamp(1, MAX_COL_SPLITS).min((MAX_PARTIALS / outer.max(1)).max(1));
             if splits > 1 {
                 let chunk = inner.div_ceil(splits);
                 p.dispatches.push(self.reduce_cols(&r, expr, shape, outer, inner, splits, chunk)?);
@@ -143,12 +152,15 @@ impl Gen<'_> {
         sh.array(Src::Scratch(1), "pi", DType::U32, outer * splits, false);
         self.bind_out(&mut sh);
         r.decl(&mut sh);
-        if splits >= 16 && outer <= 64 && !split_major {
+        // Many partials: a workgroup per output folds them as a tree (a
+        // thread per output would wait on each load in turn).
+        if splits >= 16 && (outer <= 64 || split_major) {
             let at = r.acc_ty();
             sh.decl(&format!("var<workgroup> sv: array<{at}, {WG}>;\nvar<workgroup> si: array<u32, {WG}>;"));
             let mut b = format!("    let o = group;\n    if (o >= {outer}u) {{ return; }}\n");
             let _ = writeln!(b, "    var acc: {at} = {};\n    var ai: u32 = 0xffffffffu;", r.identity());
-            let fold = r.fold("acc", "ai", &format!("ld_pv(o * {splits}u + s)"), &format!("ld_pi(o * {splits}u + s)"));
+            let at_s = if split_major { format!("s * {outer}u + o") } else { format!("o * {splits}u + s") };
+            let fold = r.fold("acc", "ai", &format!("ld_pv({at_s})"), &format!("ld_pi({at_s})"));
             let _ = writeln!(b, "    for (var s = lid; s < {splits}u; s = s + {WG}u) {{\n        {fold}\n    }}");
             tree_fold(&mut b, &sh, r);
             let _ = writeln!(b, "    if (lid == 0u) {{ st_out(o, {}); }}", r.finish("sv[0]", "si[0]"));
