@@ -272,13 +272,45 @@ pub struct Adam {
     t_dev: Option<Tensor>,
     m: Vec<Option<Tensor>>,
     v: Vec<Option<Tensor>>,
+    /// The parameters and moments as one vector each, once a step ran on
+    /// them that way (see [`Flat`]); `m` and `v` are then `None`.
+    flat: Option<Flat>,
+}
+
+/// Every parameter of an [`Adam`] in one vector, and the moments likewise:
+/// the update is a dozen ops over the vector instead of a dozen per
+/// parameter (a 6-layer encoder has about a hundred parameters, so its
+/// step recorded some 2,000 graph nodes for the update alone), and each
+/// parameter is set to its view of the new vector. Each starts on a
+/// multiple of [`FLAT_ALIGN`] elements, so the views keep the alignment
+/// vector loads want; the gaps hold zeros, which the update keeps zero.
+struct Flat {
+    /// Each parameter's first element in the vectors.
+    offsets: Vec<usize>,
+    /// The parameters as this set them: while each still holds its view,
+    /// `weights` is their vector and the next step need not join them.
+    views: Vec<Tensor>,
+    weights: Tensor,
+    m: Tensor,
+    v: Tensor,
+}
+
+/// Alignment in elements of each parameter in a [`Flat`] vector (256
+/// bytes of f32, a storage binding's offset alignment on most adapters).
+const FLAT_ALIGN: usize = 64;
+
+impl Flat {
+    /// Parameter `i`'s part of the flat vector `t`, shaped like `like`.
+    fn part(&self, t: &Tensor, i: usize, like: &Tensor) -> Result<Tensor> {
+        t.narrow(0, self.offsets[i], like.numel())?.reshape_dims(like.dims())
+    }
 }
 
 impl Adam {
     /// Adam with PyTorch's defaults (betas 0.9/0.999, eps 1e-8, no weight decay).
     pub fn new(params: Vec<Parameter>, lr: f64) -> Adam {
         let n = params.len();
-        Adam { params, lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled: false, t: 0, t_dev: None, m: vec![None; n], v: vec![None; n] }
+        Adam { params, lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled: false, t: 0, t_dev: None, m: vec![None; n], v: vec![None; n], flat: None }
     }
 
     /// AdamW with PyTorch's defaults (weight decay 0.01).
@@ -330,41 +362,29 @@ impl Adam {
         } else {
             Corrections::Host(self.lr / (1.0 - b1.powi(self.t as i32)), 1.0 - b2.powi(self.t as i32))
         };
+        if self.flat_update(&corr, skip.as_ref())? {
+            let f = self.flat.as_ref().expect("just set");
+            let mut state = vec![&f.m, &f.v];
+            state.extend(&self.t_dev);
+            return realize(&self.params, &state, also);
+        }
         for i in 0..self.params.len() {
             let p = &self.params[i];
-            let Some(mut g) = p.grad() else { continue };
+            let Some(g) = p.grad() else { continue };
             let w0 = p.value().detach();
-            let mut w = w0.clone();
-            if self.weight_decay != 0.0 {
-                if self.decoupled {
-                    w = w.mul(1.0 - self.lr * self.weight_decay)?;
-                } else {
-                    g = g.add(&w.mul(self.weight_decay)?)?;
-                }
-            }
             // The first step starts from uploaded zeros rather than a graph
             // without the moments: then every step has the same structure,
             // is scheduled once and compiles no kernels of its own (0 * b + x
             // is x exactly).
             let m0 = match self.m[i].take() {
                 Some(m) => m,
-                None => zeros_like(&w)?,
+                None => zeros_like(&w0)?,
             };
             let v0 = match self.v[i].take() {
                 Some(v) => v,
-                None => zeros_like(&w)?,
+                None => zeros_like(&w0)?,
             };
-            let m = m0.mul(b1)?.add(&g.mul(1.0 - b1)?)?;
-            let v = v0.mul(b2)?.add(&g.sqr()?.mul(1.0 - b2)?)?;
-            let denom = match &corr {
-                Corrections::Host(_, bc2) => v.div(*bc2)?,
-                Corrections::Device(_, bc2) => v.div(&bc2.to_dtype(v.dtype())?)?,
-            };
-            let denom = denom.sqrt()?.add(self.eps)?;
-            let w = w.sub(&match &corr {
-                Corrections::Host(lr_bc1, _) => m.div(&denom)?.mul(*lr_bc1)?,
-                Corrections::Device(lr_bc1, _) => m.div(&denom)?.mul(&lr_bc1.to_dtype(m.dtype())?)?,
-            })?;
+            let (w, m, v) = self.moved(&w0, g, &m0, &v0, &corr)?;
             p.set(unless(skip.as_ref(), &w0, w)?)?;
             self.m[i] = Some(unless(skip.as_ref(), &m0, m)?);
             self.v[i] = Some(unless(skip.as_ref(), &v0, v)?);
@@ -372,6 +392,98 @@ impl Adam {
         let mut state: Vec<&Tensor> = self.m.iter().chain(&self.v).flatten().collect();
         state.extend(&self.t_dev);
         realize(&self.params, &state, also)
+    }
+}
+
+impl Adam {
+    /// Weights, first and second moments after one step from `w`, `m`, `v`
+    /// with gradient `g` (PyTorch's formulas).
+    fn moved(&self, w0: &Tensor, mut g: Tensor, m0: &Tensor, v0: &Tensor, corr: &Corrections) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b1, b2) = self.betas;
+        let mut w = w0.clone();
+        if self.weight_decay != 0.0 {
+            if self.decoupled {
+                w = w.mul(1.0 - self.lr * self.weight_decay)?;
+            } else {
+                g = g.add(&w.mul(self.weight_decay)?)?;
+            }
+        }
+        let m = m0.mul(b1)?.add(&g.mul(1.0 - b1)?)?;
+        let v = v0.mul(b2)?.add(&g.sqr()?.mul(1.0 - b2)?)?;
+        let denom = match corr {
+            Corrections::Host(_, bc2) => v.div(*bc2)?,
+            Corrections::Device(_, bc2) => v.div(&bc2.to_dtype(v.dtype())?)?,
+        };
+        let denom = denom.sqrt()?.add(self.eps)?;
+        let w = w.sub(&match corr {
+            Corrections::Host(lr_bc1, _) => m.div(&denom)?.mul(*lr_bc1)?,
+            Corrections::Device(lr_bc1, _) => m.div(&denom)?.mul(&lr_bc1.to_dtype(m.dtype())?)?,
+        })?;
+        Ok((w, m, v))
+    }
+
+    /// Each parameter's moments (`None` before its first step), as views
+    /// of the flat vectors where those hold them.
+    fn moments(&self) -> (Vec<Option<Tensor>>, Vec<Option<Tensor>>) {
+        let Some(f) = &self.flat else { return (self.m.clone(), self.v.clone()) };
+        let part = |t: &Tensor, i: usize| f.part(t, i, &self.params[i].value()).ok();
+        ((0..self.params.len()).map(|i| part(&f.m, i)).collect(), (0..self.params.len()).map(|i| part(&f.v, i)).collect())
+    }
+
+    /// The step over one vector of all parameters (see [`Flat`]) where
+    /// every parameter has a gradient and all share a device and a dtype;
+    /// `false` (nothing done) otherwise.
+    fn flat_update(&mut self, corr: &Corrections, skip: Option<&Tensor>) -> Result<bool> {
+        let Some(grads) = self.params.iter().map(|p| p.grad()).collect::<Option<Vec<Tensor>>>() else { return Ok(false) };
+        let values: Vec<Tensor> = self.params.iter().map(|p| p.value().detach()).collect();
+        let Some(first) = values.first() else { return Ok(false) };
+        let (dt, device) = (first.dtype(), first.device());
+        if values.len() < 2 || values.iter().any(|v| v.device() != device || v.dtype() != dt) || grads.iter().any(|g| g.device() != device) {
+            return Ok(false);
+        }
+        let padded = |n: usize| n.div_ceil(FLAT_ALIGN) * FLAT_ALIGN;
+        let mut offsets = Vec::with_capacity(values.len());
+        let mut len = 0;
+        for v in &values {
+            offsets.push(len);
+            len += padded(v.numel());
+        }
+        let pad = Tensor::zeros(&[FLAT_ALIGN], dt, device)?;
+        let join = |parts: &[Tensor]| -> Result<Tensor> {
+            let mut row = Vec::with_capacity(2 * parts.len());
+            for t in parts {
+                row.push(t.to_dtype(dt)?.flatten_all()?);
+                if padded(t.numel()) > t.numel() {
+                    row.push(pad.narrow(0, 0, padded(t.numel()) - t.numel())?);
+                }
+            }
+            Tensor::cat(&row.iter().collect::<Vec<_>>(), 0)
+        };
+        let kept = self.flat.as_ref().is_some_and(|f| {
+            f.offsets == offsets && f.views.iter().zip(&values).all(|(a, b)| a.same_storage(b) && a.value.layout == b.value.layout)
+        });
+        let (w0, m0, v0) = match self.flat.take_if(|_| kept) {
+            Some(f) => (f.weights, f.m, f.v),
+            None => {
+                // Moments so far: per parameter, from a flat vector whose
+                // parameters were replaced since, or zeros before any step.
+                let (m, v) = self.moments();
+                let or_zeros = |t: &Option<Tensor>, like: &Tensor| t.clone().map_or_else(|| zeros_like(like), Ok);
+                let ms = m.iter().zip(&values).map(|(t, w)| or_zeros(t, w)).collect::<Result<Vec<_>>>()?;
+                let vs = v.iter().zip(&values).map(|(t, w)| or_zeros(t, w)).collect::<Result<Vec<_>>>()?;
+                (join(&values)?, join(&ms)?, join(&vs)?)
+            }
+        };
+        let (w, m, v) = self.moved(&w0, join(&grads)?, &m0, &v0, corr)?;
+        let (w, m, v) = (unless(skip, &w0, w)?, unless(skip, &m0, m)?, unless(skip, &v0, v)?);
+        let mut flat = Flat { offsets, views: vec![], weights: w, m, v };
+        for (i, p) in self.params.iter().enumerate() {
+            p.set(flat.part(&flat.weights, i, &values[i])?)?;
+        }
+        flat.views = self.params.iter().map(|p| p.value()).collect();
+        self.m.iter_mut().chain(self.v.iter_mut()).for_each(|t| *t = None);
+        self.flat = Some(flat);
+        Ok(true)
     }
 }
 
@@ -396,8 +508,9 @@ impl Optimizer for Adam {
     }
     fn state(&self) -> Vec<(String, Tensor)> {
         let mut s = vec![];
+        let (m, v) = self.moments();
         for i in 0..self.params.len() {
-            if let (Some(m), Some(v)) = (&self.m[i], &self.v[i]) {
+            if let (Some(m), Some(v)) = (&m[i], &v[i]) {
                 s.push((format!("{i}.exp_avg"), m.clone()));
                 s.push((format!("{i}.exp_avg_sq"), v.clone()));
             }
@@ -415,12 +528,14 @@ impl Optimizer for Adam {
         s
     }
     fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        self.flat = None;
         for (i, p) in self.params.iter().enumerate() {
             self.m[i] = lookup(state, &format!("{i}.exp_avg"), &p.value())?;
             self.v[i] = lookup(state, &format!("{i}.exp_avg_sq"), &p.value())?;
         }
         if let Some((_, t)) = state.iter().find(|(n, _)| n == "step") {
-            self.t = t.to_dtype(crate::DType::F64)?.item::<f64>()? as u64;
+            // Read on the host: a GPU holds no f64.
+            self.t = t.to_device(crate::Device::Cpu)?.to_dtype(crate::DType::F64)?.item::<f64>()? as u64;
             self.t_dev = None;
         }
         Ok(())

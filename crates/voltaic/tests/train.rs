@@ -216,6 +216,76 @@ fn optimizers_follow_pytorch_formulas() {
     }
 }
 
+/// Adam over several parameters updates them as one vector: odd sizes, a
+/// matrix, an empty parameter, one replaced between steps (its moments
+/// carry over) and a state saved and loaded mid-run, each step against the
+/// f64 reference, on the CPU and the GPU (lavapipe in CI).
+#[test]
+fn adam_over_several_parameters_follows_pytorch_formulas() {
+    assert!(!voltaic::backend::adapters().is_empty(), "no GPU adapter found: the GPU tests need one");
+    let shapes: [&[usize]; 4] = [&[3], &[2, 5], &[67], &[0]];
+    for device in [Device::Cpu, Device::Gpu(0)] {
+        for decoupled in [false, true] {
+            let what = format!("{device:?}, decoupled {decoupled}");
+            let mut w: Vec<Vec<f64>> = shapes.iter().enumerate().map(|(i, s)| (0..s.iter().product::<usize>()).map(|j| ((i * 7 + j * 3) % 11) as f64 * 0.3 - 1.4).collect()).collect();
+            let targets: Vec<Vec<f64>> = w.iter().map(|v| v.iter().enumerate().map(|(j, _)| (j % 5) as f64 * 0.5 - 1.0).collect()).collect();
+            let params: Vec<Parameter> = w.iter().zip(shapes).map(|(v, s)| Parameter::new(t(v, s).to_dtype(DType::F32).unwrap().to_device(device).unwrap()).unwrap()).collect();
+            let make = |p: Vec<Parameter>| {
+                let mut o = Adam::new(p, 0.1);
+                o.weight_decay = 0.05;
+                o.decoupled = decoupled;
+                o
+            };
+            let mut opt = make(params.clone());
+            let (mut m, mut v): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (w.iter().map(|x| vec![0.0; x.len()]).collect(), w.iter().map(|x| vec![0.0; x.len()]).collect());
+            for step in 1..=6 {
+                if step == 3 {
+                    // A parameter replaced by a tensor of its own.
+                    w[1] = w[1].iter().map(|x| x + 0.25).collect();
+                    params[1].set(t(&w[1], shapes[1]).to_dtype(DType::F32).unwrap().to_device(device).unwrap()).unwrap();
+                }
+                if step == 5 {
+                    // The state (moments and step count) saved and loaded
+                    // into a new optimizer, which goes on from it.
+                    let mut next = make(params.clone());
+                    next.load_state(&opt.state()).unwrap();
+                    opt = next;
+                }
+                opt.zero_grad();
+                let mut loss = Tensor::zeros(&[], DType::F32, device).unwrap();
+                for (i, (p, c)) in params.iter().zip(&targets).enumerate() {
+                    let c = t(c, shapes[i]).to_dtype(DType::F32).unwrap().to_device(device).unwrap();
+                    loss = loss.add(&p.value().sub(&c).unwrap().sqr().unwrap().mul((i + 1) as f64).unwrap().sum_all().unwrap()).unwrap();
+                }
+                loss.backward().unwrap();
+                opt.step().unwrap();
+                for i in 0..w.len() {
+                    for j in 0..w[i].len() {
+                        let mut g = 2.0 * (i + 1) as f64 * (w[i][j] - targets[i][j]);
+                        if decoupled {
+                            w[i][j] *= 1.0 - 0.1 * 0.05;
+                        } else {
+                            g += 0.05 * w[i][j];
+                        }
+                        m[i][j] = 0.9 * m[i][j] + 0.1 * g;
+                        v[i][j] = 0.999 * v[i][j] + 0.001 * g * g;
+                        let (mh, vh) = (m[i][j] / (1.0 - 0.9f64.powi(step as i32)), v[i][j] / (1.0 - 0.999f64.powi(step as i32)));
+                        w[i][j] -= 0.1 * mh / (vh.sqrt() + 1e-8);
+                    }
+                    let got = params[i].value().to_f64_vec().unwrap();
+                    close(&got, &w[i], 2e-5, &format!("{what}: step {step}, parameter {i}"));
+                    assert_eq!(params[i].value().dims(), shapes[i], "{what}: parameter {i}'s shape");
+                }
+            }
+            let state = opt.state();
+            for i in [0, 2] {
+                let got = state.iter().find(|(n, _)| *n == format!("{i}.exp_avg_sq")).unwrap().1.to_f64_vec().unwrap();
+                close(&got, &v[i], 1e-4, &format!("{what}: second moment of parameter {i}"));
+            }
+        }
+    }
+}
+
 #[test]
 fn schedules_and_clipping() {
     let s = StepLr { step_size: 3, gamma: 0.5 };

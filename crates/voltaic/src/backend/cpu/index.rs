@@ -309,8 +309,11 @@ fn cumsum(dim: usize, inp: &View, inputs: &[&CpuStorage]) -> CpuStorage {
 }
 
 /// Concatenate along `dim`.
+/// The output comes from the pool, as every kernel's does: every element is
+/// written (a fresh buffer per cat went back to the pool when freed and was
+/// never taken again, so a loop of cats filled the pool to its cap).
 fn cat(dim: usize, parts: &[View], inputs: &[&CpuStorage], dtype: DType, numel: usize) -> CpuStorage {
-    let mut out = CpuStorage::zeros(dtype, numel);
+    let mut out = super::pool::take(dtype, numel);
     let first = parts[0].layout.dims();
     let outer: usize = first[..dim].iter().product();
     let total_dim: usize = parts.iter().map(|p| p.layout.dims()[dim]).sum();
