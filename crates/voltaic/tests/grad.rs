@@ -329,7 +329,7 @@ fn gpu_gradients_match_cpu() {
         let h = h.layer_norm(&[12], None, None, 1e-5).unwrap();
         // The product in two halves: slices of h and of w2, whose gradients are joined.
         let half = |t: &Tensor, d: isize, i: usize| t.narrow(d, 6 * i, 6).unwrap();
-        let logits = half(&h, 1, 0).matmul(&half(&p[3], 0, 0)).unwrap().add(&half(&h, 1, 1).matmul(&half(&p[3], 0, 1)).unwrap()).unwrap();
+        let logits = half(&h, 1, 0).matmul(&half(&p[3], 0, 0)).unwrap().add(half(&h, 1, 1).matmul(&half(&p[3], 0, 1)).unwrap()).unwrap();
         let loss = logits.cross_entropy(&target.to_device(dev).unwrap(), 0.1, Reduction::Mean).unwrap();
         loss.backward().unwrap();
         let mut out = vec![loss.to_vec::<f32>().unwrap()];

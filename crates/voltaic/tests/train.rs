@@ -255,7 +255,7 @@ fn adam_over_several_parameters_follows_pytorch_formulas() {
                 let mut loss = Tensor::zeros(&[], DType::F32, device).unwrap();
                 for (i, (p, c)) in params.iter().zip(&targets).enumerate() {
                     let c = t(c, shapes[i]).to_dtype(DType::F32).unwrap().to_device(device).unwrap();
-                    loss = loss.add(&p.value().sub(&c).unwrap().sqr().unwrap().mul((i + 1) as f64).unwrap().sum_all().unwrap()).unwrap();
+                    loss = loss.add(p.value().sub(&c).unwrap().sqr().unwrap().mul((i + 1) as f64).unwrap().sum_all().unwrap()).unwrap();
                 }
                 loss.backward().unwrap();
                 opt.step().unwrap();
@@ -269,7 +269,7 @@ fn adam_over_several_parameters_follows_pytorch_formulas() {
                         }
                         m[i][j] = 0.9 * m[i][j] + 0.1 * g;
                         v[i][j] = 0.999 * v[i][j] + 0.001 * g * g;
-                        let (mh, vh) = (m[i][j] / (1.0 - 0.9f64.powi(step as i32)), v[i][j] / (1.0 - 0.999f64.powi(step as i32)));
+                        let (mh, vh) = (m[i][j] / (1.0 - 0.9f64.powi(step)), v[i][j] / (1.0 - 0.999f64.powi(step)));
                         w[i][j] -= 0.1 * mh / (vh.sqrt() + 1e-8);
                     }
                     let got = params[i].value().to_f64_vec().unwrap();
