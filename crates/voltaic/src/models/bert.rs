@@ -166,7 +166,9 @@ impl Layer {
     /// when the parameters hold other tensors than last time.
     fn stacked_copy(&self, from: Vec<Tensor>) -> Result<(Tensor, Tensor)> {
         let mut kept = self.stacked.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = kept.as_ref().filter(|s| s.from.iter().zip(&from).all(|(a, b)| a.same_storage(b) && a.dims() == b.dims())) {
+        // The layout too, not only the node: parameters an optimizer keeps as
+        // views of one vector share their node.
+        if let Some(s) = kept.as_ref().filter(|s| s.from.iter().zip(&from).all(|(a, b)| a.same_storage(b) && a.value.layout == b.value.layout)) {
             return Ok((s.weight.clone(), s.bias.clone()));
         }
         let (weight, bias) = stack(&from.iter().map(|t| t.detach()).collect::<Vec<_>>())?;
