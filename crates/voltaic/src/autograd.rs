@@ -40,12 +40,8 @@ pub(crate) struct GradNode {
     id: u64,
     /// The op's inputs (empty for a leaf).
     inputs: Vec<GradInput>,
-    /// `None` for a leaf.
-    backward: Option<BackwardFn>,
-    /// For `narrow` (`dim`, `start`): the gradient is the input's slice at
-    /// `start`, kept apart until the input's gradient is complete so that
-    /// the slices of one tensor become one `cat` (see [`Pending`]).
-    slice: Option<(usize, usize)>,
+    /// How the gradient reaches the inputs.
+    backward: Backward,
     /// A leaf's accumulated gradient.
     grad: Mutex<Option<Tensor>>,
 }
@@ -69,6 +65,18 @@ impl Drop for GradNode {
             }
         }
     }
+}
+
+/// How a node's gradient reaches its inputs.
+enum Backward {
+    /// None: the node accumulates it (`GradNode::grad`).
+    Leaf,
+    /// Through the op's backward function.
+    Op(BackwardFn),
+    /// `narrow` of dim `dim` at `start`: the gradient is a slice of the one
+    /// input's, kept apart until that gradient is complete so that the
+    /// slices of one tensor become one `cat` (see [`Pending`]).
+    Slice { dim: usize, start: usize },
 }
 
 static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -128,7 +136,7 @@ impl Tensor {
             bail!(DType, "requires_grad", "only float tensors can require gradients, got {}", self.dtype());
         }
         let mut t = self.clone();
-        t.grad = Some(Arc::new(GradNode { id: NEXT.fetch_add(1, Ordering::Relaxed), inputs: vec![], backward: None, slice: None, grad: Mutex::new(None) }));
+        t.grad = Some(Arc::new(GradNode { id: NEXT.fetch_add(1, Ordering::Relaxed), inputs: vec![], backward: Backward::Leaf, grad: Mutex::new(None) }));
         Ok(t)
     }
 
@@ -140,7 +148,7 @@ impl Tensor {
 
     /// Whether this is a leaf that accumulates a gradient.
     pub fn is_leaf(&self) -> bool {
-        self.grad.as_ref().is_some_and(|g| g.backward.is_none())
+        self.grad.as_ref().is_some_and(|g| matches!(g.backward, Backward::Leaf))
     }
 
     /// The same values, cut off from differentiation.
@@ -182,25 +190,23 @@ impl Tensor {
     /// `backward` gives; does nothing when no input is tracked or recording
     /// is off. Each differentiable op calls this where it is defined.
     pub(crate) fn track(self, inputs: &[&Tensor], backward: impl Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static) -> Tensor {
-        self.track_node(inputs, Box::new(backward), None)
+        self.track_node(inputs, Backward::Op(Box::new(backward)))
     }
 
     /// [`Tensor::track`] for `narrow` of `input` at `start` of `dim`: its
-    /// gradient is a slice of the input's (`backward` still gives it as a
-    /// whole tensor, for a reader of the node alone).
-    pub(crate) fn track_slice(self, input: &Tensor, dim: usize, start: usize, backward: impl Fn(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static) -> Tensor {
-        self.track_node(&[input], Box::new(backward), Some((dim, start)))
+    /// gradient is that slice of the input's.
+    pub(crate) fn track_slice(self, input: &Tensor, dim: usize, start: usize) -> Tensor {
+        self.track_node(&[input], Backward::Slice { dim, start })
     }
 
-    fn track_node(mut self, inputs: &[&Tensor], backward: BackwardFn, slice: Option<(usize, usize)>) -> Tensor {
+    fn track_node(mut self, inputs: &[&Tensor], backward: Backward) -> Tensor {
         if !is_grad_enabled() || !inputs.iter().any(|t| t.grad.is_some()) {
             return self;
         }
         self.grad = Some(Arc::new(GradNode {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             inputs: inputs.iter().map(|t| GradInput::of(t)).collect(),
-            backward: Some(backward),
-            slice,
+            backward,
             grad: Mutex::new(None),
         }));
         self
@@ -234,19 +240,22 @@ impl Tensor {
             let Some(g) = grads.remove(&node.id) else { continue };
             let g = g.sum()?;
             match &node.backward {
-                None => {
+                Backward::Leaf => {
                     let mut acc = node.grad.lock().unwrap_or_else(|e| e.into_inner());
                     *acc = Some(match acc.take() {
                         Some(prev) => prev.add(&g)?,
                         None => g,
                     });
                 }
-                Some(f) => {
-                    if let (Some((dim, start)), [GradInput { grad: Some(n), dtype, dims }]) = (node.slice, &node.inputs[..]) {
-                        let g = if g.dtype() != *dtype { g.to_dtype(*dtype)? } else { g };
-                        grads.entry(n.id).or_insert_with(|| Pending::empty(dims)).add_slice(dim, start, g)?;
-                        continue;
-                    }
+                Backward::Slice { dim, start } => {
+                    // One input, tracked (or the node would not exist).
+                    let [GradInput { grad: Some(n), dtype, dims }] = &node.inputs[..] else {
+                        bail!(Value, "backward", "internal: a slice's node has {} inputs", node.inputs.len());
+                    };
+                    let g = if g.dtype() != *dtype { g.to_dtype(*dtype)? } else { g };
+                    grads.entry(n.id).or_insert_with(|| Pending::empty(dims)).add_slice(*dim, *start, g)?;
+                }
+                Backward::Op(f) => {
                     let needs: Vec<bool> = node.inputs.iter().map(|t| t.grad.is_some()).collect();
                     let in_grads = f(&g, &needs)?;
                     for ((input, ig), need) in node.inputs.iter().zip(in_grads).zip(needs) {

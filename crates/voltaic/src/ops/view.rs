@@ -162,7 +162,7 @@ impl Tensor {
         if start.checked_add(len).is_none_or(|e| e > size) {
             bail!(Index, "narrow", "range {start}..{} is out of bounds for dim {d} of size {size}", start.saturating_add(len));
         }
-        Ok(self.with_layout(self.value.layout.slice(d, start, len, 1)).track_slice(self, d, start, move |g, _| Ok(vec![Some(g.embed(d, start, 1, size)?)])))
+        Ok(self.with_layout(self.value.layout.slice(d, start, len, 1)).track_slice(self, d, start))
     }
 
     /// Python slicing `x[start:end:step]` along `dim`: negative start and end
