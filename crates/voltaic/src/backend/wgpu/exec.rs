@@ -534,11 +534,9 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
     let mode = crate::profile::mode();
     let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("voltaic") });
     if mode == Some(crate::profile::GpuTiming::Dispatch) && ctx.device.features().contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES) {
-        // Stamp 0 at the pass's start and stamp k + 1 after kernel k (the
-        // Timing's pairs are only storage here: n + 1 stamps, rounded up to
-        // pairs, every one written).
+        // Stamp 0 at the pass's start and stamp k + 1 after kernel k.
         let n = plan.kernels.len();
-        let t = super::transfer::Timing::new(ctx, (n + 1).div_ceil(2));
+        let t = super::transfer::Timing::with_stamps(ctx, n + 1);
         {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
             pass.write_timestamp(t.set(), 0);
@@ -548,9 +546,6 @@ fn encode_and_submit(ctx: &GpuContext, plan: &Plan, inputs: &[Buffer]) -> Result
                     dispatch(&mut pass, e);
                 }
                 pass.write_timestamp(t.set(), k as u32 + 1);
-            }
-            for q in n + 1..2 * (n + 1).div_ceil(2) {
-                pass.write_timestamp(t.set(), q as u32);
             }
         }
         t.resolve(&mut encoder);

@@ -579,18 +579,25 @@ pub(crate) struct Timing {
     set: wgpu::QuerySet,
     resolve: wgpu::Buffer,
     staging: wgpu::Buffer,
-    n: usize,
+    /// Timestamp queries in the set.
+    stamps: usize,
 }
 
 impl Timing {
+    /// A pair of stamps (start, end) for each of `kernels` passes.
     pub(crate) fn new(ctx: &GpuContext, kernels: usize) -> Timing {
-        let n = kernels.max(1);
+        Timing::with_stamps(ctx, 2 * kernels.max(1))
+    }
+
+    /// `stamps` timestamps, written where the caller chooses (inside a pass).
+    pub(crate) fn with_stamps(ctx: &GpuContext, stamps: usize) -> Timing {
+        let stamps = stamps.max(1);
         let set = ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
             label: Some("voltaic profile"),
             ty: wgpu::QueryType::Timestamp,
-            count: 2 * n as u32,
+            count: stamps as u32,
         });
-        let bytes = 16 * n as u64;
+        let bytes = 8 * stamps as u64;
         let resolve = ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: None,
             size: bytes,
@@ -603,7 +610,7 @@ impl Timing {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        Timing { set, resolve, staging, n }
+        Timing { set, resolve, staging, stamps }
     }
 
     pub(crate) fn writes(&self, kernel: usize) -> wgpu::ComputePassTimestampWrites<'_> {
@@ -615,16 +622,22 @@ impl Timing {
     }
 
     pub(crate) fn resolve(&self, enc: &mut wgpu::CommandEncoder) {
-        enc.resolve_query_set(&self.set, 0..2 * self.n as u32, &self.resolve, 0);
-        enc.copy_buffer_to_buffer(&self.resolve, 0, &self.staging, 0, 16 * self.n as u64);
+        enc.resolve_query_set(&self.set, 0..self.stamps as u32, &self.resolve, 0);
+        enc.copy_buffer_to_buffer(&self.resolve, 0, &self.staging, 0, 8 * self.stamps as u64);
+    }
+
+    /// Wait for submission `idx` and return the seconds from stamp `a` to
+    /// stamp `b` for each pair of `spans`.
+    fn spans(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex, spans: impl Iterator<Item = (usize, usize)>) -> Result<Vec<f64>> {
+        let bytes = map_read(ctx, &self.staging, idx, 8 * self.stamps)?;
+        let ticks: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        let period = ctx.queue.get_timestamp_period() as f64;
+        Ok(spans.map(|(a, b)| ticks[b].saturating_sub(ticks[a]) as f64 * period / 1e9).collect())
     }
 
     /// Wait for submission `idx` and return each pass's time in seconds.
     pub(crate) fn seconds(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex) -> Result<Vec<f64>> {
-        let bytes = map_read(ctx, &self.staging, idx, 16 * self.n)?;
-        let ticks: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-        let period = ctx.queue.get_timestamp_period() as f64;
-        Ok((0..self.n).map(|i| ticks[2 * i + 1].saturating_sub(ticks[2 * i]) as f64 * period / 1e9).collect())
+        self.spans(ctx, idx, (0..self.stamps / 2).map(|i| (2 * i, 2 * i + 1)))
     }
 
     /// The query set, for timestamps written inside a pass.
@@ -632,18 +645,10 @@ impl Timing {
         &self.set
     }
 
-    /// Wait for submission `idx` and return the raw stamps in seconds.
-    fn stamps(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex) -> Result<Vec<f64>> {
-        let bytes = map_read(ctx, &self.staging, idx, 16 * self.n)?;
-        let period = ctx.queue.get_timestamp_period() as f64;
-        Ok(bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as f64 * period / 1e9).collect())
-    }
-
     /// [`Timing::report`] for stamps written in one pass: stamp 0 at its
     /// start and stamp k + 1 after kernel k.
     pub(crate) fn report_stamps(&self, ctx: &GpuContext, idx: wgpu::SubmissionIndex, rows: &[(String, usize)]) -> Result<()> {
-        let stamps = self.stamps(ctx, idx)?;
-        let secs: Vec<f64> = (0..rows.len()).map(|k| (stamps[k + 1] - stamps[k]).max(0.0)).collect();
+        let secs = self.spans(ctx, idx, (0..rows.len()).map(|k| (k, k + 1)))?;
         self.print(ctx, rows, &secs);
         Ok(())
     }
