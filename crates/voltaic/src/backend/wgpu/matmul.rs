@@ -416,6 +416,28 @@ impl Gen<'_> {
                 let _ = writeln!(s, "    var c{i}{j} = coop_mat16x16<f32, C>();");
             }
         }
+        // A k-step's product from the shared tiles, in a block of its own.
+        let compute = |s: &mut String| {
+            s.push_str("    {\n");
+            for kk in (0..bk).step_by(16) {
+                for i in 0..fm {
+                    // naga wants the offset bound to a name, not written inside coopLoad.
+                    // coopLoadT reads a row-major tile, coopLoad a column-major one.
+                    let (off, load) = if a_t { (format!("({kk}u * {lda}u + wr + {}u)", i * 16), "coopLoad") } else { (format!("((wr + {}u) * {lda}u + {kk}u)", i * 16), "coopLoadT") };
+                    let _ = writeln!(s, "    let ao{kk}_{i} = {off} / {unit}u;\n    let a{kk}_{i} = {load}<coop_mat16x16<f16, A>>(&As[ao{kk}_{i}], {}u);", lda / unit);
+                }
+                for j in 0..fn_ {
+                    let (off, load) = if b_t { (format!("((wc + {}u) * {ldb}u + {kk}u)", j * 16), "coopLoad") } else { (format!("({kk}u * {ldb}u + wc + {}u)", j * 16), "coopLoadT") };
+                    let _ = writeln!(s, "    let bo{kk}_{j} = {off} / {unit}u;\n    let b{kk}_{j} = {load}<coop_mat16x16<f16, B>>(&Bs[bo{kk}_{j}], {}u);", ldb / unit);
+                }
+                for i in 0..fm {
+                    for j in 0..fn_ {
+                        let _ = writeln!(s, "    c{i}{j} = coopMultiplyAdd(a{kk}_{i}, b{kk}_{j}, c{i}{j});");
+                    }
+                }
+            }
+            s.push_str("    }\n");
+        };
         let a_kfast = sak == 1;
         let b_nfast = sbn == 1 || sbk != 1;
         if fast {
@@ -475,6 +497,10 @@ impl Gen<'_> {
                     let _ = writeln!(s, "    rb{q} = b4[(bbase + {ix}) / 4u];");
                 }
             };
+            // Store, wait, load the next step (it lands while the tensor
+            // cores work), multiply, wait. Two shared stages of 32 (one
+            // wait a step) and registers two steps ahead were both measured
+            // slower or no faster on an H200 (2026-12-02).
             let _ = writeln!(s, "    if (k0 < k1) {{");
             load(&mut s, "k0");
             let _ = writeln!(s, "    }}\n    for (var kt = k0; kt < k1; kt = kt + {bk}u) {{");
@@ -489,6 +515,8 @@ impl Gen<'_> {
             let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < k1) {{");
             load(&mut s, &format!("(kt + {bk}u)"));
             let _ = writeln!(s, "    }}");
+            compute(&mut s);
+            let _ = writeln!(s, "    workgroupBarrier();\n    }}");
         } else {
             // bm x 32 of A and 32 x bn of B (16 elements of each per thread
             // on 128x128 tiles), loaded into registers one step ahead so
@@ -534,32 +562,17 @@ impl Gen<'_> {
             let _ = writeln!(s, "    workgroupBarrier();\n    if (kt + {bk}u < k1) {{");
             load(&mut s, &format!("(kt + {bk}u)"));
             let _ = writeln!(s, "    }}");
+            compute(&mut s);
+            let _ = writeln!(s, "    workgroupBarrier();\n    }}");
         }
-        for kk in (0..bk).step_by(16) {
-            for i in 0..fm {
-                // naga wants the offset bound to a name, not written inside coopLoad.
-                // coopLoadT reads a row-major tile, coopLoad a column-major one.
-                let (off, load) = if a_t { (format!("({kk}u * {lda}u + wr + {}u)", i * 16), "coopLoad") } else { (format!("((wr + {}u) * {lda}u + {kk}u)", i * 16), "coopLoadT") };
-                let _ = writeln!(s, "    let ao{kk}_{i} = {off} / {unit}u;\n    let a{kk}_{i} = {load}<coop_mat16x16<f16, A>>(&As[ao{kk}_{i}], {}u);", lda / unit);
-            }
-            for j in 0..fn_ {
-                let (off, load) = if b_t { (format!("((wc + {}u) * {ldb}u + {kk}u)", j * 16), "coopLoad") } else { (format!("({kk}u * {ldb}u + wc + {}u)", j * 16), "coopLoadT") };
-                let _ = writeln!(s, "    let bo{kk}_{j} = {off} / {unit}u;\n    let b{kk}_{j} = {load}<coop_mat16x16<f16, B>>(&Bs[bo{kk}_{j}], {}u);", ldb / unit);
-            }
-            for i in 0..fm {
-                for j in 0..fn_ {
-                    let _ = writeln!(s, "    c{i}{j} = coopMultiplyAdd(a{kk}_{i}, b{kk}_{j}, c{i}{j});");
-                }
-            }
-        }
-        let _ = writeln!(s, "    workgroupBarrier();\n    }}");
         // Each subgroup stages `slots` 16x16 results at a time and its 32 threads store them.
         let _ = writeln!(s, "    let lane = lid % 32u;\n    let cbase = warp * {}u;", slots * 256);
         // The product at staged element `e` of column `gj`.
-        let product = |e: &str, gj: &str| match scales {
+        let product_at = |e: &str, gi: &str, gj: &str| match scales {
             None => format!("Cs[cbase + {e}]"),
-            Some(_) => format!("bf16_unscale(Cs[cbase + {e}], bf16_shift(ld_max_a(z * {m}u + gi)) + bf16_shift(ld_max_b(z * {n}u + {gj})))"),
+            Some(_) => format!("bf16_unscale(Cs[cbase + {e}], bf16_shift(ld_max_a(z * {m}u + {gi})) + bf16_shift(ld_max_b(z * {n}u + {gj})))"),
         };
+        let product = |e: &str, gj: &str| product_at(e, "gi", gj);
         if let Some((sa, sb)) = scales {
             sh.array(Src::Scratch(sa), "max_a", DType::U32, batch * m, false);
             sh.array(Src::Scratch(sb), "max_b", DType::U32, batch * n, false);
@@ -573,6 +586,20 @@ impl Gen<'_> {
             None => format!("let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {p}));", m * n),
             Some(_) => format!("st_part((z * {splits}u + ks) * {}u + gi * {n}u + gj, {p});", m * n),
         };
+        // Whole tiles, no bounds to check: each thread reads GATHER staged
+        // values and what the epilogue loads for them, then stores them.
+        // Stored one by one, each store waited on its own loads: on an H200
+        // a 4096x1536x384 product whose epilogue adds a gradient took 85 us
+        // against 71 (2026-12-02), and the f16 encoder's step went from
+        // 7.9 to 7.4 ms. Not where the epilogue broadcasts a smaller tensor
+        // (a bias): those products got slower (76 -> 96 us for the
+        // feed-forward's 4096x384x1536), by batches of 2, 4 or 8 alike;
+        // nor for bf16 scaled into f16, whose unscaling reads each row's
+        // and column's scale, as a bias is read (its encoder step measured
+        // 11.0 ms with gathered stores, 10.3 in an earlier call).
+        const GATHER: usize = 4;
+        let broadcasts = epi.is_some_and(|e| e.expr.loads.iter().enumerate().any(|(i, l)| i != e.acc && self.inputs[l.input].1 < batch * m * n));
+        let gathered = fast && !broadcasts && scales.is_none();
         let mats: Vec<(usize, usize)> = (0..fm).flat_map(|i| (0..fn_).map(move |j| (i, j))).collect();
         for (round, group) in mats.chunks(slots).enumerate() {
             if round > 0 {
@@ -583,6 +610,44 @@ impl Gen<'_> {
                 let _ = writeln!(s, "    coopStoreT(c{i}{j}, &Cs[cbase + {}u], 16u);", slot * 256);
             }
             let _ = writeln!(s, "    workgroupBarrier();");
+            if gathered {
+                let (mut gather, mut put) = (String::new(), String::new());
+                let mut held = 0;
+                for (slot, (i, j)) in group.iter().enumerate() {
+                    let per = if pairs { 4 } else { 8 };
+                    for q in 0..per {
+                        if held >= GATHER {
+                            let _ = write!(s, "    {{\n{gather}{put}    }}\n");
+                            gather.clear();
+                            put.clear();
+                            held = 0;
+                        }
+                        held += if pairs { 2 } else { 1 };
+                        let v = format!("{slot}_{q}");
+                        let e = if pairs { format!("(lane + {}u) * 2u", q * 32) } else { format!("lane + {}u", q * 32) };
+                        let _ = writeln!(gather, "    let e{v} = {e};\n    let gi{v} = row0 + wr + {}u + e{v} / 16u;\n    let gj{v} = col0 + wc + {}u + e{v} % 16u;", i * 16, j * 16);
+                        let at = |off: &str| format!("{}u + e{v}{off}", slot * 256);
+                        match split {
+                            Some(_) => {
+                                let _ = writeln!(gather, "    let v{v} = {};", product_at(&at(""), &format!("gi{v}"), &format!("gj{v}")));
+                                let _ = writeln!(put, "    st_part((z * {splits}u + ks) * {}u + gi{v} * {n}u + gj{v}, v{v});", m * n);
+                            }
+                            None => {
+                                let _ = writeln!(gather, "    let o{v} = z * {}u + gi{v} * {n}u + gj{v};", m * n);
+                                let _ = writeln!(gather, "    let v{v} = epi(o{v}, {});", product_at(&at(""), &format!("gi{v}"), &format!("gj{v}")));
+                                if pairs {
+                                    let _ = writeln!(gather, "    let w{v} = epi(o{v} + 1u, {});", product_at(&at(" + 1u"), &format!("gi{v}"), &format!("gj{v} + 1u")));
+                                    let _ = writeln!(put, "    st2_out(o{v}, v{v}, w{v});");
+                                } else {
+                                    let _ = writeln!(put, "    st_out(o{v}, v{v});");
+                                }
+                            }
+                        }
+                    }
+                }
+                let _ = write!(s, "    {{\n{gather}{put}    }}\n");
+                continue;
+            }
             for (slot, (i, j)) in group.iter().enumerate() {
                 let at = |e: &str| format!("{}u + {e}", slot * 256);
                 if pairs {
@@ -1392,6 +1457,28 @@ mod tests {
                 FORCE.with(|c| c.set(None));
                 for (g, w) in got.unwrap().iter().zip(&want) {
                     assert!((g - w).abs() < 2e-2 * (1.0 + w.abs()), "{plan:?} with an epilogue: {g} vs {w}");
+                }
+            }
+            // ...epilogues that read a tensor of the product's size (its
+            // values gathered a few at a time before they are stored) or
+            // broadcast a bias (stored one by one), into f16 (stored in
+            // pairs) and f32, on the tiles that take whole-tile stores.
+            let r = Tensor::randn(&[128, 128], DType::F32, Device::Cpu).unwrap();
+            let bias = Tensor::randn(&[128], DType::F32, Device::Cpu).unwrap().to_dtype(DType::F16).unwrap();
+            let gpu = |t: &Tensor| t.to_device(Device::Gpu(0)).unwrap();
+            for plan in [Variant::Coop, Variant::CoopTiles(CoopTile::SMALL), Variant::CoopSplitK { splits: 2 }] {
+                for out in [DType::F16, DType::F32] {
+                    let residual = |a: &Tensor, b: &Tensor, r: &Tensor| a.matmul(b).unwrap().to_dtype(out).unwrap().add(r.to_dtype(out).unwrap()).unwrap().mul(0.5).unwrap();
+                    let biased = |a: &Tensor, b: &Tensor, c: &Tensor| a.matmul(b).unwrap().add(c).unwrap().to_dtype(out).unwrap();
+                    let want = [residual(&x, &w, &r).to_f64_vec().unwrap(), biased(&x, &w, &bias).to_f64_vec().unwrap()];
+                    FORCE.with(|c| c.set(Some(plan)));
+                    let got = [residual(&gpu(&x), &gpu(&w), &gpu(&r)).to_f64_vec(), biased(&gpu(&x), &gpu(&w), &gpu(&bias)).to_f64_vec()];
+                    FORCE.with(|c| c.set(None));
+                    for ((what, want), got) in ["residual", "bias"].iter().zip(want).zip(got) {
+                        for (g, w) in got.unwrap().iter().zip(want) {
+                            assert!((g - w).abs() < 2e-2 * (1.0 + w.abs()), "{plan:?} with a {what} epilogue into {out:?}: {g} vs {w}");
+                        }
+                    }
                 }
             }
             // bf16, scaled into f16 for the tensor cores: exact on small integers...
