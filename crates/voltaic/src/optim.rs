@@ -328,9 +328,10 @@ fn zeros_like(t: &Tensor) -> Result<Tensor> {
 // One short-lived value per step: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 enum Corrections {
-    /// Numbers, from the host's step count.
+    /// Numbers, from the host's step count (weights of 16-bit types).
     Host(f64, f64),
-    /// 0-d f32 tensors, from the device's step count.
+    /// 0-d f32 tensors: from the device's step count, or the host's
+    /// numbers uploaded.
     Device(Tensor, Tensor),
 }
 
@@ -338,7 +339,7 @@ impl Adam {
     /// One step, or (where `skip` is true, on the device) none. Once a step
     /// has been decided on the device, the step count lives there and the
     /// bias corrections `1 - beta^t` are computed there (as `-expm1(t ln
-    /// beta)`, in f32); until then they are host constants.
+    /// beta)`, in f32); until then they come from the host's count.
     fn update(&mut self, skip: Option<&Tensor>, also: &[&Tensor]) -> Result<()> {
         let _g = crate::NoGradGuard::new();
         let Some(device) = self.params.first().map(|p| p.value().device()) else { return Ok(()) };
@@ -360,7 +361,17 @@ impl Adam {
             self.t_dev = Some(t);
             c
         } else {
-            Corrections::Host(self.lr / (1.0 - b1.powi(self.t as i32)), 1.0 - b2.powi(self.t as i32))
+            let (lr_bc1, bc2) = (self.lr / (1.0 - b1.powi(self.t as i32)), 1.0 - b2.powi(self.t as i32));
+            if self.params.iter().all(|p| p.value().dtype() == DType::F32) {
+                // f32 weights compute in f32, so the numbers are the same
+                // uploaded as f32. As constants they changed every step, and
+                // a realization that holds the whole training step (forward,
+                // backward and this update) copied its cached plan to write
+                // them in.
+                Corrections::Device(Tensor::from_vec(vec![lr_bc1 as f32], &[], device)?, Tensor::from_vec(vec![bc2 as f32], &[], device)?)
+            } else {
+                Corrections::Host(lr_bc1, bc2)
+            }
         };
         if self.flat_update(&corr, skip.as_ref())? {
             let f = self.flat.as_ref().expect("just set");
