@@ -581,10 +581,13 @@ impl Gen<'_> {
         // Packed 16-bit outputs (bf16) store two neighbours per thread as one
         // word: one plain store where single elements take two atomics.
         let pairs = split.is_none() && packed16(self.caps, self.out.0) && n.is_multiple_of(2);
-        // A split's partial product goes to its own slice of the scratch.
+        // Where output element (gi, gj) goes; a split's partial product goes
+        // to its own slice of the scratch.
+        let out_at = |gi: &str, gj: &str| format!("z * {}u + {gi} * {n}u + {gj}", m * n);
+        let part_at = |gi: &str, gj: &str| format!("(z * {splits}u + ks) * {}u + {gi} * {n}u + {gj}", m * n);
         let store = |p: &str| match split {
-            None => format!("let o = z * {}u + gi * {n}u + gj; st_out(o, epi(o, {p}));", m * n),
-            Some(_) => format!("st_part((z * {splits}u + ks) * {}u + gi * {n}u + gj, {p});", m * n),
+            None => format!("let o = {}; st_out(o, epi(o, {p}));", out_at("gi", "gj")),
+            Some(_) => format!("st_part({}, {p});", part_at("gi", "gj")),
         };
         // Whole tiles, no bounds to check: each thread reads GATHER staged
         // values and what the epilogue loads for them, then stores them.
@@ -630,10 +633,10 @@ impl Gen<'_> {
                         match split {
                             Some(_) => {
                                 let _ = writeln!(gather, "    let v{v} = {};", product_at(&at(""), &format!("gi{v}"), &format!("gj{v}")));
-                                let _ = writeln!(put, "    st_part((z * {splits}u + ks) * {}u + gi{v} * {n}u + gj{v}, v{v});", m * n);
+                                let _ = writeln!(put, "    st_part({}, v{v});", part_at(&format!("gi{v}"), &format!("gj{v}")));
                             }
                             None => {
-                                let _ = writeln!(gather, "    let o{v} = z * {}u + gi{v} * {n}u + gj{v};", m * n);
+                                let _ = writeln!(gather, "    let o{v} = {};", out_at(&format!("gi{v}"), &format!("gj{v}")));
                                 let _ = writeln!(gather, "    let v{v} = epi(o{v}, {});", product_at(&at(""), &format!("gi{v}"), &format!("gj{v}")));
                                 if pairs {
                                     let _ = writeln!(gather, "    let w{v} = epi(o{v} + 1u, {});", product_at(&at(" + 1u"), &format!("gi{v}"), &format!("gj{v} + 1u")));
@@ -657,11 +660,11 @@ impl Gen<'_> {
         let e = (lane + q * 32u) * 2u;
         let gi = row0 + wr + {}u + e / 16u;
         let gj = col0 + wc + {}u + e % 16u;
-        if (gi < {m}u && gj < {n}u) {{ let o = z * {}u + gi * {n}u + gj; st2_out(o, epi(o, {}), epi(o + 1u, {})); }}
+        if (gi < {m}u && gj < {n}u) {{ let o = {}; st2_out(o, epi(o, {}), epi(o + 1u, {})); }}
     }}",
                         i * 16,
                         j * 16,
-                        m * n,
+                        out_at("gi", "gj"),
                         product(&at("e"), "gj"),
                         product(&at("e + 1u"), "gj + 1u")
                     );
