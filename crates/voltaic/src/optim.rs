@@ -368,7 +368,9 @@ impl Adam {
                 // a realization that holds the whole training step (forward,
                 // backward and this update) copied its cached plan to write
                 // them in.
-                Corrections::Device(Tensor::from_vec(vec![lr_bc1 as f32], &[], device)?, Tensor::from_vec(vec![bc2 as f32], &[], device)?)
+                // One upload, two 0-d views of it.
+                let both = Tensor::from_vec(vec![lr_bc1 as f32, bc2 as f32], &[2], device)?;
+                Corrections::Device(both.narrow(0, 0, 1)?.squeeze(0)?, both.narrow(0, 1, 1)?.squeeze(0)?)
             } else {
                 Corrections::Host(lr_bc1, bc2)
             }
